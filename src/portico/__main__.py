@@ -1,0 +1,3 @@
+from portico.cli import main
+
+raise SystemExit(main())

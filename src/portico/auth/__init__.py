@@ -1,0 +1,1 @@
+"""The auth port: turns a credential into the principal that owns sessions."""

@@ -1,0 +1,101 @@
+"""The `portico` command: `serve`, `config show`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from portico.config import Settings, load_settings
+from portico.errors import ConfigError
+from portico.server.app import serve
+from portico.server.observability import configure_logging
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="portico", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve_cmd = commands.add_parser("serve", help="run the server")
+    _add_setting_flags(serve_cmd)
+
+    config_cmd = commands.add_parser("config", help="inspect settings")
+    config_sub = config_cmd.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print the effective settings (credentials masked)")
+    _add_setting_flags(show)
+    return parser
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="settings file (YAML or JSON)")
+    parser.add_argument("--host", help="interface to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to bind; 0 picks a free one (default 8080)")
+    parser.add_argument(
+        "--data-dir", dest="data_dir", help="archive and media (default ./.portico)"
+    )
+    parser.add_argument(
+        "--runtime", choices=["demo", "echo", "scripted"], help="the default agent's runtime"
+    )
+    parser.add_argument("--script", help="the scripted runtime's file (JSON or YAML)")
+    parser.add_argument("--auth", choices=["none", "apikey"], help="authentication")
+    parser.add_argument("--store", choices=["sqlite", "memory"], help="archive backend")
+    parser.add_argument(
+        "--allow-unauthenticated",
+        dest="allow_unauthenticated",
+        action="store_const",
+        const=True,
+        help="permit --auth none on a non-loopback bind",
+    )
+    parser.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
+
+
+FLAG_SETTINGS = (
+    "host",
+    "port",
+    "data_dir",
+    "runtime",
+    "script",
+    "auth",
+    "store",
+    "allow_unauthenticated",
+    "log_level",
+)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    flags: dict[str, Any] = {name: getattr(args, name) for name in FLAG_SETTINGS}
+    return load_settings(config_file=args.config, flags=flags)
+
+
+def _run_server(settings: Settings) -> None:
+    settings.check_startable()
+    configure_logging(settings.log_level)
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional on platforms without it
+        asyncio.run(serve(settings, on_ready=lambda line: print(line, flush=True)))
+    else:
+        uvloop.run(serve(settings, on_ready=lambda line: print(line, flush=True)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = _settings(args)
+        if args.command == "serve":
+            _run_server(settings)
+        else:
+            sys.stdout.write(yaml.safe_dump(settings.redacted(), sort_keys=True))
+    except ConfigError as exc:
+        print(f"portico: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+__all__ = ["main"]

@@ -1,0 +1,202 @@
+"""One typed settings tree.
+
+Precedence, lowest first: defaults < config file < ``PORTICO_*`` environment <
+command-line flags. Every limit, timeout and buffer is a named setting here,
+with its unit in the name's documentation; durations are seconds (float).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+from portico.errors import ConfigError
+
+ENV_PREFIX = "PORTICO_"
+DEFAULT_AGENT = "default"
+
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Count = Annotated[int, msgspec.Meta(ge=1)]
+Bytes = Annotated[int, msgspec.Meta(ge=1)]
+RuntimeName = Literal["demo", "echo", "scripted"]
+
+
+class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One agent clients can select by name (``/ws?agent=NAME``)."""
+
+    runtime: RuntimeName = "demo"
+    script: str | None = None
+    # Sandbox names a session may declare (Omnia `declare.sandboxes`).
+    sandboxes: tuple[str, ...] = ()
+    description: str = ""
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Where to serve and store.
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8080
+    data_dir: str = "./.portico"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    # The default agent (always named "default"); more agents under `agents`.
+    runtime: RuntimeName = "demo"
+    script: str | None = None
+    agents: dict[str, AgentSettings] = msgspec.field(default_factory=dict)
+    demo_word_delay: Annotated[float, msgspec.Meta(ge=0)] = 0.03  # seconds between demo words
+
+    # Archive backend: `sqlite` (file in data_dir) or `memory` (lost on exit).
+    store: Literal["sqlite", "memory"] = "sqlite"
+
+    # Authentication: `none` (one principal, `local`) or `apikey`.
+    auth: Literal["none", "apikey"] = "none"
+    api_keys: dict[str, str] = msgspec.field(default_factory=dict)  # token -> principal
+    allow_unauthenticated: bool = False  # permit auth=none on a non-loopback bind
+
+    # Sessions.
+    context_ttl: Seconds = 86400.0  # a session's context lives this long after its last activity
+
+    # /ws keepalive and frame size.
+    ping_interval: Seconds = 30.0
+    pong_timeout: Seconds = 60.0
+    max_payload_size: Bytes = 16 * 1024 * 1024  # largest frame accepted, bytes
+    ws_compression: bool = False  # permessage-deflate costs CPU per frame
+
+    # Client-side tools (issue: /ws complete).
+    tool_ack_timeout: Seconds = 5.0
+    client_tool_timeout: Seconds = 60.0
+
+    # Media (issue: /ws complete).
+    media: Literal["local", "none"] = "local"
+    max_upload_bytes: Bytes = 100 * 1024 * 1024
+    max_inline_media_bytes: Bytes = 256 * 1024
+    media_ttl: Seconds = 86400.0
+
+    # Admission and shutdown (issue: /ws complete).
+    max_connections: Count = 10000
+    drain_timeout: Seconds = 30.0
+    origins: tuple[str, ...] = ()  # empty: same-origin only
+
+    # Per-connection limits (issue: /ws complete).
+    rate_limit_messages: Annotated[float, msgspec.Meta(gt=0)] = 50.0  # messages per second
+    rate_limit_burst: Count = 100
+    media_rate_bytes: Bytes = 2 * 1024 * 1024  # bytes per second
+
+    # /v1/session (issue: resumable sessions).
+    resume_window: Seconds = 30.0
+    session_idle_timeout: Seconds = 45.0
+    heartbeat_interval: Seconds = 15.0
+    resend_buffer_messages: Count = 1000
+    resend_buffer_bytes: Bytes = 8 * 1024 * 1024
+
+    # /v1/rpc (issue: RPC).
+    update_retention: Seconds = 604800.0
+
+    def agent_names(self) -> list[str]:
+        return sorted({DEFAULT_AGENT, *self.agents})
+
+    def agent(self, name: str) -> AgentSettings | None:
+        """The named agent; `default` comes from `runtime`/`script` unless configured."""
+        if name in self.agents:
+            return self.agents[name]
+        if name == DEFAULT_AGENT:
+            return AgentSettings(runtime=self.runtime, script=self.script)
+        return None
+
+    def is_loopback_bind(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def check_startable(self) -> None:
+        """Refuse settings that would start an unsafe or broken server."""
+        if self.auth == "none" and not self.is_loopback_bind() and not self.allow_unauthenticated:
+            raise ConfigError(
+                f"refusing to serve on {self.host} without authentication; "
+                "set auth=apikey or pass --allow-unauthenticated"
+            )
+        if self.auth == "apikey" and not self.api_keys:
+            raise ConfigError("auth=apikey needs api_keys (PORTICO_API_KEYS=token=principal,...)")
+        for name in self.agent_names():
+            agent = self.agent(name)
+            if agent is not None and agent.runtime == "scripted" and not agent.script:
+                raise ConfigError(f"agent {name!r}: the scripted runtime needs a script file")
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as plain data with credentials masked, for `config show`."""
+        data: dict[str, Any] = msgspec.to_builtins(self)
+        data["api_keys"] = {
+            f"<token {n}>": principal for n, principal in enumerate(self.api_keys.values(), 1)
+        }
+        return data
+
+
+def parse_api_keys(text: str) -> dict[str, str]:
+    """Parse ``token=principal,token=principal``."""
+    keys: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        token, sep, principal = item.partition("=")
+        if not sep or not token or not principal:
+            raise ConfigError("api_keys: expected token=principal[,token=principal...]")
+        keys[token] = principal
+    return keys
+
+
+def _split_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for field in msgspec.structs.fields(Settings):
+        raw = env.get(ENV_PREFIX + field.name.upper())
+        if raw is None or field.name == "agents":
+            continue
+        if field.name == "api_keys":
+            values[field.name] = parse_api_keys(raw)
+        elif field.name == "origins":
+            values[field.name] = _split_list(raw)
+        else:
+            values[field.name] = raw
+    return values
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of settings")
+    if isinstance(loaded.get("api_keys"), str):
+        loaded["api_keys"] = parse_api_keys(loaded["api_keys"])
+    return loaded
+
+
+def load_settings(
+    *,
+    config_file: str | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Merge defaults < file < environment < flags into one validated tree."""
+    env = os.environ if env is None else env
+    config_file = config_file or env.get(ENV_PREFIX + "CONFIG")
+    merged: dict[str, Any] = _from_file(config_file) if config_file else {}
+    merged.update(_from_env(env))
+    merged.update({key: value for key, value in (flags or {}).items() if value is not None})
+    try:
+        # strict=False turns environment strings into the numbers and booleans declared.
+        return msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid setting: {exc}") from exc

@@ -1,0 +1,1 @@
+"""The engine: sessions, turns and messages, independent of any wire protocol."""

@@ -1,0 +1,268 @@
+"""The engine: owns conversations, not sockets.
+
+Protocol adapters call `submit` with a validated user message; the engine
+checks ownership and expiry, archives the message, and starts the turn in a
+task it owns, so the turn finishes and is archived after the client is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+
+from portico.config import AgentSettings
+from portico.core.events import Listener
+from portico.core.model import ContentPart, Message, Session, Turn, new_id
+from portico.core.states import TurnState, TurnTrigger
+from portico.core.tools import NoClientTools, ToolBroker
+from portico.core.turns import TurnRunner
+from portico.errors import SessionDeclarationRefused, SessionExpired, TurnInProgress, UnknownAgent
+from portico.runtime.base import Runtime, TurnInput
+from portico.store.base import Store
+
+log = logging.getLogger("portico.engine")
+
+# How many archived messages a runtime is given as history.
+HISTORY_LIMIT = 1000
+
+
+class UserMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated user message, as every protocol hands it to the engine."""
+
+    principal: str
+    agent: str
+    session_id: str
+    # True when the connection minted this session id itself (Omnia `connected`):
+    # such a session is the caller's own and is never "resumed".
+    own_session: bool = False
+    content: str = ""
+    parts: tuple[ContentPart, ...] = ()
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    directives: dict[str, str] = msgspec.field(default_factory=dict)
+    declare: dict[str, Any] | None = None
+    client_id: str = ""
+
+
+def check_declaration(declare: dict[str, Any], agent: AgentSettings) -> None:
+    """Refuse a `declare` the agent cannot satisfy, the way the Omnia runtime does."""
+    for kind, value in declare.items():
+        if kind != "sandboxes":
+            raise SessionDeclarationRefused(
+                f"unknown declaration type {kind!r}",
+                details={
+                    "type": kind,
+                    "handle": "",
+                    "reason": "UnknownDeclarationType",
+                    "message": f"declaration type {kind!r} is not supported",
+                },
+            )
+        if not isinstance(value, dict):
+            raise SessionDeclarationRefused(
+                "sandboxes must be an object",
+                details={
+                    "type": "sandbox",
+                    "handle": "",
+                    "reason": "InvalidSandboxDeclaration",
+                    "message": "sandboxes must be an object keyed by handle",
+                },
+            )
+        for handle in value:
+            sandbox = str(handle).split("/", 1)[0]
+            if sandbox not in agent.sandboxes:
+                raise SessionDeclarationRefused(
+                    f"unknown sandbox {sandbox!r}",
+                    details={
+                        "type": "sandbox",
+                        "handle": handle,
+                        "reason": "UnknownSandbox",
+                        "message": f"the agent has no sandbox named {sandbox!r}",
+                    },
+                )
+
+
+class Engine:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        runtimes: Mapping[str, Runtime],
+        agents: Mapping[str, AgentSettings],
+        context_ttl: float,
+        tools: ToolBroker | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self._runtimes = dict(runtimes)
+        self._agents = dict(agents)
+        self._context_ttl = context_ttl
+        self._tools = tools or NoClientTools()
+        self._clock = clock
+        # Session id -> its running turn. A key without a runner is a reservation
+        # taken synchronously so two racing messages cannot both start a turn.
+        self._running: dict[str, TurnRunner | None] = {}
+        self._tasks: dict[str, asyncio.Task[Turn]] = {}
+        self._listeners: dict[str, list[Listener]] = {}
+
+    async def start(self) -> None:
+        interrupted = await self.store.interrupt_unfinished_turns(self._clock())
+        if interrupted:
+            log.info("marked %d turns interrupted by the previous shutdown", interrupted)
+
+    def has_agent(self, name: str) -> bool:
+        return name in self._agents and name in self._runtimes
+
+    def is_busy(self, session_id: str) -> bool:
+        return session_id in self._running
+
+    # -- listeners ----------------------------------------------------------------
+
+    def attach(self, session_id: str, listener: Listener) -> None:
+        listeners = self._listeners.setdefault(session_id, [])
+        if listener not in listeners:
+            listeners.append(listener)
+
+    def detach(self, session_id: str, listener: Listener) -> None:
+        listeners = self._listeners.get(session_id)
+        if listeners and listener in listeners:
+            listeners.remove(listener)
+            if not listeners:
+                del self._listeners[session_id]
+
+    # -- turns --------------------------------------------------------------------
+
+    async def submit(self, message: UserMessage, listener: Listener | None = None) -> Turn:
+        """Archive a user message and start its turn; raises the protocol's refusal."""
+        # Ownership first: a foreign session must look expired, never busy.
+        session = await self._session_for(message)
+        if session.id in self._running:
+            raise TurnInProgress(session.id)
+        self._running[session.id] = None
+        try:
+            turn, turn_input = await self._archive_user_message(session, message)
+        except BaseException:
+            del self._running[session.id]
+            raise
+        if listener is not None:
+            self.attach(session.id, listener)
+        self._start_runner(session, turn, turn_input)
+        return turn
+
+    async def _session_for(self, message: UserMessage) -> Session:
+        now = self._clock()
+        session = await self.store.get_session(message.session_id)
+        if session is None:
+            session = await self._open_session(message, now)
+        if session.owner != message.principal:
+            raise SessionExpired()
+        expired = now - session.last_activity_at > self._context_ttl
+        if expired and not message.own_session:
+            raise SessionExpired()
+        return session
+
+    async def _open_session(self, message: UserMessage, now: float) -> Session:
+        agent = self._agents.get(message.agent)
+        if agent is None or message.agent not in self._runtimes:
+            raise UnknownAgent(message.agent)
+        if message.declare:
+            check_declaration(message.declare, agent)
+        return await self.store.create_session(
+            Session(
+                id=message.session_id,
+                owner=message.principal,
+                agent=message.agent,
+                created_at=now,
+                updated_at=now,
+                last_activity_at=now,
+                root_session_id=message.session_id,
+                declare=message.declare,
+            )
+        )
+
+    async def _archive_user_message(
+        self, session: Session, message: UserMessage
+    ) -> tuple[Turn, TurnInput]:
+        now = self._clock()
+        turn = Turn(
+            id=new_id("turn"), session_id=session.id, state=TurnState.PENDING, created_at=now
+        )
+        history = await self.store.list_messages(session.id)
+        await self.store.create_turn(turn)
+        stored = await self.store.append_message(
+            Message(
+                id=new_id("msg"),
+                session_id=session.id,
+                turn_id=turn.id,
+                client_id=message.client_id,
+                role="user",
+                content=message.content,
+                content_type="text",
+                parts=message.parts,
+                metadata=message.metadata,
+                created_at=now,
+                updated_at=now,
+                turn_offset=1,
+            )
+        )
+        await self.store.touch_session(session.id, now)
+        turn_input = TurnInput(
+            session_id=session.id,
+            turn_id=turn.id,
+            agent=session.agent,
+            message=stored,
+            history=tuple(history[-HISTORY_LIMIT:]),
+            directives=message.directives,
+            declare=session.declare,
+        )
+        return turn, turn_input
+
+    def _start_runner(self, session: Session, turn: Turn, turn_input: TurnInput) -> None:
+        runner = TurnRunner(
+            turn=turn,
+            turn_input=turn_input,
+            runtime=self._runtimes[session.agent],
+            store=self.store,
+            tools=self._tools,
+            listeners=lambda: list(self._listeners.get(session.id, ())),
+            clock=self._clock,
+        )
+        self._running[session.id] = runner
+        task = asyncio.create_task(runner.run(), name=f"turn-{turn.id}")
+        self._tasks[session.id] = task
+        task.add_done_callback(lambda _: self._turn_done(session.id, runner))
+
+    def _turn_done(self, session_id: str, runner: TurnRunner) -> None:
+        if self._running.get(session_id) is runner:
+            del self._running[session_id]
+            self._tasks.pop(session_id, None)
+
+    async def cancel(self, session_id: str) -> bool:
+        """Stop the session's running turn (a user's stop); False when none runs."""
+        return await self._stop(session_id, TurnTrigger.CANCEL)
+
+    async def _stop(self, session_id: str, trigger: TurnTrigger) -> bool:
+        runner, task = self._running.get(session_id), self._tasks.get(session_id)
+        if runner is None or task is None:
+            return False
+        runner.stop_trigger = trigger
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return True
+
+    async def wait_idle(self, within: float | None = None) -> bool:
+        """Wait until no turn runs; True when that happened within `within` seconds."""
+        tasks = list(self._tasks.values())
+        if not tasks:
+            return True
+        _, pending = await asyncio.wait(tasks, timeout=within)
+        return not pending
+
+    async def shutdown(self) -> None:
+        """Interrupt every running turn; each still archives what it had."""
+        await asyncio.gather(
+            *(self._stop(session_id, TurnTrigger.INTERRUPT) for session_id in list(self._tasks))
+        )

@@ -1,0 +1,52 @@
+"""What the engine tells protocol adapters about a running turn."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from portico.core.model import ContentPart
+from portico.runtime.base import MediaChunk, ToolCall
+
+
+class TurnChunk(msgspec.Struct, frozen=True):
+    session_id: str
+    turn_id: str
+    text: str
+
+
+class TurnMediaChunk(msgspec.Struct, frozen=True):
+    session_id: str
+    turn_id: str
+    chunk: MediaChunk
+
+
+class TurnToolCall(msgspec.Struct, frozen=True):
+    session_id: str
+    turn_id: str
+    call: ToolCall
+
+
+class TurnCompleted(msgspec.Struct, frozen=True):
+    session_id: str
+    turn_id: str
+    content: str
+    parts: tuple[ContentPart, ...] | None = None
+    cancelled: bool = False
+
+
+class TurnFailed(msgspec.Struct, frozen=True):
+    """The turn failed; `code` and `message` are safe to show a client."""
+
+    session_id: str
+    turn_id: str
+    code: str
+    message: str
+
+
+TurnEvent = TurnChunk | TurnMediaChunk | TurnToolCall | TurnCompleted | TurnFailed
+TERMINAL_EVENTS = (TurnCompleted, TurnFailed)
+
+# Called synchronously by the turn's task; must not block or raise.
+Listener = Callable[[TurnEvent], None]

@@ -1,0 +1,104 @@
+"""Typed, immutable records of the archive: sessions, messages, turns, content."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Literal
+
+import msgspec
+
+from portico.core.states import TurnState
+
+PartType = Literal["text", "image", "audio", "video", "file"]
+Role = Literal["user", "assistant", "tool", "system"]
+ContentType = Literal[
+    "markdown", "text", "thinking", "summary", "toolcall_input", "toolcall_output"
+]
+MessageStatus = Literal["pending", "streaming", "completed", "failed"]
+SessionStatus = Literal["idle", "active", "closed"]
+
+
+class MediaContent(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A media item of a content part; exactly one of data, url, storage_ref."""
+
+    mime_type: str
+    data: str | None = None
+    url: str | None = None
+    storage_ref: str | None = None
+    filename: str | None = None
+    size_bytes: int | None = None
+    width: int | None = None
+    height: int | None = None
+    detail: Literal["low", "high", "auto"] | None = None
+    duration_ms: int | None = None
+    sample_rate: int | None = None
+    channels: int | None = None
+
+
+class ContentPart(msgspec.Struct, frozen=True, omit_defaults=True):
+    type: PartType
+    text: str | None = None
+    media: MediaContent | None = None
+
+
+def text_of_parts(parts: tuple[ContentPart, ...]) -> str:
+    """The text a runtime reads from parts: text parts joined by a blank line."""
+    return "\n\n".join(part.text for part in parts if part.type == "text" and part.text)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Session(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    owner: str
+    agent: str
+    created_at: float
+    updated_at: float
+    last_activity_at: float
+    title: str = ""
+    status: SessionStatus = "idle"
+    closed_at: float | None = None
+    deleted_at: float | None = None
+    client_session_id: str = ""
+    parent_session_id: str = ""
+    root_session_id: str = ""
+    forked_from_message_id: str = ""
+    declare: dict[str, Any] | None = None
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    session_id: str
+    role: Role
+    content: str
+    created_at: float
+    updated_at: float
+    turn_id: str = ""
+    client_id: str = ""
+    content_type: ContentType = "text"
+    parts: tuple[ContentPart, ...] = ()
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    status: MessageStatus = "completed"
+    # Assigned by the store on append: 1, 2, 3... per session, without gaps.
+    global_offset: int = 0
+    turn_offset: int = 0
+    parent_message_id: str = ""
+
+
+class Turn(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    session_id: str
+    state: TurnState
+    created_at: float
+    started_at: float | None = None
+    ended_at: float | None = None
+    error_code: str = ""
+    error_message: str = ""
+    merged_into: str = ""
+
+
+def message_text(message: Message) -> str:
+    """What a runtime reads: the text parts when any carry text, else `content`."""
+    return text_of_parts(message.parts) or message.content

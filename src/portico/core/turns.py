@@ -1,0 +1,194 @@
+"""One turn, run to its end in a task owned by the engine, not by a socket."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from portico.core.events import (
+    Listener,
+    TurnChunk,
+    TurnCompleted,
+    TurnEvent,
+    TurnFailed,
+    TurnMediaChunk,
+)
+from portico.core.model import ContentPart, Message, Turn, new_id
+from portico.core.states import TurnState, TurnTrigger, next_turn_state
+from portico.core.tools import ToolBroker
+from portico.errors import GENERIC_INTERNAL_MESSAGE, InternalError, RuntimeFailure
+from portico.runtime.base import (
+    Chunk,
+    Done,
+    Failure,
+    MediaChunk,
+    Runtime,
+    RuntimeEvent,
+    ToolCall,
+    ToolOutcome,
+    TurnInput,
+    TurnStream,
+)
+from portico.store.base import Store
+
+log = logging.getLogger("portico.turn")
+
+
+class TurnRunner:
+    """Drives a runtime's stream, fans events out, archives the reply exactly once."""
+
+    def __init__(
+        self,
+        *,
+        turn: Turn,
+        turn_input: TurnInput,
+        runtime: Runtime,
+        store: Store,
+        tools: ToolBroker,
+        listeners: Callable[[], list[Listener]],
+        clock: Callable[[], float],
+    ) -> None:
+        self.turn = turn
+        self._input = turn_input
+        self._runtime = runtime
+        self._store = store
+        self._tools = tools
+        self._listeners = listeners
+        self._clock = clock
+        self._text: list[str] = []
+        self._chunks = 0
+        # Why a cancellation arrived: a user's stop, or the server shutting down.
+        self.stop_trigger = TurnTrigger.INTERRUPT
+
+    def emit(self, event: TurnEvent) -> None:
+        for listener in self._listeners():
+            try:
+                listener(event)
+            except Exception:
+                log.exception("turn listener failed session=%s", self.turn.session_id)
+
+    async def run(self) -> Turn:
+        started = time.perf_counter()
+        await self._transition(TurnTrigger.START)
+        stream = self._runtime.run(self._input)
+        try:
+            terminal = await self._drive(stream)
+        except asyncio.CancelledError:
+            terminal = None
+        except Exception:
+            log.exception("runtime raised session=%s turn=%s", self.turn.session_id, self.turn.id)
+            terminal = Failure(code=InternalError.code, message=GENERIC_INTERNAL_MESSAGE)
+        finally:
+            await _close_quietly(stream)
+        await self._finish(terminal)
+        log.info(
+            "turn ended session=%s turn=%s state=%s chunks=%d duration_ms=%.1f",
+            self.turn.session_id,
+            self.turn.id,
+            self.turn.state,
+            self._chunks,
+            (time.perf_counter() - started) * 1000,
+        )
+        return self.turn
+
+    async def _drive(self, stream: TurnStream) -> Done | Failure:
+        reply: ToolOutcome | None = None
+        while True:
+            try:
+                event: RuntimeEvent = await stream.asend(reply)
+            except StopAsyncIteration:
+                return Done()
+            reply = None
+            if isinstance(event, Done | Failure):
+                return event
+            reply = await self._handle(event)
+
+    async def _handle(self, event: Chunk | MediaChunk | ToolCall) -> ToolOutcome | None:
+        session_id, turn_id = self.turn.session_id, self.turn.id
+        if isinstance(event, Chunk):
+            self._text.append(event.text)
+            self._chunks += 1
+            self.emit(TurnChunk(session_id, turn_id, event.text))
+            return None
+        if isinstance(event, MediaChunk):
+            self.emit(TurnMediaChunk(session_id, turn_id, event))
+            return None
+        return await self._tools.call(session_id, turn_id, event, self.emit)
+
+    async def _finish(self, terminal: Done | Failure | None) -> None:
+        """Archive the reply, record the turn's end, then send the one terminal event."""
+        content = "".join(self._text)
+        parts: tuple[ContentPart, ...] | None = None
+        if isinstance(terminal, Done):
+            content = content if terminal.content is None else terminal.content
+            parts = terminal.parts
+        trigger = self._trigger_for(terminal)
+        if content or parts:
+            await self._archive_reply(content, parts or (), failed=trigger is TurnTrigger.FAIL)
+        event = self._terminal_event(terminal, content, parts)
+        if isinstance(event, TurnFailed):
+            self.turn = msgspec.structs.replace(
+                self.turn, error_code=event.code, error_message=event.message
+            )
+        await self._transition(trigger)
+        self.emit(event)
+
+    def _trigger_for(self, terminal: Done | Failure | None) -> TurnTrigger:
+        if terminal is None:
+            return self.stop_trigger
+        return TurnTrigger.COMPLETE if isinstance(terminal, Done) else TurnTrigger.FAIL
+
+    def _terminal_event(
+        self, terminal: Done | Failure | None, content: str, parts: tuple[ContentPart, ...] | None
+    ) -> TurnEvent:
+        session_id, turn_id = self.turn.session_id, self.turn.id
+        if isinstance(terminal, Done):
+            return TurnCompleted(session_id, turn_id, content, parts)
+        if terminal is None and self.stop_trigger is TurnTrigger.CANCEL:
+            return TurnCompleted(session_id, turn_id, content, None, cancelled=True)
+        if terminal is None:
+            return TurnFailed(session_id, turn_id, InternalError.code, "the server stopped")
+        code, message = RuntimeFailure(terminal.code, terminal.message).client_view()
+        return TurnFailed(session_id, turn_id, code, message)
+
+    async def _archive_reply(
+        self, content: str, parts: tuple[ContentPart, ...], *, failed: bool
+    ) -> None:
+        now = self._clock()
+        await self._store.append_message(
+            Message(
+                id=new_id("msg"),
+                session_id=self.turn.session_id,
+                turn_id=self.turn.id,
+                role="assistant",
+                content=content,
+                content_type="markdown",
+                parts=parts,
+                status="failed" if failed else "completed",
+                created_at=now,
+                updated_at=now,
+                turn_offset=2,
+            )
+        )
+
+    async def _transition(self, trigger: TurnTrigger) -> None:
+        now = self._clock()
+        state = next_turn_state(self.turn.state, trigger)
+        changes: dict[str, object] = {"state": state}
+        if state is TurnState.RUNNING:
+            changes["started_at"] = now
+        else:
+            changes["ended_at"] = now
+        self.turn = msgspec.structs.replace(self.turn, **changes)
+        await self._store.save_turn(self.turn)
+
+
+async def _close_quietly(stream: TurnStream) -> None:
+    try:
+        await stream.aclose()
+    except Exception:
+        log.exception("runtime stream failed to close")

@@ -1,0 +1,142 @@
+"""Every error Portico raises, each carrying its wire consequence.
+
+Protocol adapters never invent codes: they read ``code`` (the error code a
+client sees), ``close_code`` (when the connection must close) and
+``http_status`` (for upgrade refusals and HTTP routes) from the exception.
+Foreign exceptions are translated at port boundaries
+(``raise StoreError(...) from exc``) so nothing below leaks to a client.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+# Codes a runtime may report that reach the client unchanged (Omnia spec, Error codes).
+RUNTIME_PASSTHROUGH_CODES = frozenset(
+    {
+        "MAX_ROUNDS_EXCEEDED",
+        "PROVIDER_RATE_LIMITED",
+        "PROVIDER_UNAVAILABLE",
+        "PROVIDER_STALLED",
+        "PROVIDER_TIMEOUT",
+        "PROVIDER_AUTH_FAILED",
+        "RATE_LIMITED",
+        "UNSATISFIABLE_FORMAT",
+        "DUPLEX_ERROR",
+        "CREDENTIAL_EXPIRED",
+    }
+)
+
+GENERIC_INTERNAL_MESSAGE = "internal error"
+
+
+class PorticoError(Exception):
+    """Base class. ``code`` is what a client sees; ``message`` is safe to show."""
+
+    code: ClassVar[str] = "INTERNAL_ERROR"
+    close_code: ClassVar[int | None] = None
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class InvalidMessage(PorticoError):
+    code = "INVALID_MESSAGE"
+    http_status = 400
+
+
+class SessionExpired(PorticoError):
+    """The named session cannot be resumed: expired, or not the caller's."""
+
+    code = "SESSION_EXPIRED"
+    http_status = 404
+    MESSAGE: ClassVar[str] = "session context has expired; start a new session"
+
+    def __init__(self) -> None:
+        super().__init__(self.MESSAGE)
+
+
+class TurnInProgress(PorticoError):
+    code = "TURN_IN_PROGRESS"
+    http_status = 409
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id} has a turn in progress; send again after its reply")
+
+
+class SessionDeclarationRefused(PorticoError):
+    code = "SESSION_DECLARATION_REFUSED"
+    http_status = 400
+
+
+class InternalError(PorticoError):
+    code = "INTERNAL_ERROR"
+
+    def __init__(self, message: str = GENERIC_INTERNAL_MESSAGE) -> None:
+        super().__init__(message)
+
+
+class RuntimeFailure(PorticoError):
+    """A runtime ended its turn with an error; ``code`` is chosen per instance."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.runtime_code = code
+
+    def client_view(self) -> tuple[str, str]:
+        """The code and message a client may see: spec codes pass, others are hidden."""
+        if self.runtime_code in RUNTIME_PASSTHROUGH_CODES:
+            return self.runtime_code, self.message
+        return InternalError.code, GENERIC_INTERNAL_MESSAGE
+
+
+class UnknownAgent(PorticoError):
+    code = "AGENT_NOT_FOUND"
+    http_status = 404
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown agent {name!r}")
+
+
+class Unauthenticated(PorticoError):
+    code = "UNAUTHENTICATED"
+    http_status = 401
+
+
+class IllegalTransition(PorticoError):
+    """A state machine was asked for a transition its table does not have."""
+
+    code = "INTERNAL_ERROR"
+
+    def __init__(self, machine: str, state: str, event: str) -> None:
+        super().__init__(f"{machine}: no transition from {state!r} on {event!r}")
+        self.state = state
+        self.event = event
+
+
+class StoreError(PorticoError):
+    """The archive failed; the cause is chained, never shown to a client."""
+
+    code = "INTERNAL_ERROR"
+    http_status = 503
+
+
+class ConfigError(PorticoError):
+    """The settings cannot be used; the message names the setting."""
+
+    code = "CONFIG_ERROR"
+
+
+class ScriptError(ConfigError):
+    """A scripted-runtime file does not follow the documented format."""
+
+
+class MediaNotEnabled(PorticoError):
+    code = "MEDIA_NOT_ENABLED"
+    http_status = 404
+
+    def __init__(self) -> None:
+        super().__init__("media storage is not enabled on this server")

@@ -1,0 +1,1 @@
+"""The Omnia agent-facade protocol (`GET /ws`)."""

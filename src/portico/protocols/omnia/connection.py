@@ -1,0 +1,284 @@
+"""The `/ws` protocol core, sans-I/O.
+
+Feed it what the socket received (`receive_text`, `receive_binary`,
+`receive_control`) and what the engine produced (`send_turn_event`,
+`send_error`); drain `data_to_send()` for text frames to write and act on the
+events it returns. Time arrives as a `now` argument; the adapter owns timers
+and asks `keepalive(now)` what is due.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from enum import Enum
+from typing import Any
+
+import msgspec
+
+from portico.core.events import (
+    TurnChunk,
+    TurnCompleted,
+    TurnEvent,
+    TurnFailed,
+    TurnMediaChunk,
+    TurnToolCall,
+)
+from portico.core.model import ContentPart
+from portico.errors import InvalidMessage, PorticoError
+from portico.protocols.omnia import frames as f
+
+PROTOCOL_VERSION = 1
+RESERVED_METADATA_KEYS = frozenset({"mock_scenario", "content_type"})
+RESERVED_METADATA_PREFIX = "omnia."
+METADATA_MAX_KEYS = 32
+METADATA_KEY_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+METADATA_MAX_VALUE_BYTES = 8 * 1024
+METADATA_MAX_TOTAL_BYTES = 32 * 1024
+DECLARE_MAX_BYTES = 16 * 1024
+SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+CLOSE_KEEPALIVE_TIMEOUT = 1011
+
+_encode = msgspec.json.Encoder().encode
+
+
+class MessageReceived(msgspec.Struct, frozen=True, kw_only=True):
+    """A valid `message` frame, resolved to the session it is for."""
+
+    session_id: str
+    own_session: bool
+    content: str
+    parts: tuple[ContentPart, ...]
+    metadata: dict[str, str]
+    directives: dict[str, str]
+    declare: dict[str, Any] | None
+
+
+class ToolReply(msgspec.Struct, frozen=True):
+    """A client's `tool_call_ack`, `tool_call_nack` or `tool_result`, for the broker."""
+
+    call_id: str
+    frame: f.ToolResultFrame | f.ToolCallAckFrame | f.ToolCallNackFrame
+
+
+class UploadRequested(msgspec.Struct, frozen=True):
+    session_id: str
+    request: f.UploadRequest
+
+
+Event = MessageReceived | ToolReply | UploadRequested
+
+
+class Keepalive(Enum):
+    PING = "ping"
+    CLOSE = "close"
+
+
+def split_metadata(metadata: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Split into (forwarded, directives) and enforce the spec's limits on the former."""
+    forwarded: dict[str, str] = {}
+    directives: dict[str, str] = {}
+    for key, value in metadata.items():
+        if len(value.encode()) > METADATA_MAX_VALUE_BYTES:
+            raise InvalidMessage(f"metadata value of {key[:64]!r} exceeds 8 KiB")
+        if key in RESERVED_METADATA_KEYS or key.startswith(RESERVED_METADATA_PREFIX):
+            directives[key] = value
+        else:
+            forwarded[key] = value
+    if len(forwarded) > METADATA_MAX_KEYS:
+        raise InvalidMessage("metadata has more than 32 keys")
+    for key in forwarded:
+        if not METADATA_KEY_PATTERN.fullmatch(key):
+            raise InvalidMessage(
+                "metadata key must be 1 to 64 characters of letters, digits, '_', '.' or '-'"
+            )
+    total = sum(len(key.encode()) + len(value.encode()) for key, value in forwarded.items())
+    if total > METADATA_MAX_TOTAL_BYTES:
+        raise InvalidMessage("metadata exceeds 32 KiB in total")
+    return forwarded, directives
+
+
+def check_parts(parts: tuple[ContentPart, ...]) -> None:
+    for index, part in enumerate(parts):
+        if part.type == "text":
+            if part.text is None:
+                raise InvalidMessage(f"parts[{index}]: a text part needs `text`")
+            continue
+        if part.media is None:
+            raise InvalidMessage(f"parts[{index}]: a {part.type} part needs `media`")
+        media = part.media
+        sources = [s for s in (media.data, media.url, media.storage_ref) if s is not None]
+        if len(sources) != 1:
+            raise InvalidMessage(
+                f"parts[{index}].media: exactly one of data, url, storage_ref is required"
+            )
+
+
+def check_declare(declare: dict[str, Any]) -> None:
+    if len(_encode(declare)) > DECLARE_MAX_BYTES:
+        raise InvalidMessage("declare exceeds 16 KiB")
+
+
+class OmniaConnection:
+    def __init__(
+        self,
+        *,
+        session_id: str,
+        binary: bool,
+        max_payload_size: int,
+        ping_interval: float,
+        pong_timeout: float,
+        now: float,
+    ) -> None:
+        self.session_id = session_id
+        self._ping_interval = ping_interval
+        self._pong_timeout = pong_timeout
+        self._last_received = now
+        self._next_ping = now + ping_interval
+        self._outbox: list[bytes] = []
+        # `connected` is the first frame and is sent once per connection.
+        self._queue(
+            f.ConnectedFrame(
+                session_id=session_id,
+                connected=f.ConnectedInfo(
+                    capabilities=f.Capabilities(
+                        binary_frames=binary,
+                        max_payload_size=max_payload_size,
+                        protocol_version=PROTOCOL_VERSION,
+                    )
+                ),
+            )
+        )
+
+    # -- output -----------------------------------------------------------------
+
+    def _queue(self, frame: f.ServerFrame) -> None:
+        self._outbox.append(_encode(frame))
+
+    def data_to_send(self) -> list[bytes]:
+        """Encoded text frames to write, in order; draining empties the outbox."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def send_error(self, error: PorticoError, session_id: str | None = None) -> None:
+        info = f.ErrorInfo(code=error.code, message=error.message, details=error.details)
+        self._queue(f.ErrorFrame(error=info, session_id=session_id))
+
+    def send_turn_event(self, event: TurnEvent) -> None:
+        self._queue(turn_event_frame(event))
+
+    # -- input ------------------------------------------------------------------
+
+    def receive_text(self, data: str | bytes, now: float) -> list[Event]:
+        self._last_received = now
+        try:
+            frame = f.client_frame_decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            self.send_error(InvalidMessage(f"Failed to parse message: {exc}"))
+            return []
+        try:
+            return self._dispatch(frame)
+        except InvalidMessage as exc:
+            self.send_error(exc, getattr(frame, "session_id", None) or None)
+            return []
+
+    def receive_binary(self, data: bytes, now: float) -> list[Event]:
+        self._last_received = now
+        self.send_error(InvalidMessage("binary frames are not accepted on the text path"))
+        return []
+
+    def receive_control(self, now: float) -> None:
+        """A ping or pong arrived: the peer is alive."""
+        self._last_received = now
+
+    def _dispatch(self, frame: f.ClientFrame) -> list[Event]:
+        match frame:
+            case f.MessageFrame():
+                return [self._message(frame)]
+            case f.ToolResultFrame():
+                return [ToolReply(frame.tool_result.call_id, frame)]
+            case f.ToolCallAckFrame():
+                return [ToolReply(frame.tool_call_ack.call_id, frame)]
+            case f.ToolCallNackFrame():
+                return [ToolReply(frame.tool_call_nack.call_id, frame)]
+            case f.UploadRequestFrame():
+                session_id, _ = self._resolve_session(frame.session_id)
+                return [UploadRequested(session_id, frame.upload_request)]
+        # hangup and disclosure_ack concern realtime audio and AI disclosure, which
+        # this server does not run; credential_refresh has no reply by spec.
+        return []
+
+    def _resolve_session(self, session_id: str | None) -> tuple[str, bool]:
+        if not session_id or session_id == self.session_id:
+            return self.session_id, True
+        if not SESSION_ID_PATTERN.fullmatch(session_id):
+            raise InvalidMessage(
+                "session_id must be 1 to 128 characters of letters, digits, '_', '.', ':' or '-'"
+            )
+        return session_id, False
+
+    def _message(self, frame: f.MessageFrame) -> MessageReceived:
+        session_id, own = self._resolve_session(frame.session_id)
+        parts = frame.parts or ()
+        if not frame.content and not parts:
+            raise InvalidMessage("a message needs `content` or `parts`")
+        check_parts(parts)
+        forwarded, directives = split_metadata(frame.metadata or {})
+        if frame.declare is not None:
+            check_declare(frame.declare)
+        return MessageReceived(
+            session_id=session_id,
+            own_session=own,
+            content=frame.content or "",
+            parts=parts,
+            metadata=forwarded,
+            directives=directives,
+            declare=frame.declare,
+        )
+
+    # -- keepalive --------------------------------------------------------------
+
+    def keepalive(self, now: float) -> Keepalive | None:
+        """What is due now: a ping, a close for silence, or nothing."""
+        if now - self._last_received >= self._pong_timeout:
+            return Keepalive.CLOSE
+        if now >= self._next_ping:
+            self._next_ping = now + self._ping_interval
+            return Keepalive.PING
+        return None
+
+    def next_deadline(self) -> float:
+        return min(self._next_ping, self._last_received + self._pong_timeout)
+
+
+def turn_event_frame(event: TurnEvent) -> f.ServerFrame:
+    """The `/ws` frame for one engine event."""
+    session_id = event.session_id
+    match event:
+        case TurnChunk(text=text):
+            return f.ChunkFrame(content=text, session_id=session_id)
+        case TurnCompleted(content=content, parts=parts):
+            return f.DoneFrame(content=content, parts=parts, session_id=session_id)
+        case TurnFailed(code=code, message=message):
+            return f.ErrorFrame(
+                error=f.ErrorInfo(code=code, message=message), session_id=session_id
+            )
+        case TurnMediaChunk(chunk=chunk):
+            info = f.MediaChunkInfo(
+                media_id=chunk.media_id,
+                sequence=chunk.sequence,
+                is_last=chunk.is_last,
+                data=base64.b64encode(chunk.data).decode("ascii"),
+                mime_type=chunk.mime_type,
+            )
+            return f.MediaChunkFrame(media_chunk=info, session_id=session_id)
+        case TurnToolCall(call=call):
+            info_call = f.ToolCallInfo(
+                id=call.id,
+                name=call.name,
+                arguments=call.arguments,
+                consent_message=call.consent_message,
+                categories=call.categories or None,
+            )
+            return f.ToolCallFrame(tool_call=info_call, session_id=session_id)
+    raise AssertionError(f"unhandled turn event {type(event).__name__}")

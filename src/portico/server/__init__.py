@@ -1,0 +1,1 @@
+"""Thin adapters: HTTP routes, sockets and timers around the sans-I/O cores."""

@@ -1,0 +1,36 @@
+"""Logs and probes. Logs never carry message bodies, tool arguments or credentials."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from aiohttp import web
+
+from portico.server.services import SERVICES
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    # aiohttp's access log line per HTTP request would drown the per-connection lines.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: the process serves HTTP."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: the archive is open and the server is not draining."""
+    services = request.app[SERVICES]
+    if not services.ready:
+        return web.json_response({"status": "starting or draining"}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)

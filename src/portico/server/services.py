@@ -1,0 +1,64 @@
+"""The ports a running server is made of, built once from the settings."""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+from aiohttp import web
+
+from portico.auth.apikey import ApiKeyAuth
+from portico.auth.base import Authenticator
+from portico.auth.none import NoAuth
+from portico.config import AgentSettings, Settings
+from portico.core.engine import Engine
+from portico.runtime.base import Runtime
+from portico.runtime.demo import DemoRuntime
+from portico.runtime.echo import EchoRuntime
+from portico.runtime.scripted import ScriptedRuntime
+from portico.store.base import Store
+from portico.store.memory import MemoryStore
+from portico.store.sqlite import SqliteStore
+
+ARCHIVE_FILE = "archive.sqlite3"
+
+
+class Services:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store = build_store(settings)
+        self.auth = build_auth(settings)
+        agents = {name: settings.agent(name) for name in settings.agent_names()}
+        resolved = {name: agent for name, agent in agents.items() if agent is not None}
+        self.engine = Engine(
+            store=self.store,
+            runtimes={name: build_runtime(agent, settings) for name, agent in resolved.items()},
+            agents=resolved,
+            context_ttl=settings.context_ttl,
+        )
+        self.ready = False
+        self.websockets: weakref.WeakSet[web.WebSocketResponse] = weakref.WeakSet()
+
+
+SERVICES = web.AppKey("services", Services)
+
+
+def build_store(settings: Settings) -> Store:
+    if settings.store == "memory":
+        return MemoryStore()
+    return SqliteStore(Path(settings.data_dir) / ARCHIVE_FILE)
+
+
+def build_auth(settings: Settings) -> Authenticator:
+    if settings.auth == "apikey":
+        return ApiKeyAuth(settings.api_keys)
+    return NoAuth()
+
+
+def build_runtime(agent: AgentSettings, settings: Settings) -> Runtime:
+    if agent.runtime == "scripted":
+        assert agent.script is not None, "check_startable() requires a script"
+        return ScriptedRuntime.from_file(agent.script)
+    if agent.runtime == "echo":
+        return EchoRuntime()
+    return DemoRuntime(word_delay=settings.demo_word_delay)

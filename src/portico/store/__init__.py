@@ -1,0 +1,1 @@
+"""The archive port: sessions, messages and turns, kept across restarts."""

@@ -1,0 +1,72 @@
+"""In-memory archive: for tests and throwaway servers; lost on exit."""
+
+from __future__ import annotations
+
+import msgspec
+
+from portico.core.model import Message, Session, Turn
+from portico.core.states import TERMINAL_TURN_STATES, TurnState
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._messages: dict[str, list[Message]] = {}
+        self._turns: dict[str, Turn] = {}
+
+    async def open(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def create_session(self, session: Session) -> Session:
+        return self._sessions.setdefault(session.id, session)
+
+    async def get_session(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    async def list_sessions(self, owner: str, *, limit: int) -> list[Session]:
+        owned = [s for s in self._sessions.values() if s.owner == owner]
+        owned.sort(key=lambda s: (s.created_at, s.id), reverse=True)
+        return owned[:limit]
+
+    async def touch_session(self, session_id: str, now: float) -> None:
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._sessions[session_id] = msgspec.structs.replace(
+                session, last_activity_at=now, updated_at=now
+            )
+
+    async def append_message(self, message: Message) -> Message:
+        messages = self._messages.setdefault(message.session_id, [])
+        stored = msgspec.structs.replace(message, global_offset=len(messages) + 1)
+        messages.append(stored)
+        return stored
+
+    async def list_messages(
+        self, session_id: str, *, after_offset: int = 0, limit: int | None = None
+    ) -> list[Message]:
+        selected = self._messages.get(session_id, [])[after_offset:]
+        return selected if limit is None else selected[:limit]
+
+    async def create_turn(self, turn: Turn) -> None:
+        self._turns[turn.id] = turn
+
+    async def save_turn(self, turn: Turn) -> None:
+        self._turns[turn.id] = turn
+
+    async def get_turn(self, turn_id: str) -> Turn | None:
+        return self._turns.get(turn_id)
+
+    async def list_turns(self, session_id: str) -> list[Turn]:
+        turns = [t for t in self._turns.values() if t.session_id == session_id]
+        return sorted(turns, key=lambda t: t.created_at)
+
+    async def interrupt_unfinished_turns(self, now: float) -> int:
+        unfinished = [t for t in self._turns.values() if t.state not in TERMINAL_TURN_STATES]
+        for turn in unfinished:
+            self._turns[turn.id] = msgspec.structs.replace(
+                turn, state=TurnState.INTERRUPTED, ended_at=now
+            )
+        return len(unfinished)
