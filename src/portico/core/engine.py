@@ -231,9 +231,17 @@ class Engine:
             clock=self._clock,
         )
         self._running[session.id] = runner
-        task = asyncio.create_task(runner.run(), name=f"turn-{turn.id}")
+        task = asyncio.create_task(self._run_turn(session.id, runner), name=f"turn-{turn.id}")
         self._tasks[session.id] = task
         task.add_done_callback(lambda _: self._turn_done(session.id, runner))
+
+    async def _run_turn(self, session_id: str, runner: TurnRunner) -> Turn:
+        try:
+            return await runner.run()
+        finally:
+            # Free the session in the same step as the terminal event, so a client
+            # that answers `done` at once is not told a turn is still in progress.
+            self._turn_done(session_id, runner)
 
     def _turn_done(self, session_id: str, runner: TurnRunner) -> None:
         if self._running.get(session_id) is runner:
@@ -248,8 +256,7 @@ class Engine:
         runner, task = self._running.get(session_id), self._tasks.get(session_id)
         if runner is None or task is None:
             return False
-        runner.stop_trigger = trigger
-        task.cancel()
+        runner.request_stop(trigger)
         await asyncio.gather(task, return_exceptions=True)
         return True
 

@@ -63,6 +63,18 @@ class TurnRunner:
         self._chunks = 0
         # Why a cancellation arrived: a user's stop, or the server shutting down.
         self.stop_trigger = TurnTrigger.INTERRUPT
+        self._stop_requested = False
+        # Only the runtime's stream is cancelled: a task cancelled before its first
+        # step, or while archiving, would end without its one terminal event.
+        self._driving = False
+        self._task: asyncio.Task[object] | None = None
+
+    def request_stop(self, trigger: TurnTrigger) -> None:
+        """End the turn early: at once while the runtime streams, else before it starts."""
+        self.stop_trigger = trigger
+        self._stop_requested = True
+        if self._driving and self._task is not None:
+            self._task.cancel()
 
     def emit(self, event: TurnEvent) -> None:
         for listener in self._listeners():
@@ -73,17 +85,24 @@ class TurnRunner:
 
     async def run(self) -> Turn:
         started = time.perf_counter()
+        self._task = asyncio.current_task()
         await self._transition(TurnTrigger.START)
-        stream = self._runtime.run(self._input)
-        try:
-            terminal = await self._drive(stream)
-        except asyncio.CancelledError:
-            terminal = None
-        except Exception:
-            log.exception("runtime raised session=%s turn=%s", self.turn.session_id, self.turn.id)
-            terminal = Failure(code=InternalError.code, message=GENERIC_INTERNAL_MESSAGE)
-        finally:
-            await _close_quietly(stream)
+        terminal: Done | Failure | None = None
+        if not self._stop_requested:
+            stream = self._runtime.run(self._input)
+            self._driving = True
+            try:
+                terminal = await self._drive(stream)
+            except asyncio.CancelledError:
+                terminal = None
+            except Exception:
+                log.exception(
+                    "runtime raised session=%s turn=%s", self.turn.session_id, self.turn.id
+                )
+                terminal = Failure(code=InternalError.code, message=GENERIC_INTERNAL_MESSAGE)
+            finally:
+                self._driving = False
+                await _close_quietly(stream)
         await self._finish(terminal)
         log.info(
             "turn ended session=%s turn=%s state=%s chunks=%d duration_ms=%.1f",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from pathlib import Path
 from typing import Annotated, Any
@@ -32,6 +33,7 @@ from portico.runtime.base import (
 
 DEFAULT_SCENARIO = "default"
 SCENARIO_KEY = "mock_scenario"
+_PLACEHOLDER = re.compile(r"\{tool\.(status|result|error)\}")
 
 
 class DoneStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -131,9 +133,8 @@ def render_placeholders(text: str, outcome: ToolOutcome | None) -> str:
     else:
         result = "" if outcome.result is None else json.dumps(outcome.result, separators=(",", ":"))
         values = {"status": outcome.status, "result": result, "error": outcome.error or ""}
-    for key, value in values.items():
-        text = text.replace("{tool." + key + "}", value)
-    return text
+    # One pass: a tool's result or error may itself contain placeholder text.
+    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], text)
 
 
 def media_chunks(step: MediaChunkStep) -> list[MediaChunk]:

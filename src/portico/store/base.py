@@ -25,7 +25,10 @@ class Store(Protocol):
         """Record activity: sets `last_activity_at` and `updated_at`."""
 
     async def append_message(self, message: Message) -> Message:
-        """Store a message, assigning the session's next `global_offset` (1, 2, ...)."""
+        """Store a message, assigning the session's next `global_offset` (1, 2, ...).
+
+        The session must exist; otherwise `StoreError`.
+        """
 
     async def list_messages(
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None

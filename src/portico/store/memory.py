@@ -6,6 +6,7 @@ import msgspec
 
 from portico.core.model import Message, Session, Turn
 from portico.core.states import TERMINAL_TURN_STATES, TurnState
+from portico.errors import StoreError
 
 
 class MemoryStore:
@@ -39,6 +40,8 @@ class MemoryStore:
             )
 
     async def append_message(self, message: Message) -> Message:
+        if message.session_id not in self._sessions:
+            raise StoreError(f"no session {message.session_id}")
         messages = self._messages.setdefault(message.session_id, [])
         stored = msgspec.structs.replace(message, global_offset=len(messages) + 1)
         messages.append(stored)

@@ -197,7 +197,9 @@ class SqliteStore:
             try:
                 outcomes.append(operation(conn))
                 conn.execute("RELEASE op")
-            except sqlite3.Error as exc:
+            # Any exception, not only sqlite3.Error: one escaping here would leave the
+            # transaction open and every future of the batch unresolved.
+            except Exception as exc:
                 conn.execute("ROLLBACK TO op")
                 conn.execute("RELEASE op")
                 error = StoreError("archive write failed")
@@ -305,10 +307,14 @@ class SqliteStore:
         row = msgspec.structs.asdict(turn)
         row["state"] = turn.state.value
         columns = ", ".join(row)
+        # An update in place, not INSERT OR REPLACE: a replaced row gets a new rowid,
+        # which would reorder turns created at the same time in `list_turns`.
+        updates = ", ".join(f"{column} = excluded.{column}" for column in row if column != "id")
 
         def upsert(conn: sqlite3.Connection) -> None:
             conn.execute(
-                f"INSERT OR REPLACE INTO turns ({columns}) VALUES ({', '.join('?' * len(row))})",
+                f"INSERT INTO turns ({columns}) VALUES ({', '.join('?' * len(row))}) "
+                f"ON CONFLICT (id) DO UPDATE SET {updates}",
                 tuple(row.values()),
             )
 

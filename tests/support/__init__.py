@@ -1,0 +1,1 @@
+"""Test harness shared by the suites: real server processes and real clients."""

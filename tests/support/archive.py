@@ -1,0 +1,35 @@
+"""Read a running server's SQLite archive from the test process (WAL allows it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from portico.core.model import Message
+from portico.store.sqlite import SqliteStore
+
+
+@asynccontextmanager
+async def open_archive(path: Path) -> AsyncIterator[SqliteStore]:
+    store = SqliteStore(path)
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def wait_for_messages(
+    path: Path, session_id: str, count: int, within: float = 10.0
+) -> list[Message]:
+    """Poll until the session holds `count` messages (the server writes asynchronously)."""
+    deadline = time.monotonic() + within
+    while True:
+        async with open_archive(path) as store:
+            messages = await store.list_messages(session_id)
+        if len(messages) >= count or time.monotonic() > deadline:
+            return messages
+        await asyncio.sleep(0.05)

@@ -1,0 +1,111 @@
+"""Start a real `portico serve` process on a free port and talk to it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+SCRIPT = FIXTURES / "script.yaml"
+READY_LINE = re.compile(r"Portico serving http://(?P<host>[^:/]+):(?P<port>\d+)/")
+START_TIMEOUT = 20.0
+
+
+class ServerProcess:
+    """`portico serve` as a child process; `start` returns once it accepts connections."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        args: tuple[str, ...] = (),
+        env: Mapping[str, str] | None = None,
+        port: int = 0,
+    ) -> None:
+        self.data_dir = data_dir
+        self.args = args
+        self.env = dict(env or {})
+        self.port = port
+        self.process: subprocess.Popen[str] | None = None
+        self.log_path = data_dir / "server.log"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/ws"
+
+    @property
+    def archive_path(self) -> Path:
+        return self.data_dir / "archive.sqlite3"
+
+    def start(self) -> ServerProcess:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        env = {key: value for key, value in os.environ.items() if not key.startswith("PORTICO_")}
+        env.update(self.env)
+        command = [
+            sys.executable,
+            "-m",
+            "portico",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(self.data_dir),
+            *self.args,
+        ]
+        log = self.log_path.open("a")
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=log, text=True, env=env
+        )
+        self.port = _await_ready_port(self.process.stdout, self.process, self.log_path)
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.process is None:
+            return 0
+        process, self.process = self.process, None
+        if process.poll() is None:
+            process.send_signal(sig)
+        try:
+            return process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            return process.wait()
+
+    def restart(self) -> ServerProcess:
+        """Stop and start again on the same port and data dir."""
+        self.stop()
+        return self.start()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+
+def _await_ready_port(
+    stdout: IO[str] | None, process: subprocess.Popen[str], log_path: Path
+) -> int:
+    assert stdout is not None
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        line = stdout.readline()
+        if not line:
+            if process.poll() is not None:
+                raise RuntimeError(f"portico exited {process.returncode}:\n{log_path.read_text()}")
+            continue
+        match = READY_LINE.search(line)
+        if match:
+            return int(match.group("port"))
+    process.kill()
+    raise RuntimeError(f"portico did not start in {START_TIMEOUT}s:\n{log_path.read_text()}")

@@ -1,0 +1,273 @@
+"""Settings: precedence, conversion, validation, start-up refusals, redaction."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from portico.config import AgentSettings, Settings, load_settings, parse_api_keys
+from portico.errors import ConfigError
+
+
+def write_config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "portico.yaml"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def load(
+    env: dict[str, str] | None = None,
+    *,
+    config_file: str | None = None,
+    flags: dict[str, Any] | None = None,
+) -> Settings:
+    return load_settings(config_file=config_file, env=env or {}, flags=flags)
+
+
+# -- precedence ---------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    settings = load()
+    assert settings == Settings()
+    assert (settings.host, settings.port, settings.auth, settings.runtime) == (
+        "127.0.0.1",
+        8080,
+        "none",
+        "demo",
+    )
+
+
+def test_config_file_overrides_defaults(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "port: 9001\nping_interval: 2.5\nstore: memory\n")
+    settings = load(config_file=path)
+    assert (settings.port, settings.ping_interval, settings.store) == (9001, 2.5, "memory")
+    assert settings.host == "127.0.0.1"
+
+
+def test_env_overrides_file_and_flags_override_env(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "port: 9001\nhost: 10.0.0.1\nlog_level: DEBUG\n")
+    env = {"PORTICO_PORT": "9002", "PORTICO_HOST": "10.0.0.2"}
+    settings = load(env, config_file=path, flags={"port": 9003})
+    assert settings.port == 9003  # flag
+    assert settings.host == "10.0.0.2"  # env
+    assert settings.log_level == "DEBUG"  # file
+
+
+def test_flags_set_to_none_do_not_override(tmp_path: Path) -> None:
+    settings = load({"PORTICO_PORT": "9002"}, flags={"port": None, "host": None})
+    assert (settings.port, settings.host) == (9002, "127.0.0.1")
+
+
+def test_config_file_named_by_env(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "port: 9005\n")
+    assert load({"PORTICO_CONFIG": path}).port == 9005
+
+
+def test_empty_config_file_means_defaults(tmp_path: Path) -> None:
+    assert load(config_file=write_config(tmp_path, "")) == Settings()
+
+
+def test_env_without_prefix_is_ignored() -> None:
+    assert load({"PORT": "1", "portico_port": "2", "PORTICO_PORTX": "3"}).port == 8080
+
+
+# -- conversion of environment strings -----------------------------------------------
+
+
+def test_env_strings_become_numbers_and_booleans() -> None:
+    settings = load(
+        {
+            "PORTICO_PORT": "9000",
+            "PORTICO_PING_INTERVAL": "2.5",
+            "PORTICO_MAX_CONNECTIONS": "7",
+            "PORTICO_WS_COMPRESSION": "true",
+            "PORTICO_ALLOW_UNAUTHENTICATED": "1",
+        }
+    )
+    assert settings.port == 9000
+    assert settings.ping_interval == 2.5
+    assert settings.max_connections == 7
+    assert settings.ws_compression is True
+    assert settings.allow_unauthenticated is True
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("false", False), ("0", False), ("TRUE", True)])
+def test_env_booleans(raw: str, expected: bool) -> None:
+    assert load({"PORTICO_WS_COMPRESSION": raw}).ws_compression is expected
+
+
+def test_env_origins_are_a_comma_list() -> None:
+    settings = load({"PORTICO_ORIGINS": " https://a.example, https://b.example ,"})
+    assert settings.origins == ("https://a.example", "https://b.example")
+
+
+# -- invalid values -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "setting"),
+    [
+        ({"PORTICO_PORT": "eighty"}, "port"),
+        ({"PORTICO_PORT": "70000"}, "port"),
+        ({"PORTICO_PING_INTERVAL": "0"}, "ping_interval"),
+        ({"PORTICO_PING_INTERVAL": "-1"}, "ping_interval"),
+        ({"PORTICO_WS_COMPRESSION": "maybe"}, "ws_compression"),
+        ({"PORTICO_AUTH": "jwt"}, "auth"),
+        ({"PORTICO_RUNTIME": "gpt"}, "runtime"),
+        ({"PORTICO_MAX_CONNECTIONS": "0"}, "max_connections"),
+        ({"PORTICO_LOG_LEVEL": "chatty"}, "log_level"),
+    ],
+)
+def test_invalid_env_value_names_the_setting(env: dict[str, str], setting: str) -> None:
+    with pytest.raises(ConfigError, match=setting):
+        load(env)
+
+
+def test_invalid_file_value_names_the_setting(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="resume_window"):
+        load(config_file=write_config(tmp_path, "resume_window: soon\n"))
+
+
+def test_unknown_file_setting_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="prot"):
+        load(config_file=write_config(tmp_path, "prot: 80\n"))
+
+
+def test_unknown_agent_field_is_refused(tmp_path: Path) -> None:
+    text = "agents:\n  helper:\n    runtime: echo\n    colour: red\n"
+    with pytest.raises(ConfigError, match="colour"):
+        load(config_file=write_config(tmp_path, text))
+
+
+def test_invalid_flag_names_the_setting() -> None:
+    with pytest.raises(ConfigError, match="port"):
+        load(flags={"port": -1})
+
+
+def test_config_file_that_is_not_a_mapping(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load(config_file=write_config(tmp_path, "- port\n- 80\n"))
+
+
+def test_unreadable_config_file(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"nope\.yaml"):
+        load(config_file=missing)
+
+
+def test_config_file_with_broken_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"portico\.yaml"):
+        load(config_file=write_config(tmp_path, "port: [80\n"))
+
+
+# -- API keys -------------------------------------------------------------------------
+
+
+def test_api_keys_from_env() -> None:
+    settings = load({"PORTICO_API_KEYS": "tok=alice,tok2=bob"})
+    assert settings.api_keys == {"tok": "alice", "tok2": "bob"}
+
+
+def test_api_keys_tolerate_spaces_and_trailing_comma() -> None:
+    assert parse_api_keys(" tok=alice , tok2=bob ,") == {"tok": "alice", "tok2": "bob"}
+    assert parse_api_keys("") == {}
+
+
+def test_api_key_principal_may_contain_equals() -> None:
+    assert parse_api_keys("tok=team=red") == {"tok": "team=red"}
+
+
+def test_api_keys_as_a_string_in_the_config_file(tmp_path: Path) -> None:
+    settings = load(config_file=write_config(tmp_path, "api_keys: tok=alice,tok2=bob\n"))
+    assert settings.api_keys == {"tok": "alice", "tok2": "bob"}
+
+
+def test_api_keys_as_a_mapping_in_the_config_file(tmp_path: Path) -> None:
+    settings = load(config_file=write_config(tmp_path, "api_keys: {tok: alice}\n"))
+    assert settings.api_keys == {"tok": "alice"}
+
+
+@pytest.mark.parametrize("raw", ["tok", "=alice", "tok=", "tok=alice,bob", "tok=alice,=bob"])
+def test_bad_api_keys_are_refused(raw: str) -> None:
+    with pytest.raises(ConfigError, match="api_keys"):
+        load({"PORTICO_API_KEYS": raw})
+
+
+# -- start-up refusals ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_loopback_without_auth_may_start(host: str) -> None:
+    load(flags={"host": host}).check_startable()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.5", "example.com"])
+def test_non_loopback_without_auth_is_refused(host: str) -> None:
+    with pytest.raises(ConfigError, match="without authentication"):
+        load(flags={"host": host}).check_startable()
+
+
+def test_allow_unauthenticated_permits_an_open_bind() -> None:
+    load({"PORTICO_HOST": "0.0.0.0", "PORTICO_ALLOW_UNAUTHENTICATED": "true"}).check_startable()
+
+
+def test_apikey_auth_on_an_open_bind_may_start() -> None:
+    env = {"PORTICO_HOST": "0.0.0.0", "PORTICO_AUTH": "apikey", "PORTICO_API_KEYS": "t=a"}
+    load(env).check_startable()
+
+
+def test_apikey_without_keys_is_refused() -> None:
+    with pytest.raises(ConfigError, match="api_keys"):
+        load({"PORTICO_AUTH": "apikey"}).check_startable()
+
+
+def test_scripted_default_agent_without_script_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"'default'.*script"):
+        load({"PORTICO_RUNTIME": "scripted"}).check_startable()
+
+
+def test_scripted_named_agent_without_script_is_refused(tmp_path: Path) -> None:
+    path = write_config(tmp_path, "agents:\n  helper:\n    runtime: scripted\n")
+    with pytest.raises(ConfigError, match="'helper'"):
+        load(config_file=path).check_startable()
+
+
+def test_scripted_with_script_may_start() -> None:
+    load({"PORTICO_RUNTIME": "scripted", "PORTICO_SCRIPT": "script.yaml"}).check_startable()
+
+
+# -- redaction and agents -------------------------------------------------------------
+
+
+def test_redacted_masks_tokens_and_keeps_the_rest() -> None:
+    settings = load({"PORTICO_API_KEYS": "sekrit-one=alice,sekrit-two=bob", "PORTICO_PORT": "1"})
+    data = settings.redacted()
+    dumped = json.dumps(data)
+    assert "sekrit" not in dumped
+    assert sorted(data["api_keys"].values()) == ["alice", "bob"]
+    assert len(data["api_keys"]) == 2
+    assert data["port"] == 1
+    # Redaction is a copy: the live settings keep their tokens.
+    assert settings.api_keys == {"sekrit-one": "alice", "sekrit-two": "bob"}
+
+
+def test_default_agent_comes_from_runtime_and_script() -> None:
+    settings = load({"PORTICO_RUNTIME": "scripted", "PORTICO_SCRIPT": "s.yaml"})
+    assert settings.agent("default") == AgentSettings(runtime="scripted", script="s.yaml")
+    assert settings.agent_names() == ["default"]
+
+
+def test_configured_agents(tmp_path: Path) -> None:
+    text = "agents:\n  helper:\n    runtime: echo\n    sandboxes: [code]\n"
+    settings = load(config_file=write_config(tmp_path, text))
+    assert settings.agent("helper") == AgentSettings(runtime="echo", sandboxes=("code",))
+    assert settings.agent_names() == ["default", "helper"]
+    assert settings.agent("default") == AgentSettings(runtime="demo")
+
+
+def test_unknown_agent_is_none() -> None:
+    assert load().agent("nobody") is None

@@ -1,0 +1,521 @@
+"""The engine with a real MemoryStore and small in-test runtimes standing in for a model."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from portico.config import AgentSettings
+from portico.core.engine import Engine, UserMessage
+from portico.core.events import TERMINAL_EVENTS, TurnChunk, TurnCompleted, TurnEvent, TurnFailed
+from portico.core.model import Turn
+from portico.core.states import TurnState
+from portico.errors import (
+    SessionDeclarationRefused,
+    SessionExpired,
+    TurnInProgress,
+    UnknownAgent,
+)
+from portico.runtime.base import (
+    Chunk,
+    Done,
+    Failure,
+    Runtime,
+    RuntimeEvent,
+    ToolCall,
+    ToolOutcome,
+    TurnInput,
+    TurnStream,
+)
+from portico.store.memory import MemoryStore
+
+WAIT = 1.0  # seconds; a generous bound for events that arrive within a few loop steps
+TTL = 60.0
+
+
+# -- runtime doubles ------------------------------------------------------------------
+
+
+class ListRuntime:
+    """Yields the given events; records every turn input and every reply sent back."""
+
+    def __init__(self, *events: RuntimeEvent) -> None:
+        self.events = events
+        self.inputs: list[TurnInput] = []
+        self.replies: list[ToolOutcome | None] = []
+
+    async def run(self, turn: TurnInput) -> TurnStream:
+        self.inputs.append(turn)
+        for event in self.events:
+            self.replies.append((yield event))
+
+
+class GatedRuntime:
+    """Streams one chunk, then waits for `release` before finishing."""
+
+    def __init__(self) -> None:
+        self.streaming = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def run(self, turn: TurnInput) -> TurnStream:
+        yield Chunk("partial ")
+        self.streaming.set()
+        await self.release.wait()
+        yield Chunk("rest")
+        yield Done()
+
+
+class RaisingRuntime:
+    async def run(self, turn: TurnInput) -> TurnStream:
+        yield Chunk("partial")
+        raise RuntimeError("password=hunter2 at db.internal")
+
+
+class ToolRuntime:
+    """Calls one client tool and reports the outcome's status as its reply."""
+
+    def __init__(self) -> None:
+        self.outcome: ToolOutcome | None = None
+
+    async def run(self, turn: TurnInput) -> TurnStream:
+        reply = yield ToolCall(id="call-1", name="get_location", arguments={"q": "here"})
+        self.outcome = reply
+        yield Done(content=f"tool {reply.status if reply else 'none'}")
+
+
+# -- helpers --------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Recorder:
+    """A listener that keeps every event and signals the terminal one."""
+
+    def __init__(self) -> None:
+        self.events: list[TurnEvent] = []
+        self.ended = asyncio.Event()
+
+    def __call__(self, event: TurnEvent) -> None:
+        self.events.append(event)
+        if isinstance(event, TERMINAL_EVENTS):
+            self.ended.set()
+
+    async def terminal(self) -> TurnEvent:
+        await asyncio.wait_for(self.ended.wait(), WAIT)
+        return self.events[-1]
+
+    def terminals(self) -> list[TurnEvent]:
+        return [e for e in self.events if isinstance(e, TERMINAL_EVENTS)]
+
+
+def make_engine(
+    runtime: Runtime, *, clock: Clock | None = None, sandboxes: tuple[str, ...] = ()
+) -> Engine:
+    return Engine(
+        store=MemoryStore(),
+        runtimes={"default": runtime},
+        agents={"default": AgentSettings(sandboxes=sandboxes)},
+        context_ttl=TTL,
+        clock=clock or Clock(),
+    )
+
+
+def user_message(
+    session_id: str = "s1",
+    *,
+    principal: str = "alice",
+    content: str = "hi",
+    own_session: bool = False,
+    declare: dict[str, Any] | None = None,
+    agent: str = "default",
+) -> UserMessage:
+    return UserMessage(
+        principal=principal,
+        agent=agent,
+        session_id=session_id,
+        own_session=own_session,
+        content=content,
+        declare=declare,
+    )
+
+
+async def run_turn(engine: Engine, message: UserMessage) -> tuple[Turn, Recorder]:
+    recorder = Recorder()
+    turn = await engine.submit(message, recorder)
+    await recorder.terminal()
+    assert await engine.wait_idle(WAIT)
+    return turn, recorder
+
+
+async def stored_state(engine: Engine, turn: Turn) -> TurnState:
+    stored = await engine.store.get_turn(turn.id)
+    assert stored is not None
+    return stored.state
+
+
+async def wait_for(event: asyncio.Event) -> None:
+    await asyncio.wait_for(event.wait(), WAIT)
+
+
+# -- a turn's events and archive ------------------------------------------------------
+
+
+async def test_listener_gets_chunks_then_one_terminal_event() -> None:
+    engine = make_engine(ListRuntime(Chunk("Hello "), Chunk("world"), Done()))
+    turn, recorder = await run_turn(engine, user_message())
+    assert recorder.events == [
+        TurnChunk("s1", turn.id, "Hello "),
+        TurnChunk("s1", turn.id, "world"),
+        TurnCompleted("s1", turn.id, "Hello world"),
+    ]
+
+
+async def test_messages_are_archived_with_offsets_one_and_two() -> None:
+    engine = make_engine(ListRuntime(Chunk("Hello "), Chunk("world"), Done()))
+    turn, _ = await run_turn(engine, user_message(content="hi there"))
+    messages = await engine.store.list_messages("s1")
+    assert [(m.global_offset, m.role, m.content) for m in messages] == [
+        (1, "user", "hi there"),
+        (2, "assistant", "Hello world"),
+    ]
+    assert {m.turn_id for m in messages} == {turn.id}
+    assert messages[1].status == "completed"
+
+
+async def test_done_content_and_parts_replace_the_chunks() -> None:
+    engine = make_engine(ListRuntime(Chunk("draft"), Done(content="final")))
+    _, recorder = await run_turn(engine, user_message())
+    terminal = await recorder.terminal()
+    assert isinstance(terminal, TurnCompleted)
+    assert terminal.content == "final"
+    assert [m.content for m in await engine.store.list_messages("s1")] == ["hi", "final"]
+
+
+async def test_turn_states_go_pending_running_completed() -> None:
+    runtime = GatedRuntime()
+    engine = make_engine(runtime)
+    recorder = Recorder()
+    turn = await engine.submit(user_message(), recorder)
+    assert turn.state is TurnState.PENDING
+    await wait_for(runtime.streaming)
+    assert await stored_state(engine, turn) is TurnState.RUNNING
+    runtime.release.set()
+    await recorder.terminal()
+    await engine.wait_idle(WAIT)
+    stored = await engine.store.get_turn(turn.id)
+    assert stored is not None
+    assert stored.state is TurnState.COMPLETED
+    assert stored.started_at is not None
+    assert stored.ended_at is not None
+
+
+async def test_a_stream_that_just_ends_completes_with_its_chunks() -> None:
+    engine = make_engine(ListRuntime(Chunk("a"), Chunk("b")))
+    turn, recorder = await run_turn(engine, user_message())
+    assert recorder.terminals() == [TurnCompleted("s1", turn.id, "ab")]
+    assert await stored_state(engine, turn) is TurnState.COMPLETED
+
+
+async def test_runtime_gets_history_of_earlier_turns() -> None:
+    runtime = ListRuntime(Chunk("reply"), Done())
+    engine = make_engine(runtime)
+    await run_turn(engine, user_message(content="first"))
+    await run_turn(engine, user_message(content="second"))
+    second = runtime.inputs[1]
+    assert second.message.content == "second"
+    assert [(m.role, m.content) for m in second.history] == [
+        ("user", "first"),
+        ("assistant", "reply"),
+    ]
+
+
+async def test_a_listener_may_submit_again_as_soon_as_the_turn_ends() -> None:
+    engine = make_engine(ListRuntime(Chunk("x"), Done()))
+    recorder = Recorder()
+    await engine.submit(user_message(), recorder)
+    # A bare wait resumes in the very next loop step after the terminal event (no
+    # wait_for, no wait_idle): a client answering `done` at once must not see
+    # TURN_IN_PROGRESS.
+    await recorder.ended.wait()
+    assert not engine.is_busy("s1")
+    await engine.submit(user_message(content="again"), Recorder())
+    await engine.wait_idle(WAIT)
+    assert len(await engine.store.list_messages("s1")) == 4
+
+
+async def test_a_failing_listener_does_not_break_the_turn() -> None:
+    engine = make_engine(ListRuntime(Chunk("x"), Done()))
+
+    def broken(event: TurnEvent) -> None:
+        raise ValueError("listener bug")
+
+    engine.attach("s1", broken)
+    turn, recorder = await run_turn(engine, user_message())
+    assert recorder.terminals() == [TurnCompleted("s1", turn.id, "x")]
+
+
+# -- one turn at a time ---------------------------------------------------------------
+
+
+async def test_second_submit_while_running_is_refused_and_archives_nothing() -> None:
+    runtime = GatedRuntime()
+    engine = make_engine(runtime)
+    await engine.submit(user_message(content="first"), Recorder())
+    await wait_for(runtime.streaming)
+    with pytest.raises(TurnInProgress):
+        await engine.submit(user_message(content="second"), Recorder())
+    assert [m.content for m in await engine.store.list_messages("s1")] == ["first"]
+    assert len(await engine.store.list_turns("s1")) == 1
+    runtime.release.set()
+    assert await engine.wait_idle(WAIT)
+
+
+async def test_other_sessions_run_in_parallel() -> None:
+    runtime = GatedRuntime()
+    engine = make_engine(runtime)
+    await engine.submit(user_message("s1"), Recorder())
+    await wait_for(runtime.streaming)
+    await engine.submit(user_message("s2"), Recorder())
+    assert engine.is_busy("s1")
+    assert engine.is_busy("s2")
+    runtime.release.set()
+    assert await engine.wait_idle(WAIT)
+
+
+# -- failures -------------------------------------------------------------------------
+
+
+async def test_runtime_exception_ends_the_turn_with_a_generic_internal_error() -> None:
+    engine = make_engine(RaisingRuntime())
+    turn, recorder = await run_turn(engine, user_message())
+    terminals = recorder.terminals()
+    assert len(terminals) == 1
+    failed = terminals[0]
+    assert isinstance(failed, TurnFailed)
+    assert failed.code == "INTERNAL_ERROR"
+    assert "hunter2" not in failed.message
+    assert "db.internal" not in failed.message
+    stored = await engine.store.get_turn(turn.id)
+    assert stored is not None
+    assert stored.state is TurnState.FAILED
+    assert "hunter2" not in stored.error_message
+    reply = (await engine.store.list_messages("s1"))[-1]
+    assert (reply.role, reply.content, reply.status) == ("assistant", "partial", "failed")
+
+
+async def test_non_spec_failure_code_becomes_internal_error() -> None:
+    leaky = Failure(code="DATABASE_EXPLODED", message="password=hunter2")
+    engine = make_engine(ListRuntime(Chunk("x"), leaky))
+    turn, recorder = await run_turn(engine, user_message())
+    failed = await recorder.terminal()
+    assert isinstance(failed, TurnFailed)
+    assert failed.code == "INTERNAL_ERROR"
+    assert "hunter2" not in failed.message
+    assert await stored_state(engine, turn) is TurnState.FAILED
+    assert len(recorder.terminals()) == 1
+
+
+async def test_spec_failure_code_passes_through() -> None:
+    failure = Failure(code="PROVIDER_UNAVAILABLE", message="model endpoint unavailable")
+    engine = make_engine(ListRuntime(failure))
+    turn, recorder = await run_turn(engine, user_message())
+    assert recorder.terminals() == [
+        TurnFailed("s1", turn.id, "PROVIDER_UNAVAILABLE", "model endpoint unavailable")
+    ]
+    stored = await engine.store.get_turn(turn.id)
+    assert stored is not None
+    assert (stored.state, stored.error_code) == (TurnState.FAILED, "PROVIDER_UNAVAILABLE")
+    # Nothing was said, so nothing but the user's message is archived.
+    assert [m.role for m in await engine.store.list_messages("s1")] == ["user"]
+
+
+# -- turns outlive listeners; cancel and shutdown -------------------------------------------
+
+
+async def test_turn_finishes_and_is_archived_after_its_listener_detaches() -> None:
+    runtime = GatedRuntime()
+    engine = make_engine(runtime)
+    recorder = Recorder()
+    turn = await engine.submit(user_message(), recorder)
+    await wait_for(runtime.streaming)
+    engine.detach("s1", recorder)
+    runtime.release.set()
+    assert await engine.wait_idle(WAIT)
+    assert recorder.events == [TurnChunk("s1", turn.id, "partial ")]
+    assert await stored_state(engine, turn) is TurnState.COMPLETED
+    reply = (await engine.store.list_messages("s1"))[-1]
+    assert (reply.global_offset, reply.content) == (2, "partial rest")
+
+
+async def test_cancel_ends_a_running_turn_with_partial_content() -> None:
+    runtime = GatedRuntime()
+    engine = make_engine(runtime)
+    recorder = Recorder()
+    turn = await engine.submit(user_message(), recorder)
+    await wait_for(runtime.streaming)
+    assert await engine.cancel("s1") is True
+    assert recorder.terminals() == [TurnCompleted("s1", turn.id, "partial ", None, cancelled=True)]
+    assert await stored_state(engine, turn) is TurnState.CANCELLED
+    assert (await engine.store.list_messages("s1"))[-1].content == "partial "
+    assert not engine.is_busy("s1")
+    assert await engine.cancel("s1") is False
+
+
+async def test_cancel_before_the_turn_starts_still_ends_it_once() -> None:
+    runtime = ListRuntime(Chunk("never"), Done())
+    engine = make_engine(runtime)
+    recorder = Recorder()
+    turn = await engine.submit(user_message(), recorder)
+    assert await engine.cancel("s1") is True
+    assert recorder.terminals() == [TurnCompleted("s1", turn.id, "", None, cancelled=True)]
+    assert await stored_state(engine, turn) is TurnState.CANCELLED
+    assert runtime.inputs == []
+    assert not engine.is_busy("s1")
+
+
+async def test_cancel_without_a_turn_is_false() -> None:
+    engine = make_engine(ListRuntime(Done()))
+    assert await engine.cancel("s1") is False
+
+
+async def test_shutdown_interrupts_running_turns() -> None:
+    runtime = GatedRuntime()
+    engine = make_engine(runtime)
+    recorder = Recorder()
+    turn = await engine.submit(user_message(), recorder)
+    await wait_for(runtime.streaming)
+    await engine.shutdown()
+    assert await stored_state(engine, turn) is TurnState.INTERRUPTED
+    terminals = recorder.terminals()
+    assert len(terminals) == 1
+    assert isinstance(terminals[0], TurnFailed)
+    assert terminals[0].code == "INTERNAL_ERROR"
+    assert (await engine.store.list_messages("s1"))[-1].content == "partial "
+
+
+async def test_start_interrupts_turns_left_unfinished_in_the_archive() -> None:
+    engine = make_engine(ListRuntime(Done()))
+    turn = Turn(id="old", session_id="s0", state=TurnState.RUNNING, created_at=1.0)
+    await engine.store.create_turn(turn)
+    await engine.start()
+    stored = await engine.store.get_turn("old")
+    assert stored is not None
+    assert (stored.state, stored.ended_at) == (TurnState.INTERRUPTED, 1000.0)
+
+
+# -- ownership and expiry -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("own_session", [False, True])
+async def test_foreign_session_looks_expired(own_session: bool) -> None:
+    engine = make_engine(ListRuntime(Done(content="ok")))
+    await run_turn(engine, user_message(principal="alice"))
+    intruder = user_message(principal="mallory", own_session=own_session, content="steal")
+    with pytest.raises(SessionExpired):
+        await engine.submit(intruder, Recorder())
+    assert [m.content for m in await engine.store.list_messages("s1")] == ["hi", "ok"]
+    session = await engine.store.get_session("s1")
+    assert session is not None
+    assert session.owner == "alice"
+
+
+async def test_expired_session_is_refused() -> None:
+    clock = Clock(1000.0)
+    engine = make_engine(ListRuntime(Done(content="ok")), clock=clock)
+    await run_turn(engine, user_message())
+    clock.now += TTL + 1
+    with pytest.raises(SessionExpired):
+        await engine.submit(user_message(content="late"), Recorder())
+    assert len(await engine.store.list_messages("s1")) == 2
+
+
+async def test_expired_own_session_is_accepted() -> None:
+    clock = Clock(1000.0)
+    engine = make_engine(ListRuntime(Done(content="ok")), clock=clock)
+    await run_turn(engine, user_message())
+    clock.now += TTL + 1
+    await run_turn(engine, user_message(own_session=True, content="late"))
+    assert len(await engine.store.list_messages("s1")) == 4
+
+
+async def test_activity_keeps_a_session_alive() -> None:
+    clock = Clock(1000.0)
+    engine = make_engine(ListRuntime(Done(content="ok")), clock=clock)
+    await run_turn(engine, user_message())
+    clock.now += TTL - 1
+    await run_turn(engine, user_message(content="again"))
+    clock.now += TTL - 1
+    await run_turn(engine, user_message(content="still here"))
+    assert len(await engine.store.list_messages("s1")) == 6
+
+
+async def test_unknown_agent_is_refused_for_a_new_session() -> None:
+    engine = make_engine(ListRuntime(Done()))
+    with pytest.raises(UnknownAgent):
+        await engine.submit(user_message(agent="nobody"), Recorder())
+    assert await engine.store.get_session("s1") is None
+
+
+# -- declarations ---------------------------------------------------------------------
+
+
+async def assert_refused(engine: Engine, declare: dict[str, Any]) -> dict[str, Any]:
+    with pytest.raises(SessionDeclarationRefused) as caught:
+        await engine.submit(user_message(declare=declare), Recorder())
+    assert await engine.store.get_session("s1") is None
+    assert await engine.store.list_messages("s1") == []
+    assert not engine.is_busy("s1")
+    assert caught.value.code == "SESSION_DECLARATION_REFUSED"
+    details = caught.value.details
+    assert details is not None
+    return details
+
+
+async def test_unknown_declaration_type_is_refused() -> None:
+    engine = make_engine(ListRuntime(Done()), sandboxes=("code",))
+    details = await assert_refused(engine, {"mcp_servers": {}})
+    assert details["reason"] == "UnknownDeclarationType"
+    assert details["type"] == "mcp_servers"
+
+
+async def test_unknown_sandbox_is_refused() -> None:
+    engine = make_engine(ListRuntime(Done()), sandboxes=("code",))
+    details = await assert_refused(engine, {"sandboxes": {"browser/main": {}}})
+    assert set(details) == {"type", "handle", "reason", "message"}
+    assert (details["type"], details["handle"], details["reason"]) == (
+        "sandbox",
+        "browser/main",
+        "UnknownSandbox",
+    )
+    assert "browser" in details["message"]
+
+
+async def test_declared_known_sandbox_is_stored_and_given_to_the_runtime() -> None:
+    runtime = ListRuntime(Done())
+    engine = make_engine(runtime, sandboxes=("code",))
+    declare = {"sandboxes": {"code/main": {"image": "python"}}}
+    await run_turn(engine, user_message(declare=declare))
+    session = await engine.store.get_session("s1")
+    assert session is not None
+    assert session.declare == declare
+    assert runtime.inputs[0].declare == declare
+
+
+# -- client tools ---------------------------------------------------------------------
+
+
+async def test_tool_call_is_denied_by_the_default_broker() -> None:
+    runtime = ToolRuntime()
+    engine = make_engine(runtime)
+    turn, recorder = await run_turn(engine, user_message())
+    assert runtime.outcome is not None
+    assert runtime.outcome.status == "denied"
+    assert recorder.terminals() == [TurnCompleted("s1", turn.id, "tool denied")]
