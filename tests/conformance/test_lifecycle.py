@@ -1,0 +1,145 @@
+"""Process-level behaviour: start-up, probes, logs, shutdown and restart."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from portico.core.states import TurnState
+from support.archive import open_archive, wait_for_messages
+from support.omnia import OmniaClient, scenario
+from support.server import SCRIPT, ServerProcess
+
+
+def scripted(tmp_path: Path) -> ServerProcess:
+    return ServerProcess(tmp_path / "data", args=("--runtime", "scripted", "--script", str(SCRIPT)))
+
+
+async def open_client(http: aiohttp.ClientSession, server: ServerProcess) -> OmniaClient:
+    return OmniaClient(await http.ws_connect(server.ws_url))
+
+
+async def test_probes_report_live_and_ready(http: aiohttp.ClientSession, tmp_path: Path) -> None:
+    server = scripted(tmp_path).start()
+    try:
+        async with http.get(server.http_url + "/healthz") as live:
+            assert live.status == 200
+        async with http.get(server.http_url + "/readyz") as ready:
+            assert ready.status == 200
+            assert await ready.json() == {"status": "ready"}
+    finally:
+        server.stop()
+
+
+async def test_logs_name_connections_and_turns_but_never_bodies(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    server = scripted(tmp_path).start()
+    try:
+        client = await open_client(http, server)
+        session_id = (await client.connected())["session_id"]
+        secret = "my card number is 4111-1111"
+        await client.ask(secret, **scenario("echo"))
+        await client.ws.close()
+        await asyncio.sleep(0.2)
+    finally:
+        server.stop()
+    log = server.log_text()
+    assert f"connection opened protocol=omnia session={session_id}" in log
+    assert f"turn ended session={session_id}" in log
+    assert f"connection closed protocol=omnia session={session_id}" in log
+    assert "4111" not in log
+
+
+async def test_sigterm_interrupts_a_running_turn_and_archives_its_partial_reply(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    server = scripted(tmp_path).start()
+    client = await open_client(http, server)
+    session_id = (await client.connected())["session_id"]
+    await client.send({"type": "message", "content": "slow", **scenario("slow")})
+    assert (await client.recv())["content"] == "a"
+    assert server.stop(signal.SIGTERM) == 0
+    async with open_archive(server.archive_path) as store:
+        (turn,) = await store.list_turns(session_id)
+        messages = await store.list_messages(session_id)
+    assert turn.state is TurnState.INTERRUPTED
+    assert [(m.role, m.content) for m in messages] == [("user", "slow"), ("assistant", "a")]
+
+
+async def test_turns_left_running_by_a_killed_server_are_interrupted_at_start(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    server = scripted(tmp_path).start()
+    client = await open_client(http, server)
+    session_id = (await client.connected())["session_id"]
+    await client.send({"type": "message", "content": "slow", **scenario("slow")})
+    await client.recv()
+    await wait_for_messages(server.archive_path, session_id, 1)
+    server.stop(signal.SIGKILL)
+    server.start()
+    try:
+        async with open_archive(server.archive_path) as store:
+            (turn,) = await store.list_turns(session_id)
+        assert turn.state is TurnState.INTERRUPTED
+        # The session survives the restart and takes new turns.
+        resumed = await open_client(http, server)
+        await resumed.connected()
+        frames = await resumed.ask("again", session_id=session_id)
+        assert {f["session_id"] for f in frames} == {session_id}
+        messages = await wait_for_messages(server.archive_path, session_id, 3)
+        assert [m.global_offset for m in messages] == [1, 2, 3]
+    finally:
+        server.stop()
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "portico", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": "/usr/bin:/bin", **(env or {})},
+        check=False,
+    )
+
+
+def test_config_show_prints_effective_settings_with_masked_keys() -> None:
+    result = run_cli(
+        "config",
+        "show",
+        "--port",
+        "9999",
+        env={"PORTICO_API_KEYS": "s3cret=alice", "PORTICO_CONTEXT_TTL": "12.5"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "port: 9999" in result.stdout
+    assert "context_ttl: 12.5" in result.stdout
+    assert "alice" in result.stdout
+    assert "s3cret" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("serve", "--host", "0.0.0.0", "--port", "0"), "without authentication"),
+        (("serve", "--auth", "apikey", "--port", "0"), "api_keys"),
+        (("serve", "--runtime", "scripted", "--port", "0"), "script"),
+    ],
+)
+def test_serve_refuses_unsafe_or_incomplete_settings(args: tuple[str, ...], message: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_invalid_environment_value_is_a_clear_error() -> None:
+    result = run_cli("config", "show", env={"PORTICO_PORT": "eighty"})
+    assert result.returncode == 2
+    assert "port" in result.stderr
