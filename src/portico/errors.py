@@ -48,6 +48,14 @@ class InvalidMessage(PorticoError):
     http_status = 400
 
 
+class BinaryFrameError(InvalidMessage):
+    """A binary frame that cannot be decoded; ``message`` names the defect.
+
+    The messages are fixed strings (see ``protocols.omnia.binary``) so a client
+    can tell a bad header from bad metadata without parsing prose.
+    """
+
+
 class SessionExpired(PorticoError):
     """The named session cannot be resumed: expired, or not the caller's."""
 
@@ -138,5 +146,5 @@ class MediaNotEnabled(PorticoError):
     code = "MEDIA_NOT_ENABLED"
     http_status = 404
 
-    def __init__(self) -> None:
-        super().__init__("media storage is not enabled on this server")
+    def __init__(self, message: str = "media storage is not enabled on this server") -> None:
+        super().__init__(message)

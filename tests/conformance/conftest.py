@@ -19,6 +19,8 @@ SHORT_CONTEXT_TTL = 0.5
 SHORT_PING_INTERVAL = 0.2
 SHORT_PONG_TIMEOUT = 0.8
 SMALL_MAX_PAYLOAD = 65536
+SHORT_TOOL_ACK_TIMEOUT = 1.0
+SHORT_CLIENT_TOOL_TIMEOUT = 2.0
 
 Connect = Callable[..., Awaitable[OmniaClient]]
 
@@ -60,6 +62,8 @@ def short_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
             "PORTICO_PING_INTERVAL": str(SHORT_PING_INTERVAL),
             "PORTICO_PONG_TIMEOUT": str(SHORT_PONG_TIMEOUT),
             "PORTICO_MAX_PAYLOAD_SIZE": str(SMALL_MAX_PAYLOAD),
+            "PORTICO_TOOL_ACK_TIMEOUT": str(SHORT_TOOL_ACK_TIMEOUT),
+            "PORTICO_CLIENT_TOOL_TIMEOUT": str(SHORT_CLIENT_TOOL_TIMEOUT),
         },
     ).start()
     yield process
@@ -102,3 +106,8 @@ def connect_short(http: aiohttp.ClientSession, short_server: ServerProcess) -> C
 @pytest.fixture
 def archive_path(server: ServerProcess) -> Path:
     return server.archive_path
+
+
+@pytest.fixture
+def short_archive_path(short_server: ServerProcess) -> Path:
+    return short_server.archive_path

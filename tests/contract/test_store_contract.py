@@ -14,8 +14,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from portico.core.model import ContentPart, MediaContent, Message, Session, Turn
-from portico.core.states import TurnState
+from portico.core.model import ContentPart, MediaContent, Message, Session, ToolCallRecord, Turn
+from portico.core.states import ToolCallState, TurnState
 from portico.errors import StoreError
 from portico.store.base import Store
 from portico.store.memory import MemoryStore
@@ -429,3 +429,48 @@ async def test_sqlite_unopened_store_raises_store_error(tmp_path: Path) -> None:
         await store.get_session("s1")
     with pytest.raises(StoreError):
         await store.create_session(make_session())
+
+
+# -- tool calls ---------------------------------------------------------------------
+
+
+def make_tool_call(call_id: str, session_id: str = "s1", *, at: float = 1.0) -> ToolCallRecord:
+    return ToolCallRecord(
+        id=call_id,
+        session_id=session_id,
+        turn_id="t1",
+        name="get_location",
+        arguments={"query": "current", "n": [1, 2]},
+        state=ToolCallState.PENDING,
+        created_at=at,
+        updated_at=at,
+        consent_message="Allow?",
+        categories=("location",),
+    )
+
+
+async def test_tool_calls_round_trip_and_update_in_place(store: Store) -> None:
+    await store.create_session(make_session())
+    call = make_tool_call("c1")
+    await store.save_tool_call(call)
+    assert await store.get_tool_call("c1") == call
+    done = msgspec.structs.replace(
+        call, state=ToolCallState.COMPLETED, result={"city": "Oslo"}, updated_at=2.0
+    )
+    await store.save_tool_call(done)
+    assert await store.get_tool_call("c1") == done
+    assert done.outcome == "completed"
+    assert await store.get_tool_call("missing") is None
+
+
+async def test_list_tool_calls_per_session_oldest_first(store: Store) -> None:
+    for session_id in ("s1", "s2"):
+        await store.create_session(make_session(session_id))
+    await store.save_tool_call(make_tool_call("c1", at=1.0))
+    await store.save_tool_call(make_tool_call("other", "s2", at=1.5))
+    await store.save_tool_call(make_tool_call("c2", at=2.0))
+    await store.save_tool_call(
+        msgspec.structs.replace(make_tool_call("c1", at=1.0), state=ToolCallState.TIMEOUT)
+    )
+    calls = await store.list_tool_calls("s1")
+    assert [(c.id, c.outcome) for c in calls] == [("c1", "denied"), ("c2", None)]

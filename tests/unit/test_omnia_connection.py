@@ -10,6 +10,7 @@ import pytest
 from portico.core.events import TurnChunk, TurnCompleted, TurnFailed, TurnMediaChunk, TurnToolCall
 from portico.core.model import ContentPart, MediaContent
 from portico.errors import SessionExpired, TurnInProgress
+from portico.protocols.omnia.binary import media_frames
 from portico.protocols.omnia.connection import (
     Keepalive,
     MessageReceived,
@@ -177,11 +178,27 @@ def test_malformed_json_is_invalid_message() -> None:
     assert error["error"]["message"].startswith("Failed to parse message")
 
 
-def test_binary_frames_are_refused_on_the_text_path() -> None:
+def test_undecodable_binary_frame_is_invalid_with_the_reason() -> None:
     conn = opened()
     assert conn.receive_binary(b"OMNI", now=1.0) == []
     (error,) = sent(conn)
-    assert error["error"]["code"] == "INVALID_MESSAGE"
+    assert error["error"] == {"code": "INVALID_MESSAGE", "message": "invalid header size"}
+
+
+def test_valid_binary_media_without_audio_is_refused_once_per_connection() -> None:
+    conn = opened()
+    frames = media_frames(
+        media_id="a1", mime_type="audio/pcm", payload=b"\x00" * 10, session_id=OWN
+    )
+    for _ in range(3):
+        conn.receive_binary(frames[0], now=1.0)
+    (error,) = sent(conn)
+    assert error["error"]["code"] == "MEDIA_NOT_ENABLED"
+
+
+def test_deeply_nested_json_is_invalid_not_a_crash() -> None:
+    nested = '{"type": "message", "content": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert refusal(opened(), nested)["error"]["code"] == "INVALID_MESSAGE"
 
 
 # -- other client frames ---------------------------------------------------------------

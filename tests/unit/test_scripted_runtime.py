@@ -84,6 +84,7 @@ def turn_input(
         session_id="s1",
         turn_id="t1",
         agent="default",
+        owner="local",
         message=message,
         history=history,
         directives=directives,

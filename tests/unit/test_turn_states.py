@@ -7,10 +7,15 @@ import itertools
 import pytest
 
 from portico.core.states import (
+    TERMINAL_TOOL_CALL_STATES,
     TERMINAL_TURN_STATES,
+    TOOL_CALL_TRANSITIONS,
     TURN_TRANSITIONS,
+    ToolCallState,
+    ToolCallTrigger,
     TurnState,
     TurnTrigger,
+    next_tool_call_state,
     next_turn_state,
 )
 from portico.errors import IllegalTransition
@@ -101,3 +106,46 @@ def test_every_transition_target_is_reachable_from_pending() -> None:
                 reachable.add(target)
                 frontier.append(target)
     assert reachable == set(TurnState)
+
+
+# -- tool calls ---------------------------------------------------------------------
+
+C, G = ToolCallState, ToolCallTrigger
+_ENDINGS = {G.RESULT: C.COMPLETED, G.ERROR: C.FAILED, G.NACK: C.REJECTED, G.EXPIRE: C.TIMEOUT}
+EXPECTED_TOOL_TRANSITIONS: dict[tuple[ToolCallState, ToolCallTrigger], ToolCallState] = {
+    (C.PENDING, G.DELIVER): C.SENT,
+    (C.PENDING, G.ACK): C.EXECUTING,
+    (C.SENT, G.ACK): C.EXECUTING,
+    **{
+        (state, trigger): end
+        for state in (C.PENDING, C.SENT, C.EXECUTING)
+        for trigger, end in _ENDINGS.items()
+    },
+}
+TOOL_PAIRS = [(s, t) for s in ToolCallState for t in ToolCallTrigger]
+
+
+def test_tool_call_table_is_the_designed_one() -> None:
+    assert TOOL_CALL_TRANSITIONS == EXPECTED_TOOL_TRANSITIONS
+
+
+@pytest.mark.parametrize(("state", "trigger"), TOOL_PAIRS, ids=[f"{s}-{t}" for s, t in TOOL_PAIRS])
+def test_tool_call_table_is_total_or_raises(state: ToolCallState, trigger: ToolCallTrigger) -> None:
+    if (state, trigger) in EXPECTED_TOOL_TRANSITIONS:
+        assert next_tool_call_state(state, trigger) is EXPECTED_TOOL_TRANSITIONS[(state, trigger)]
+    else:
+        with pytest.raises(IllegalTransition, match=f"{state.value}.*{trigger.value}"):
+            next_tool_call_state(state, trigger)
+
+
+@pytest.mark.parametrize("state", sorted(TERMINAL_TOOL_CALL_STATES))
+def test_ended_tool_calls_have_no_way_out(state: ToolCallState) -> None:
+    assert not [key for key in TOOL_CALL_TRANSITIONS if key[0] is state]
+
+
+def test_open_tool_calls_can_end_every_way() -> None:
+    for state in (ToolCallState.PENDING, ToolCallState.SENT, ToolCallState.EXECUTING):
+        ends = {
+            end for (start, _), end in TOOL_CALL_TRANSITIONS.items() if start is state
+        } & TERMINAL_TOOL_CALL_STATES
+        assert ends == TERMINAL_TOOL_CALL_STATES

@@ -213,6 +213,7 @@ class Engine:
             session_id=session.id,
             turn_id=turn.id,
             agent=session.agent,
+            owner=session.owner,
             message=stored,
             history=tuple(history[-HISTORY_LIMIT:]),
             directives=message.directives,

@@ -28,6 +28,15 @@ class TurnToolCall(msgspec.Struct, frozen=True):
     call: ToolCall
 
 
+class TurnToolCallTimedOut(msgspec.Struct, frozen=True):
+    """The server ended a tool call the client never answered; the client stops waiting."""
+
+    session_id: str
+    turn_id: str
+    call_id: str
+    error: str
+
+
 class TurnCompleted(msgspec.Struct, frozen=True):
     session_id: str
     turn_id: str
@@ -45,7 +54,9 @@ class TurnFailed(msgspec.Struct, frozen=True):
     message: str
 
 
-TurnEvent = TurnChunk | TurnMediaChunk | TurnToolCall | TurnCompleted | TurnFailed
+TurnEvent = (
+    TurnChunk | TurnMediaChunk | TurnToolCall | TurnToolCallTimedOut | TurnCompleted | TurnFailed
+)
 TERMINAL_EVENTS = (TurnCompleted, TurnFailed)
 
 # Called synchronously by the turn's task; must not block or raise.

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from portico.core.states import TurnState
+from portico.core.states import ToolCallState, TurnState
 
 PartType = Literal["text", "image", "audio", "video", "file"]
 Role = Literal["user", "assistant", "tool", "system"]
@@ -97,6 +97,38 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
     error_code: str = ""
     error_message: str = ""
     merged_into: str = ""
+
+
+class ToolCallRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A client-side tool call and its outcome, archived with its turn."""
+
+    id: str
+    session_id: str
+    turn_id: str
+    name: str
+    arguments: dict[str, Any]
+    state: ToolCallState
+    created_at: float
+    updated_at: float
+    consent_message: str | None = None
+    categories: tuple[str, ...] = ()
+    result: Any = None
+    error: str = ""
+    message_id: str = ""
+    client_id: str = ""
+
+    @property
+    def outcome(self) -> Literal["completed", "error", "denied"] | None:
+        """The Omnia record: a nack, a timeout or a stopped turn are all `denied`."""
+        return _OUTCOMES.get(self.state)
+
+
+_OUTCOMES: dict[ToolCallState, Literal["completed", "error", "denied"]] = {
+    ToolCallState.COMPLETED: "completed",
+    ToolCallState.FAILED: "error",
+    ToolCallState.TIMEOUT: "denied",
+    ToolCallState.REJECTED: "denied",
+}
 
 
 def message_text(message: Message) -> str:

@@ -76,12 +76,16 @@ class TurnRunner:
         if self._driving and self._task is not None:
             self._task.cancel()
 
-    def emit(self, event: TurnEvent) -> None:
+    def emit(self, event: TurnEvent) -> int:
+        """Hand the event to every attached connection; returns how many took it."""
+        delivered = 0
         for listener in self._listeners():
             try:
                 listener(event)
+                delivered += 1
             except Exception:
                 log.exception("turn listener failed session=%s", self.turn.session_id)
+        return delivered
 
     async def run(self) -> Turn:
         started = time.perf_counter()
@@ -136,7 +140,7 @@ class TurnRunner:
         if isinstance(event, MediaChunk):
             self.emit(TurnMediaChunk(session_id, turn_id, event))
             return None
-        return await self._tools.call(session_id, turn_id, event, self.emit)
+        return await self._tools.call(self._input.owner, session_id, turn_id, event, self.emit)
 
     async def _finish(self, terminal: Done | Failure | None) -> None:
         """Archive the reply, record the turn's end, then send the one terminal event."""

@@ -65,6 +65,7 @@ class TurnInput(msgspec.Struct, frozen=True, kw_only=True):
     session_id: str
     turn_id: str
     agent: str
+    owner: str  # the principal the session belongs to
     message: Message
     history: tuple[Message, ...]
     # Reserved metadata keys (`mock_scenario`, `content_type`, `omnia.*`): for the runtime only.

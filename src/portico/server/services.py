@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from portico.auth.base import Authenticator
 from portico.auth.none import NoAuth
 from portico.config import AgentSettings, Settings
 from portico.core.engine import Engine
+from portico.core.tools import ClientToolBroker
 from portico.runtime.base import Runtime
 from portico.runtime.demo import DemoRuntime
 from portico.runtime.echo import EchoRuntime
@@ -30,8 +32,15 @@ class Services:
         self.auth = build_auth(settings)
         agents = {name: settings.agent(name) for name in settings.agent_names()}
         resolved = {name: agent for name, agent in agents.items() if agent is not None}
+        self.tools = ClientToolBroker(
+            store=self.store,
+            ack_timeout=settings.tool_ack_timeout,
+            answer_timeout=settings.client_tool_timeout,
+            clock=time.time,
+        )
         self.engine = Engine(
             store=self.store,
+            tools=self.tools,
             runtimes={name: build_runtime(agent, settings) for name, agent in resolved.items()},
             agents=resolved,
             context_ttl=settings.context_ttl,

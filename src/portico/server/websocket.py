@@ -16,7 +16,6 @@ from portico.core.events import TurnEvent
 from portico.core.model import new_id
 from portico.errors import (
     InternalError,
-    InvalidMessage,
     MediaNotEnabled,
     PorticoError,
     Unauthenticated,
@@ -30,6 +29,7 @@ from portico.protocols.omnia.connection import (
     ToolReply,
     UploadRequested,
 )
+from portico.protocols.omnia.frames import ToolCallAckFrame, ToolCallNackFrame, ToolResultFrame
 from portico.server.services import SERVICES, Services
 
 log = logging.getLogger("portico.ws")
@@ -135,11 +135,20 @@ class OmniaSocket:
         match event:
             case MessageReceived():
                 await self._submit(event)
-            case ToolReply(call_id=call_id):
-                # Until the tool broker lands every call is denied at once, so none is pending.
-                raise InvalidMessage(f"no pending tool call {call_id!r}")
+            case ToolReply():
+                await self._tool_reply(event)
             case UploadRequested():
                 raise MediaNotEnabled()
+
+    async def _tool_reply(self, reply: ToolReply) -> None:
+        tools, frame = self._services.tools, reply.frame
+        match frame:
+            case ToolCallAckFrame():
+                await tools.acknowledge(self._principal, reply.call_id)
+            case ToolCallNackFrame(tool_call_nack=nack):
+                tools.reject(self._principal, reply.call_id, nack.reason)
+            case ToolResultFrame(tool_result=result):
+                tools.answer(self._principal, reply.call_id, result.result, result.error)
 
     async def _submit(self, event: MessageReceived) -> None:
         engine = self._services.engine

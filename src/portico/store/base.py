@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from portico.core.model import Message, Session, Turn
+from portico.core.model import Message, Session, ToolCallRecord, Turn
 
 
 class Store(Protocol):
@@ -44,6 +44,14 @@ class Store(Protocol):
 
     async def list_turns(self, session_id: str) -> list[Turn]:
         """A session's turns, oldest first."""
+
+    async def save_tool_call(self, call: ToolCallRecord) -> None:
+        """Insert or replace the stored call with this one (same id)."""
+
+    async def get_tool_call(self, call_id: str) -> ToolCallRecord | None: ...
+
+    async def list_tool_calls(self, session_id: str) -> list[ToolCallRecord]:
+        """A session's tool calls, oldest first."""
 
     async def interrupt_unfinished_turns(self, now: float) -> int:
         """Mark turns left pending or running by a stopped server `interrupted`."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from portico.core.model import Message, Session, Turn
+from portico.core.model import Message, Session, ToolCallRecord, Turn
 from portico.core.states import TERMINAL_TURN_STATES, TurnState
 from portico.errors import StoreError
 
@@ -14,6 +14,7 @@ class MemoryStore:
         self._sessions: dict[str, Session] = {}
         self._messages: dict[str, list[Message]] = {}
         self._turns: dict[str, Turn] = {}
+        self._tool_calls: dict[str, ToolCallRecord] = {}
 
     async def open(self) -> None:
         return None
@@ -65,6 +66,15 @@ class MemoryStore:
     async def list_turns(self, session_id: str) -> list[Turn]:
         turns = [t for t in self._turns.values() if t.session_id == session_id]
         return sorted(turns, key=lambda t: t.created_at)
+
+    async def save_tool_call(self, call: ToolCallRecord) -> None:
+        self._tool_calls[call.id] = call
+
+    async def get_tool_call(self, call_id: str) -> ToolCallRecord | None:
+        return self._tool_calls.get(call_id)
+
+    async def list_tool_calls(self, session_id: str) -> list[ToolCallRecord]:
+        return [c for c in self._tool_calls.values() if c.session_id == session_id]
 
     async def interrupt_unfinished_turns(self, now: float) -> int:
         unfinished = [t for t in self._turns.values() if t.state not in TERMINAL_TURN_STATES]

@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from portico.core.model import ContentPart, Message, Session, Turn
-from portico.core.states import TERMINAL_TURN_STATES, TurnState
+from portico.core.model import ContentPart, Message, Session, ToolCallRecord, Turn
+from portico.core.states import TERMINAL_TURN_STATES, ToolCallState, TurnState
 from portico.errors import StoreError
 
 T = TypeVar("T")
@@ -79,6 +79,25 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX turns_session ON turns (session_id, created_at);
     """,
+    """
+    CREATE TABLE tool_calls (
+        id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL REFERENCES sessions (id),
+        turn_id TEXT NOT NULL,
+        name TEXT NOT NULL,
+        arguments TEXT NOT NULL,
+        state TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        consent_message TEXT,
+        categories TEXT NOT NULL,
+        result TEXT NOT NULL,
+        error TEXT NOT NULL,
+        message_id TEXT NOT NULL,
+        client_id TEXT NOT NULL
+    );
+    CREATE INDEX tool_calls_session ON tool_calls (session_id, created_at);
+    """,
 )
 
 SESSION_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Session))
@@ -87,6 +106,8 @@ _json_encode = msgspec.json.encode
 _parts_decoder = msgspec.json.Decoder(tuple[ContentPart, ...])
 _metadata_decoder = msgspec.json.Decoder(dict[str, str])
 _declare_decoder = msgspec.json.Decoder(dict[str, Any] | None)
+_any_decoder = msgspec.json.Decoder()
+_JSON_TOOL_COLUMNS = ("arguments", "categories", "result")
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
@@ -121,6 +142,23 @@ def _turn_from_row(row: sqlite3.Row) -> Turn:
     data = _row_dict(row)
     data["state"] = TurnState(data["state"])
     return Turn(**data)
+
+
+def _tool_call_row(call: ToolCallRecord) -> dict[str, Any]:
+    row = msgspec.structs.asdict(call)
+    row["state"] = call.state.value
+    for column in _JSON_TOOL_COLUMNS:
+        row[column] = _json_encode(row[column])
+    return row
+
+
+def _tool_call_from_row(row: sqlite3.Row) -> ToolCallRecord:
+    data = _row_dict(row)
+    for column in _JSON_TOOL_COLUMNS:
+        data[column] = _any_decoder.decode(data[column])
+    data["state"] = ToolCallState(data["state"])
+    data["categories"] = tuple(data["categories"])
+    return ToolCallRecord(**data)
 
 
 class SqliteStore:
@@ -306,19 +344,7 @@ class SqliteStore:
     async def save_turn(self, turn: Turn) -> None:
         row = msgspec.structs.asdict(turn)
         row["state"] = turn.state.value
-        columns = ", ".join(row)
-        # An update in place, not INSERT OR REPLACE: a replaced row gets a new rowid,
-        # which would reorder turns created at the same time in `list_turns`.
-        updates = ", ".join(f"{column} = excluded.{column}" for column in row if column != "id")
-
-        def upsert(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                f"INSERT INTO turns ({columns}) VALUES ({', '.join('?' * len(row))}) "
-                f"ON CONFLICT (id) DO UPDATE SET {updates}",
-                tuple(row.values()),
-            )
-
-        await self._write(upsert)
+        await self._write(_upsert("turns", row))
 
     async def get_turn(self, turn_id: str) -> Turn | None:
         def select(conn: sqlite3.Connection) -> Turn | None:
@@ -337,6 +363,28 @@ class SqliteStore:
 
         return await self._read(select)
 
+    # -- tool calls -------------------------------------------------------------
+
+    async def save_tool_call(self, call: ToolCallRecord) -> None:
+        await self._write(_upsert("tool_calls", _tool_call_row(call)))
+
+    async def get_tool_call(self, call_id: str) -> ToolCallRecord | None:
+        def select(conn: sqlite3.Connection) -> ToolCallRecord | None:
+            row = conn.execute("SELECT * FROM tool_calls WHERE id = ?", (call_id,)).fetchone()
+            return None if row is None else _tool_call_from_row(row)
+
+        return await self._read(select)
+
+    async def list_tool_calls(self, session_id: str) -> list[ToolCallRecord]:
+        def select(conn: sqlite3.Connection) -> list[ToolCallRecord]:
+            rows = conn.execute(
+                "SELECT * FROM tool_calls WHERE session_id = ? ORDER BY created_at, rowid",
+                (session_id,),
+            ).fetchall()
+            return [_tool_call_from_row(row) for row in rows]
+
+        return await self._read(select)
+
     async def interrupt_unfinished_turns(self, now: float) -> int:
         terminal = tuple(state.value for state in TERMINAL_TURN_STATES)
 
@@ -349,3 +397,19 @@ class SqliteStore:
             return cursor.rowcount
 
         return await self._write(update)
+
+
+def _upsert(table: str, row: dict[str, Any]) -> Callable[[sqlite3.Connection], None]:
+    """An insert that updates in place on a known id (keeping the rowid, so order holds)."""
+    columns = ", ".join(row)
+    updates = ", ".join(f"{column} = excluded.{column}" for column in row if column != "id")
+    sql = (
+        f"INSERT INTO {table} ({columns}) VALUES ({', '.join('?' * len(row))}) "
+        f"ON CONFLICT (id) DO UPDATE SET {updates}"
+    )
+    values = tuple(row.values())
+
+    def upsert(conn: sqlite3.Connection) -> None:
+        conn.execute(sql, values)
+
+    return upsert

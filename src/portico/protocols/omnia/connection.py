@@ -23,10 +23,12 @@ from portico.core.events import (
     TurnFailed,
     TurnMediaChunk,
     TurnToolCall,
+    TurnToolCallTimedOut,
 )
 from portico.core.model import ContentPart
-from portico.errors import InvalidMessage, PorticoError
+from portico.errors import BinaryFrameError, InvalidMessage, MediaNotEnabled, PorticoError
 from portico.protocols.omnia import frames as f
+from portico.protocols.omnia.binary import decode_frame
 
 PROTOCOL_VERSION = 1
 RESERVED_METADATA_KEYS = frozenset({"mock_scenario", "content_type"})
@@ -136,6 +138,7 @@ class OmniaConnection:
         self._last_received = now
         self._next_ping = now + ping_interval
         self._outbox: list[bytes] = []
+        self._told_no_audio = False
         # `connected` is the first frame and is sent once per connection.
         self._queue(
             f.ConnectedFrame(
@@ -176,6 +179,10 @@ class OmniaConnection:
         except msgspec.DecodeError as exc:
             self.send_error(InvalidMessage(f"Failed to parse message: {exc}"))
             return []
+        except RecursionError:
+            # msgspec refuses pathological nesting this way, even inside ignored fields.
+            self.send_error(InvalidMessage("Failed to parse message: nested too deeply"))
+            return []
         try:
             return self._dispatch(frame)
         except InvalidMessage as exc:
@@ -183,8 +190,17 @@ class OmniaConnection:
             return []
 
     def receive_binary(self, data: bytes, now: float) -> list[Event]:
+        """Decode an inbound binary frame; without an audio session it has nowhere to go."""
         self._last_received = now
-        self.send_error(InvalidMessage("binary frames are not accepted on the text path"))
+        try:
+            decode_frame(data)
+        except BinaryFrameError as exc:
+            self.send_error(exc)
+            return []
+        if not self._told_no_audio:
+            # One refusal per connection, not one per frame of a stream.
+            self._told_no_audio = True
+            self.send_error(MediaNotEnabled("no audio session: binary media is not accepted"))
         return []
 
     def receive_control(self, now: float) -> None:
@@ -281,4 +297,7 @@ def turn_event_frame(event: TurnEvent) -> f.ServerFrame:
                 categories=call.categories or None,
             )
             return f.ToolCallFrame(tool_call=info_call, session_id=session_id)
+        case TurnToolCallTimedOut(call_id=call_id, error=error):
+            result = f.ServerToolResult(id=call_id, error=error)
+            return f.ToolResultServerFrame(tool_result=result, session_id=session_id)
     raise AssertionError(f"unhandled turn event {type(event).__name__}")

@@ -1,0 +1,245 @@
+"""Client-side tools on `/ws`: the broker's every path, against a real server.
+
+The short server's tool waits are 1 s for the ack and 2 s for the answer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from conftest import BOB, SHORT_TOOL_ACK_TIMEOUT, Connect
+
+from portico.core.states import ToolCallState
+from support.archive import open_archive, wait_for_messages
+from support.omnia import OmniaClient, scenario
+
+TIMED_OUT = "the client did not answer the tool call in time"
+
+
+async def start_tool_turn(client: OmniaClient, name: str = "tool") -> tuple[str, dict[str, Any]]:
+    session_id = (await client.connected())["session_id"]
+    await client.send({"type": "message", "content": "where am I", **scenario(name)})
+    frame = await client.recv()
+    assert frame["type"] == "tool_call", frame
+    return session_id, frame
+
+
+async def archived_calls(path: Path, session_id: str) -> list[tuple[str, str | None]]:
+    async with open_archive(path) as store:
+        calls = await store.list_tool_calls(session_id)
+    return [(call.name, call.outcome) for call in calls]
+
+
+async def test_tool_round_trip(connect_short: Connect, short_archive_path: Path) -> None:
+    client = await connect_short()
+    session_id, call = await start_tool_turn(client)
+    assert call == {
+        "type": "tool_call",
+        "tool_call": {
+            "id": call["tool_call"]["id"],
+            "name": "get_location",
+            "arguments": {"query": "current"},
+            "consent_message": "Allow location access?",
+            "categories": ["location"],
+        },
+        "session_id": session_id,
+    }
+    call_id = call["tool_call"]["id"]
+    await client.send({"type": "tool_call_ack", "tool_call_ack": {"call_id": call_id}})
+    await client.send(
+        {"type": "tool_result", "tool_result": {"call_id": call_id, "result": {"city": "Oslo"}}}
+    )
+    frames = await client.turn()
+    assert frames[-1]["content"] == 'status=completed result={"city":"Oslo"} error='
+    async with open_archive(short_archive_path) as store:
+        (record,) = await store.list_tool_calls(session_id)
+    assert record.state is ToolCallState.COMPLETED
+    assert record.outcome == "completed"
+    assert record.result == {"city": "Oslo"}
+    assert record.turn_id
+
+
+async def test_result_without_ack_is_accepted(connect_short: Connect) -> None:
+    client = await connect_short()
+    _, call = await start_tool_turn(client)
+    call_id = call["tool_call"]["id"]
+    await client.send({"type": "tool_result", "tool_result": {"call_id": call_id, "result": 7}})
+    assert (await client.turn())[-1]["content"] == "status=completed result=7 error="
+
+
+async def test_ack_extends_the_wait_past_the_ack_timeout(connect_short: Connect) -> None:
+    client = await connect_short()
+    _, call = await start_tool_turn(client)
+    call_id = call["tool_call"]["id"]
+    await client.send({"type": "tool_call_ack", "tool_call_ack": {"call_id": call_id}})
+    await client.expect_silence(SHORT_TOOL_ACK_TIMEOUT * 1.3)
+    await client.send({"type": "tool_result", "tool_result": {"call_id": call_id, "result": "ok"}})
+    assert (await client.turn())[-1]["content"] == 'status=completed result="ok" error='
+
+
+async def test_no_ack_is_denied_and_the_client_is_told(
+    connect_short: Connect, short_archive_path: Path
+) -> None:
+    client = await connect_short()
+    session_id, call = await start_tool_turn(client)
+    call_id = call["tool_call"]["id"]
+    frames = await client.turn()
+    assert frames[0] == {
+        "type": "tool_result",
+        "tool_result": {"id": call_id, "error": TIMED_OUT},
+        "session_id": session_id,
+    }
+    assert frames[1:] == [
+        {
+            "type": "chunk",
+            "content": f"status=denied result= error={TIMED_OUT}",
+            "session_id": session_id,
+        },
+        {
+            "type": "done",
+            "content": f"status=denied result= error={TIMED_OUT}",
+            "session_id": session_id,
+        },
+    ]
+    await client.expect_silence()
+    assert await archived_calls(short_archive_path, session_id) == [("get_location", "denied")]
+    # A late answer changes nothing.
+    await client.send({"type": "tool_result", "tool_result": {"call_id": call_id, "result": 1}})
+    assert (await client.recv())["error"]["code"] == "INVALID_MESSAGE"
+
+
+async def test_ack_then_silence_is_denied(connect_short: Connect, short_archive_path: Path) -> None:
+    client = await connect_short()
+    session_id, call = await start_tool_turn(client)
+    call_id = call["tool_call"]["id"]
+    await client.send({"type": "tool_call_ack", "tool_call_ack": {"call_id": call_id}})
+    frames = await client.turn()
+    assert frames[0]["tool_result"] == {"id": call_id, "error": TIMED_OUT}
+    assert frames[-1]["type"] == "done"
+    async with open_archive(short_archive_path) as store:
+        (record,) = await store.list_tool_calls(session_id)
+    assert record.state is ToolCallState.TIMEOUT
+
+
+async def test_nack_with_a_reason_is_denied_with_it(
+    connect_short: Connect, short_archive_path: Path
+) -> None:
+    client = await connect_short()
+    session_id, call = await start_tool_turn(client)
+    nack = {"call_id": call["tool_call"]["id"], "reason": "user declined"}
+    await client.send({"type": "tool_call_nack", "tool_call_nack": nack})
+    assert (await client.turn())[-1]["content"] == "status=denied result= error=user declined"
+    assert await archived_calls(short_archive_path, session_id) == [("get_location", "denied")]
+
+
+async def test_nack_with_an_empty_reason_is_still_a_denial(connect_short: Connect) -> None:
+    client = await connect_short()
+    _, call = await start_tool_turn(client)
+    nack = {"call_id": call["tool_call"]["id"], "reason": ""}
+    await client.send({"type": "tool_call_nack", "tool_call_nack": nack})
+    assert (await client.turn())[-1]["content"] == "status=denied result= error="
+
+
+async def test_nack_without_reason_is_invalid_and_the_call_stays_open(
+    connect_short: Connect,
+) -> None:
+    client = await connect_short()
+    _, call = await start_tool_turn(client)
+    call_id = call["tool_call"]["id"]
+    await client.send({"type": "tool_call_nack", "tool_call_nack": {"call_id": call_id}})
+    assert (await client.recv())["error"]["code"] == "INVALID_MESSAGE"
+    await client.send({"type": "tool_result", "tool_result": {"call_id": call_id, "result": 1}})
+    assert (await client.turn())[-1]["content"] == "status=completed result=1 error="
+
+
+async def test_result_with_error_is_recorded_as_error(
+    connect_short: Connect, short_archive_path: Path
+) -> None:
+    client = await connect_short()
+    session_id, call = await start_tool_turn(client)
+    result = {"call_id": call["tool_call"]["id"], "error": "GPS unavailable"}
+    await client.send({"type": "tool_result", "tool_result": result})
+    assert (await client.turn())[-1]["content"] == "status=error result= error=GPS unavailable"
+    assert await archived_calls(short_archive_path, session_id) == [("get_location", "error")]
+
+
+async def test_unknown_call_id_is_invalid_and_changes_nothing(connect_short: Connect) -> None:
+    client = await connect_short()
+    _, call = await start_tool_turn(client)
+    for frame in (
+        {"type": "tool_call_ack", "tool_call_ack": {"call_id": "nope"}},
+        {"type": "tool_call_nack", "tool_call_nack": {"call_id": "nope", "reason": "x"}},
+        {"type": "tool_result", "tool_result": {"call_id": "nope", "result": 1}},
+    ):
+        await client.send(frame)
+        refused = await client.recv()
+        assert refused["error"]["code"] == "INVALID_MESSAGE"
+        assert "nope" in refused["error"]["message"]
+    result = {"call_id": call["tool_call"]["id"], "result": 2}
+    await client.send({"type": "tool_result", "tool_result": result})
+    assert (await client.turn())[-1]["content"] == "status=completed result=2 error="
+
+
+async def test_another_principals_call_looks_unknown(connect: Connect) -> None:
+    alice = await connect()
+    await alice.connected()
+    await alice.send({"type": "message", "content": "x", **scenario("tool")})
+    call = await alice.recv()
+    bob = await connect(as_token=BOB)
+    await bob.connected()
+    result = {"call_id": call["tool_call"]["id"], "result": "hijack"}
+    await bob.send({"type": "tool_result", "tool_result": result})
+    assert (await bob.recv())["error"]["code"] == "INVALID_MESSAGE"
+    await alice.send({"type": "tool_result", "tool_result": {**result, "result": "mine"}})
+    assert (await alice.turn())[-1]["content"] == 'status=completed result="mine" error='
+
+
+async def test_two_calls_in_one_turn_are_answered_independently(
+    connect_short: Connect, short_archive_path: Path
+) -> None:
+    client = await connect_short()
+    session_id, first = await start_tool_turn(client, "two_tools")
+    await client.send(
+        {"type": "tool_result", "tool_result": {"call_id": first["tool_call"]["id"], "result": 1}}
+    )
+    assert (await client.recv())["content"] == "first=completed:1 "
+    second = await client.recv()
+    assert second["tool_call"]["name"] == "get_time"
+    assert second["tool_call"]["id"] != first["tool_call"]["id"]
+    nack = {"call_id": second["tool_call"]["id"], "reason": "no"}
+    await client.send({"type": "tool_call_nack", "tool_call_nack": nack})
+    frames = await client.turn()
+    assert frames[-1]["content"] == "first=completed:1 second=denied:no"
+    assert await archived_calls(short_archive_path, session_id) == [
+        ("get_location", "completed"),
+        ("get_time", "denied"),
+    ]
+
+
+async def test_tool_frames_are_read_while_the_turn_runs_never_busy(
+    connect_short: Connect,
+) -> None:
+    client = await connect_short()
+    _, call = await start_tool_turn(client)
+    # A new message is busy, but the tool frames of the running turn are not.
+    await client.send({"type": "message", "content": "x"})
+    assert (await client.recv())["error"]["code"] == "TURN_IN_PROGRESS"
+    call_id = call["tool_call"]["id"]
+    await client.send({"type": "tool_call_ack", "tool_call_ack": {"call_id": call_id}})
+    await client.send({"type": "tool_result", "tool_result": {"call_id": call_id, "result": 3}})
+    frames = await client.turn()
+    assert [f["type"] for f in frames] == ["chunk", "done"]
+
+
+async def test_disconnect_during_a_tool_call_still_ends_the_turn(
+    connect_short: Connect, short_archive_path: Path
+) -> None:
+    client = await connect_short()
+    session_id, _ = await start_tool_turn(client)
+    await client.ws.close()
+    messages = await wait_for_messages(short_archive_path, session_id, 2)
+    async with open_archive(short_archive_path) as store:
+        (record,) = await store.list_tool_calls(session_id)
+    assert record.outcome == "denied"
+    assert messages[-1].content.startswith("status=denied")
