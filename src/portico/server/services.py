@@ -9,11 +9,12 @@ from pathlib import Path
 from aiohttp import web
 
 from portico.auth.apikey import ApiKeyAuth
-from portico.auth.base import Authenticator
+from portico.auth.base import Authenticator, bearer_token
 from portico.auth.none import NoAuth
 from portico.config import AgentSettings, Settings
 from portico.core.engine import Engine
 from portico.core.tools import ClientToolBroker
+from portico.errors import Unauthenticated
 from portico.runtime.base import Runtime
 from portico.runtime.demo import DemoRuntime
 from portico.runtime.echo import EchoRuntime
@@ -47,6 +48,15 @@ class Services:
         )
         self.ready = False
         self.websockets: weakref.WeakSet[web.WebSocketResponse] = weakref.WeakSet()
+
+    async def principal_of(self, request: web.Request) -> str:
+        """The caller's principal from `Authorization: Bearer`, or HTTP 401."""
+        try:
+            return await self.auth.authenticate(bearer_token(request.headers.get("Authorization")))
+        except Unauthenticated as exc:
+            raise web.HTTPUnauthorized(
+                text=exc.message, headers={"WWW-Authenticate": 'Bearer realm="portico"'}
+            ) from exc
 
 
 SERVICES = web.AppKey("services", Services)

@@ -9,7 +9,6 @@ import time
 
 from aiohttp import WSMsgType, web
 
-from portico.auth.base import bearer_token
 from portico.config import DEFAULT_AGENT
 from portico.core.engine import UserMessage
 from portico.core.events import TurnEvent
@@ -18,7 +17,6 @@ from portico.errors import (
     InternalError,
     MediaNotEnabled,
     PorticoError,
-    Unauthenticated,
 )
 from portico.protocols.omnia.connection import (
     CLOSE_KEEPALIVE_TIMEOUT,
@@ -33,16 +31,6 @@ from portico.protocols.omnia.frames import ToolCallAckFrame, ToolCallNackFrame, 
 from portico.server.services import SERVICES, Services
 
 log = logging.getLogger("portico.ws")
-
-
-async def authenticate(request: web.Request, services: Services) -> str:
-    """The caller's principal, or an HTTP 401 before any upgrade."""
-    try:
-        return await services.auth.authenticate(bearer_token(request.headers.get("Authorization")))
-    except Unauthenticated as exc:
-        raise web.HTTPUnauthorized(
-            text=exc.message, headers={"WWW-Authenticate": 'Bearer realm="portico"'}
-        ) from exc
 
 
 class OmniaSocket:
@@ -197,7 +185,7 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
     agent = request.query.get("agent") or DEFAULT_AGENT
     if not services.engine.has_agent(agent):
         raise web.HTTPNotFound(text=f"unknown agent {agent!r}")
-    principal = await authenticate(request, services)
+    principal = await services.principal_of(request)
     settings = services.settings
     ws = web.WebSocketResponse(
         max_msg_size=settings.max_payload_size,
