@@ -76,11 +76,23 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_upload_bytes: Bytes = 100 * 1024 * 1024
     max_inline_media_bytes: Bytes = 256 * 1024
     media_ttl: Seconds = 86400.0
+    upload_url_ttl: Seconds = 900.0  # an upload URL is usable this long after it is granted
+    # The base URL clients reach this server at (behind a proxy); upload URLs start
+    # with it. None: the scheme and Host of the request that asked for the upload.
+    public_url: str | None = None
+    media_fetch_timeout: Seconds = 30.0  # whole fetch of a `url` part for a runtime
+    # Let `url` parts reach loopback, private and link-local addresses (off: no SSRF).
+    media_fetch_private: bool = False
+    media_sweep_interval: Seconds = 60.0  # how often expired media and upload URLs are deleted
 
     # Admission and shutdown (issue: /ws complete).
     max_connections: Count = 10000
     drain_timeout: Seconds = 30.0
-    origins: tuple[str, ...] = ()  # empty: same-origin only
+    origins: tuple[str, ...] = ()  # empty: same-origin only; "*" allows any origin
+    # Frames waiting for a connection that does not read; past this it is closed (4008).
+    max_send_queue_bytes: Bytes = 4 * 1024 * 1024
+    # How long a closing handshake may take before the socket is dropped.
+    close_timeout: Seconds = 5.0
 
     # Per-connection limits (issue: /ws complete).
     rate_limit_messages: Annotated[float, msgspec.Meta(gt=0)] = 50.0  # messages per second
@@ -125,6 +137,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             )
         if self.auth == "apikey" and not self.api_keys:
             raise ConfigError("auth=apikey needs api_keys (PORTICO_API_KEYS=token=principal,...)")
+        if self.public_url and not self.public_url.startswith(("http://", "https://")):
+            raise ConfigError("public_url must start with http:// or https://")
         for name in self.agent_names():
             agent = self.agent(name)
             if agent is not None and agent.runtime == "scripted" and not agent.script:

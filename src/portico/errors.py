@@ -75,6 +75,13 @@ class TurnInProgress(PorticoError):
         super().__init__(f"session {session_id} has a turn in progress; send again after its reply")
 
 
+class RateLimited(PorticoError):
+    """Shed by a rate or concurrency limit (or a draining server); the socket stays open."""
+
+    code = "RATE_LIMITED"
+    http_status = 429
+
+
 class SessionDeclarationRefused(PorticoError):
     code = "SESSION_DECLARATION_REFUSED"
     http_status = 400
@@ -147,4 +154,55 @@ class MediaNotEnabled(PorticoError):
     http_status = 404
 
     def __init__(self, message: str = "media storage is not enabled on this server") -> None:
+        super().__init__(message)
+
+
+class PayloadTooLarge(InvalidMessage):
+    """An HTTP request body above its route's bound."""
+
+    http_status = 413
+
+
+class UploadFailed(PorticoError):
+    """An upload was refused or did not complete; nothing was stored."""
+
+    code = "UPLOAD_FAILED"
+    http_status = 400
+
+
+class UploadTooLarge(UploadFailed):
+    """A declared size above `max_upload_bytes`, or a body longer than declared."""
+
+    http_status = 413
+
+
+class UploadNotFound(UploadFailed):
+    http_status = 404
+
+    def __init__(self, message: str = "unknown upload") -> None:
+        super().__init__(message)
+
+
+class UploadInProgress(UploadFailed):
+    """Another request is sending this upload's body right now."""
+
+    http_status = 409
+
+    def __init__(self, message: str = "this upload is in progress") -> None:
+        super().__init__(message)
+
+
+class UploadGone(UploadFailed):
+    """The upload URL expired or was already used: ask for a new one."""
+
+    http_status = 410
+
+
+class MediaNotFound(PorticoError):
+    """No such media for this caller: missing, expired and foreign look the same."""
+
+    code = "MEDIA_NOT_FOUND"
+    http_status = 404
+
+    def __init__(self, message: str = "no such media") -> None:
         super().__init__(message)

@@ -57,22 +57,6 @@ async def test_logs_name_connections_and_turns_but_never_bodies(
     assert "4111" not in log
 
 
-async def test_sigterm_interrupts_a_running_turn_and_archives_its_partial_reply(
-    http: aiohttp.ClientSession, tmp_path: Path
-) -> None:
-    server = scripted(tmp_path).start()
-    client = await open_client(http, server)
-    session_id = (await client.connected())["session_id"]
-    await client.send({"type": "message", "content": "slow", **scenario("slow")})
-    assert (await client.recv())["content"] == "a"
-    assert server.stop(signal.SIGTERM) == 0
-    async with open_archive(server.archive_path) as store:
-        (turn,) = await store.list_turns(session_id)
-        messages = await store.list_messages(session_id)
-    assert turn.state is TurnState.INTERRUPTED
-    assert [(m.role, m.content) for m in messages] == [("user", "slow"), ("assistant", "a")]
-
-
 async def test_turns_left_running_by_a_killed_server_are_interrupted_at_start(
     http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
@@ -143,3 +127,71 @@ def test_invalid_environment_value_is_a_clear_error() -> None:
     result = run_cli("config", "show", env={"PORTICO_PORT": "eighty"})
     assert result.returncode == 2
     assert "port" in result.stderr
+
+
+async def _wait_status(http: aiohttp.ClientSession, url: str, status: int) -> None:
+    """Poll until the probe answers `status` (the signal is delivered asynchronously)."""
+    for _ in range(100):
+        async with http.get(url) as response:
+            if response.status == status:
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{url} never answered {status}")
+
+
+async def test_sigterm_drain_finishes_the_running_turn_then_closes_1001(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    server = ServerProcess(
+        tmp_path / "data",
+        args=("--runtime", "scripted", "--script", str(SCRIPT)),
+        env={"PORTICO_DRAIN_TIMEOUT": "20"},
+    ).start()
+    client = await open_client(http, server)
+    session_id = (await client.connected())["session_id"]
+    await client.send({"type": "message", "content": "slow", **scenario("slow")})
+    assert (await client.recv())["content"] == "a"
+    assert server.process is not None
+    server.process.send_signal(signal.SIGTERM)
+
+    await _wait_status(http, server.http_url + "/readyz", 503)
+    with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+        await http.ws_connect(server.ws_url)
+    assert refused.value.status == 503
+    # A new message on the open socket is shed; the running turn is not.
+    await client.send({"type": "message", "content": "more", "session_id": "other-session"})
+    assert (await client.recv())["error"]["code"] == "RATE_LIMITED"
+
+    assert await client.turn() == [{"type": "done", "content": "a", "session_id": session_id}]
+    closing = await client.ws.receive(timeout=10)
+    assert (closing.type, closing.data) == (aiohttp.WSMsgType.CLOSE, 1001)
+    assert server.stop() == 0
+    async with open_archive(server.archive_path) as store:
+        (turn,) = await store.list_turns(session_id)
+    assert turn.state is TurnState.COMPLETED
+
+
+async def test_drain_timeout_interrupts_with_a_terminal_frame_then_closes_1001(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    server = ServerProcess(
+        tmp_path / "data",
+        args=("--runtime", "scripted", "--script", str(SCRIPT)),
+        env={"PORTICO_DRAIN_TIMEOUT": "0.2"},
+    ).start()
+    client = await open_client(http, server)
+    session_id = (await client.connected())["session_id"]
+    await client.send({"type": "message", "content": "slow", **scenario("slow")})
+    await client.recv()
+    assert server.stop(signal.SIGTERM) == 0
+    terminal = await client.recv()
+    assert terminal["type"] == "error"
+    assert terminal["session_id"] == session_id
+    closing = await client.ws.receive(timeout=10)
+    assert (closing.type, closing.data) == (aiohttp.WSMsgType.CLOSE, 1001)
+    async with open_archive(server.archive_path) as store:
+        (turn,) = await store.list_turns(session_id)
+        messages = await store.list_messages(session_id)
+    assert turn.state is TurnState.INTERRUPTED
+    # The partial reply is archived.
+    assert [(m.role, m.content) for m in messages] == [("user", "slow"), ("assistant", "a")]

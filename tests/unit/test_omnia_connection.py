@@ -12,7 +12,9 @@ from portico.core.model import ContentPart, MediaContent
 from portico.errors import SessionExpired, TurnInProgress
 from portico.protocols.omnia.binary import media_frames
 from portico.protocols.omnia.connection import (
+    ConnectionLimits,
     Keepalive,
+    LimitHit,
     MessageReceived,
     OmniaConnection,
     ToolReply,
@@ -23,17 +25,16 @@ from portico.runtime.base import MediaChunk, ToolCall
 OWN = "sess-own"
 
 
-def make(now: float = 0.0, **overrides: Any) -> OmniaConnection:
+def make(now: float = 0.0, *, binary: bool = False, **limits: Any) -> OmniaConnection:
     options: dict[str, Any] = {
-        "session_id": OWN,
-        "binary": False,
         "max_payload_size": 1024,
         "ping_interval": 30.0,
         "pong_timeout": 60.0,
-        "now": now,
-        **overrides,
+        **limits,
     }
-    return OmniaConnection(**options)
+    return OmniaConnection(
+        session_id=OWN, binary=binary, limits=ConnectionLimits(**options), now=now
+    )
 
 
 def sent(conn: OmniaConnection) -> list[dict[str, Any]]:
@@ -322,3 +323,57 @@ def test_silence_for_pong_timeout_closes_and_any_frame_resets_it() -> None:
     assert conn.keepalive(110.0) is Keepalive.CLOSE
     conn.receive_text('{"type": "hangup"}', now=110.0)
     assert conn.keepalive(111.0) is not Keepalive.CLOSE
+
+
+# -- limits ---------------------------------------------------------------------------
+
+
+def test_message_rate_is_limited_with_burst_and_refill() -> None:
+    conn = make(messages_per_second=10, message_burst=3)
+    conn.data_to_send()
+    frame = json.dumps({"type": "message", "content": "x"})
+    accepted = [isinstance(conn.receive_text(frame, now=0.0)[0], MessageReceived) for _ in range(4)]
+    assert accepted == [True, True, True, False]
+    (refused,) = sent(conn)
+    assert refused["error"]["code"] == "RATE_LIMITED"
+    # 0.1 s later one token is back.
+    assert isinstance(conn.receive_text(frame, now=0.1)[0], MessageReceived)
+    assert conn.receive_text(frame, now=0.1) == [LimitHit("messages")]
+
+
+def test_inline_media_counts_against_the_media_byte_rate() -> None:
+    conn = make(media_bytes_per_second=100)
+    conn.data_to_send()
+    part = {"type": "image", "media": {"data": "A" * 80, "mime_type": "image/png"}}
+    frame = json.dumps({"type": "message", "parts": [part]})
+    assert isinstance(conn.receive_text(frame, now=0.0)[0], MessageReceived)
+    assert conn.receive_text(frame, now=0.0) == [LimitHit("media_bytes")]
+    assert sent(conn)[0]["error"]["code"] == "RATE_LIMITED"
+
+
+def test_binary_frames_count_against_the_media_byte_rate() -> None:
+    conn = make(media_bytes_per_second=50)
+    conn.data_to_send()
+    assert conn.receive_binary(b"x" * 60, now=0.0) == [LimitHit("media_bytes")]
+
+
+def test_send_queue_overflow_stops_queueing_and_flags_the_connection() -> None:
+    conn = make(max_send_queue_bytes=200)
+    conn.data_to_send()
+    for n in range(10):
+        conn.send_turn_event(TurnChunk("s1", "t1", f"chunk {n}"))
+    assert conn.overflowed
+    queued = []
+    while (frame := conn.next_frame()) is not None:
+        queued.append(json.loads(frame)["content"])
+    assert 0 < len(queued) < 10
+    assert queued == [f"chunk {n}" for n in range(len(queued))]  # in order, no gaps
+
+
+def test_a_reading_client_never_overflows() -> None:
+    conn = make(max_send_queue_bytes=200)
+    conn.data_to_send()
+    for n in range(100):
+        conn.send_turn_event(TurnChunk("s1", "t1", f"chunk {n}"))
+        assert conn.next_frame() is not None
+    assert not conn.overflowed

@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from portico.protocols.omnia.connection import MessageReceived, OmniaConnection
+from portico.protocols.omnia.connection import ConnectionLimits, MessageReceived, OmniaConnection
 from portico.protocols.omnia.frames import server_frame_decoder
 
 json_values = st.recursive(
@@ -43,14 +43,8 @@ frames = st.builds(
 
 
 def fresh() -> OmniaConnection:
-    conn = OmniaConnection(
-        session_id="s",
-        binary=False,
-        max_payload_size=1024,
-        ping_interval=30,
-        pong_timeout=60,
-        now=0,
-    )
+    limits = ConnectionLimits(max_payload_size=1024, ping_interval=30, pong_timeout=60)
+    conn = OmniaConnection(session_id="s", binary=False, limits=limits, now=0)
     conn.data_to_send()
     return conn
 

@@ -19,10 +19,18 @@ from portico.config import AgentSettings
 from portico.core.events import Listener
 from portico.core.model import ContentPart, Message, Session, Turn, new_id
 from portico.core.states import TurnState, TurnTrigger
+from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.core.tools import NoClientTools, ToolBroker
 from portico.core.turns import TurnRunner
-from portico.errors import SessionDeclarationRefused, SessionExpired, TurnInProgress, UnknownAgent
-from portico.runtime.base import Runtime, TurnInput
+from portico.errors import (
+    InvalidMessage,
+    MediaNotEnabled,
+    SessionDeclarationRefused,
+    SessionExpired,
+    TurnInProgress,
+    UnknownAgent,
+)
+from portico.runtime.base import MediaAccess, Runtime, TurnInput
 from portico.store.base import Store
 
 log = logging.getLogger("portico.engine")
@@ -94,8 +102,12 @@ class Engine:
         agents: Mapping[str, AgentSettings],
         context_ttl: float,
         tools: ToolBroker | None = None,
+        telemetry: Telemetry | None = None,
+        media: MediaAccess | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        self._media = media
+        self._telemetry = telemetry or NoTelemetry()
         self.store = store
         self._runtimes = dict(runtimes)
         self._agents = dict(agents)
@@ -137,6 +149,7 @@ class Engine:
 
     async def submit(self, message: UserMessage, listener: Listener | None = None) -> Turn:
         """Archive a user message and start its turn; raises the protocol's refusal."""
+        await self._check_media(message)
         # Ownership first: a foreign session must look expired, never busy.
         session = await self._session_for(message)
         if session.id in self._running:
@@ -151,6 +164,20 @@ class Engine:
             self.attach(session.id, listener)
         self._start_runner(session, turn, turn_input)
         return turn
+
+    async def _check_media(self, message: UserMessage) -> None:
+        """Refuse media the runtime could not read, before anything is stored."""
+        for index, part in enumerate(message.parts):
+            if part.media is None:
+                continue
+            if self._media is None:
+                raise MediaNotEnabled()
+            try:
+                await self._media.check_part(
+                    principal=message.principal, session_id=message.session_id, media=part.media
+                )
+            except InvalidMessage as exc:
+                raise InvalidMessage(f"parts[{index}]: {exc.message}") from exc
 
     async def _session_for(self, message: UserMessage) -> Session:
         now = self._clock()
@@ -218,6 +245,7 @@ class Engine:
             history=tuple(history[-HISTORY_LIMIT:]),
             directives=message.directives,
             declare=session.declare,
+            media=self._media,
         )
         return turn, turn_input
 
@@ -230,6 +258,7 @@ class Engine:
             tools=self._tools,
             listeners=lambda: list(self._listeners.get(session.id, ())),
             clock=self._clock,
+            telemetry=self._telemetry,
         )
         self._running[session.id] = runner
         task = asyncio.create_task(self._run_turn(session.id, runner), name=f"turn-{turn.id}")

@@ -20,6 +20,7 @@ import msgspec
 from portico.core.events import TurnEvent, TurnToolCall, TurnToolCallTimedOut
 from portico.core.model import ToolCallRecord
 from portico.core.states import ToolCallState, ToolCallTrigger, next_tool_call_state
+from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.errors import InvalidMessage
 from portico.runtime.base import ToolCall, ToolOutcome
 from portico.store.base import Store
@@ -58,7 +59,9 @@ class ClientToolBroker:
         ack_timeout: float,
         answer_timeout: float,
         clock: Callable[[], float],
+        telemetry: Telemetry | None = None,
     ) -> None:
+        self._telemetry = telemetry or NoTelemetry()
         self._store = store
         self._ack_timeout = ack_timeout
         self._answer_timeout = answer_timeout
@@ -118,6 +121,7 @@ class ClientToolBroker:
 
     async def _end(self, pending: _Pending, trigger: ToolCallTrigger, **changes: Any) -> None:
         await self._advance(pending, trigger, **changes)
+        self._telemetry.tool_call_ended(pending.record.state)
         log.info(
             "tool call ended session=%s call=%s tool=%s state=%s",
             pending.record.session_id,

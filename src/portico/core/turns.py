@@ -19,6 +19,7 @@ from portico.core.events import (
 )
 from portico.core.model import ContentPart, Message, Turn, new_id
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
+from portico.core.telemetry import Telemetry
 from portico.core.tools import ToolBroker
 from portico.errors import GENERIC_INTERNAL_MESSAGE, InternalError, RuntimeFailure
 from portico.runtime.base import (
@@ -51,8 +52,12 @@ class TurnRunner:
         tools: ToolBroker,
         listeners: Callable[[], list[Listener]],
         clock: Callable[[], float],
+        telemetry: Telemetry,
     ) -> None:
         self.turn = turn
+        self._telemetry = telemetry
+        self._created = time.perf_counter()
+        self._first_chunk: float | None = None
         self._input = turn_input
         self._runtime = runtime
         self._store = store
@@ -88,7 +93,6 @@ class TurnRunner:
         return delivered
 
     async def run(self) -> Turn:
-        started = time.perf_counter()
         self._task = asyncio.current_task()
         await self._transition(TurnTrigger.START)
         terminal: Done | Failure | None = None
@@ -108,13 +112,17 @@ class TurnRunner:
                 self._driving = False
                 await _close_quietly(stream)
         await self._finish(terminal)
+        duration = time.perf_counter() - self._created
+        self._telemetry.turn_ended(
+            self.turn.state, first_chunk_seconds=self._first_chunk, duration_seconds=duration
+        )
         log.info(
             "turn ended session=%s turn=%s state=%s chunks=%d duration_ms=%.1f",
             self.turn.session_id,
             self.turn.id,
             self.turn.state,
             self._chunks,
-            (time.perf_counter() - started) * 1000,
+            duration * 1000,
         )
         return self.turn
 
@@ -129,12 +137,17 @@ class TurnRunner:
             if isinstance(event, Done | Failure):
                 return event
             reply = await self._handle(event)
+            # Yield to the loop between events: a runtime that never awaits would
+            # otherwise starve every other session's turns and sockets.
+            await asyncio.sleep(0)
 
     async def _handle(self, event: Chunk | MediaChunk | ToolCall) -> ToolOutcome | None:
         session_id, turn_id = self.turn.session_id, self.turn.id
         if isinstance(event, Chunk):
             self._text.append(event.text)
             self._chunks += 1
+            if self._first_chunk is None:
+                self._first_chunk = time.perf_counter() - self._created
             self.emit(TurnChunk(session_id, turn_id, event.text))
             return None
         if isinstance(event, MediaChunk):
@@ -151,7 +164,8 @@ class TurnRunner:
             parts = terminal.parts
         trigger = self._trigger_for(terminal)
         if content or parts:
-            await self._archive_reply(content, parts or (), failed=trigger is TurnTrigger.FAIL)
+            failed = trigger in (TurnTrigger.FAIL, TurnTrigger.INTERRUPT)
+            await self._archive_reply(content, parts or (), failed=failed)
         event = self._terminal_event(terminal, content, parts)
         if isinstance(event, TurnFailed):
             self.turn = msgspec.structs.replace(

@@ -13,7 +13,8 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from portico.core.model import ContentPart, Message
+from portico.core.model import ContentPart, MediaContent, Message
+from portico.errors import MediaNotEnabled
 
 
 class Chunk(msgspec.Struct, frozen=True):
@@ -61,6 +62,16 @@ class ToolOutcome(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
+class MediaAccess(Protocol):
+    """Media of message parts: vetted when a message arrives, read when a runtime needs it."""
+
+    async def check_part(self, *, principal: str, session_id: str, media: MediaContent) -> None:
+        """Raise `InvalidMessage` for a part whose bytes could not be read."""
+
+    async def read(self, *, session_id: str, media: MediaContent) -> bytes:
+        """The bytes of a vetted part (stored upload, inline data or URL)."""
+
+
 class TurnInput(msgspec.Struct, frozen=True, kw_only=True):
     session_id: str
     turn_id: str
@@ -71,6 +82,13 @@ class TurnInput(msgspec.Struct, frozen=True, kw_only=True):
     # Reserved metadata keys (`mock_scenario`, `content_type`, `omnia.*`): for the runtime only.
     directives: dict[str, str] = msgspec.field(default_factory=dict)
     declare: dict[str, Any] | None = None
+    media: MediaAccess | None = None
+
+    async def read_media(self, media: MediaContent) -> bytes:
+        """The bytes of one of this turn's media parts."""
+        if self.media is None:
+            raise MediaNotEnabled()
+        return await self.media.read(session_id=self.session_id, media=media)
 
 
 TurnStream = AsyncGenerator[RuntimeEvent, ToolOutcome | None]

@@ -8,6 +8,7 @@ picks the scenario; otherwise ``default``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import uuid
@@ -63,6 +64,10 @@ class EchoStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
 
 
+class MediaInfoStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Describe the user's media parts, read through the media port (Portico extension)."""
+
+
 class ChunkStep(msgspec.Struct, frozen=True):
     text: str
 
@@ -71,7 +76,16 @@ class SleepStep(msgspec.Struct, frozen=True):
     ms: int
 
 
-Step = DoneStep | ToolCallStep | ErrorStep | MediaChunkStep | EchoStep | ChunkStep | SleepStep
+Step = (
+    DoneStep
+    | ToolCallStep
+    | ErrorStep
+    | MediaChunkStep
+    | EchoStep
+    | MediaInfoStep
+    | ChunkStep
+    | SleepStep
+)
 
 # The step key in the file, and the type of its value.
 STEP_KINDS: dict[str, Any] = {
@@ -82,6 +96,7 @@ STEP_KINDS: dict[str, Any] = {
     "error": ErrorStep,
     "media_chunk": MediaChunkStep,
     "echo": EchoStep,
+    "media_info": MediaInfoStep,
 }
 
 
@@ -139,7 +154,8 @@ def render_placeholders(text: str, outcome: ToolOutcome | None) -> str:
 
 def media_chunks(step: MediaChunkStep) -> list[MediaChunk]:
     """`bytes` bytes of the pattern i % 256, in chunks of exactly `chunk_bytes` but the last."""
-    payload = bytes(i % 256 for i in range(step.bytes))
+    # The pattern i % 256, built by repetition: a per-byte generator costs seconds per 10 MB.
+    payload = (bytes(range(256)) * (step.bytes // 256 + 1))[: step.bytes]
     media_id = uuid.uuid4().hex[:12]
     starts = range(0, max(len(payload), 1), step.chunk_bytes)
     return [
@@ -152,6 +168,18 @@ def media_chunks(step: MediaChunkStep) -> list[MediaChunk]:
         )
         for index, start in enumerate(starts)
     ]
+
+
+async def describe_media(turn: TurnInput) -> list[str]:
+    """One line per media part: `<type> <mime> <n> bytes sha256:<first 16 hex>`."""
+    lines = []
+    for part in turn.message.parts:
+        if part.media is None:
+            continue
+        data = await turn.read_media(part.media)
+        digest = hashlib.sha256(data).hexdigest()[:16]
+        lines.append(f"{part.type} {part.media.mime_type} {len(data)} bytes sha256:{digest}\n")
+    return lines
 
 
 class ScriptedRuntime:
@@ -181,6 +209,9 @@ class ScriptedRuntime:
                     return
             if isinstance(step, SleepStep):
                 await asyncio.sleep(step.ms / 1000)
+            elif isinstance(step, MediaInfoStep):
+                for line in await describe_media(turn):
+                    yield Chunk(line)
         yield Done()
 
     @staticmethod

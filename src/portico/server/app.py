@@ -7,38 +7,57 @@ import logging
 import signal
 from collections.abc import Callable
 
-from aiohttp import WSCloseCode, web
+from aiohttp import web
 
 from portico.config import Settings
-from portico.server import observability
+from portico.server import media_routes, observability
 from portico.server.services import SERVICES, Services
 from portico.server.websocket import omnia_handler
 
 log = logging.getLogger("portico.server")
 
+MEDIA_SWEEPER = web.AppKey("media_sweeper", asyncio.Task[None])
+
 
 async def _open(app: web.Application) -> None:
     services = app[SERVICES]
     await services.store.open()
+    await services.media.open()
     await services.engine.start()
+    if services.media.enabled:
+        app[MEDIA_SWEEPER] = asyncio.create_task(_sweep_media(services))
     services.ready = True
+
+
+async def _sweep_media(services: Services) -> None:
+    """Delete expired media and upload URLs now (what expired while stopped), then periodically."""
+    while True:
+        try:
+            deleted = await services.media.sweep_expired()
+            if deleted:
+                log.info("media sweep deleted=%d", deleted)
+        except Exception:
+            log.exception("media sweep failed")
+        await asyncio.sleep(services.settings.media_sweep_interval)
 
 
 async def _close_sockets(app: web.Application) -> None:
     services = app[SERVICES]
     services.ready = False
     await asyncio.gather(
-        *(
-            ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutting down")
-            for ws in list(services.websockets)
-        ),
+        *(connection.going_away() for connection in list(services.connections)),
         return_exceptions=True,
     )
 
 
 async def _stop(app: web.Application) -> None:
     services = app[SERVICES]
+    sweeper = app.get(MEDIA_SWEEPER)
+    if sweeper is not None:
+        sweeper.cancel()
+        await asyncio.gather(sweeper, return_exceptions=True)
     await services.engine.shutdown()
+    await services.media.close()
     await services.store.close()
 
 
@@ -47,6 +66,7 @@ def create_app(settings: Settings) -> web.Application:
     app[SERVICES] = Services(settings)
     app.router.add_get("/ws", omnia_handler)
     observability.add_routes(app)
+    media_routes.add_routes(app)
     app.on_startup.append(_open)
     app.on_shutdown.append(_close_sockets)
     app.on_cleanup.append(_stop)
@@ -55,18 +75,38 @@ def create_app(settings: Settings) -> web.Application:
 
 async def serve(settings: Settings, *, on_ready: Callable[[str], None] = print) -> None:
     """Serve until SIGINT or SIGTERM; announce the URL once connections are accepted."""
-    runner = web.AppRunner(create_app(settings), handle_signals=False, access_log=None)
+    app = create_app(settings)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
     host, port = runner.addresses[0][:2]
     on_ready(f"Portico serving http://{host}:{port}/ (Omnia WebSocket: ws://{host}:{port}/ws)")
-    stop = asyncio.Event()
+    signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
     try:
-        await stop.wait()
+        await signals.get()
+        # A second signal cuts the drain short.
+        drained = asyncio.create_task(drain(app[SERVICES], settings.drain_timeout))
+        second = asyncio.create_task(signals.get())
+        await asyncio.wait({drained, second}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (drained, second):
+            task.cancel()
     finally:
         log.info("shutting down")
         await runner.cleanup()
+
+
+async def drain(services: Services, within: float) -> None:
+    """Stop taking work, then give running turns `within` seconds to finish and archive."""
+    services.draining = True
+    services.ready = False
+    log.info("draining: up to %.1fs for running turns", within)
+    if await services.engine.wait_idle(within):
+        log.info("drained: no turn running")
+    else:
+        log.info("drain timeout: interrupting the turns still running")
+    # Interrupt before the sockets close, so every client gets its turn's terminal frame.
+    await services.engine.shutdown()

@@ -6,6 +6,7 @@ import logging
 import sys
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from portico.server.services import SERVICES
 
@@ -31,6 +32,15 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready"})
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition of this server's registry."""
+    registry = request.app[SERVICES].metrics.registry
+    return web.Response(
+        body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)

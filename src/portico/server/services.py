@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import weakref
 from pathlib import Path
+from typing import Protocol
 
 from aiohttp import web
 
@@ -15,15 +16,27 @@ from portico.config import AgentSettings, Settings
 from portico.core.engine import Engine
 from portico.core.tools import ClientToolBroker
 from portico.errors import Unauthenticated
+from portico.media.local import LocalMediaStore
+from portico.media.service import MediaService
 from portico.runtime.base import Runtime
 from portico.runtime.demo import DemoRuntime
 from portico.runtime.echo import EchoRuntime
 from portico.runtime.scripted import ScriptedRuntime
+from portico.server.admission import ConnectionSlots
+from portico.server.metrics import Metrics
 from portico.store.base import Store
 from portico.store.memory import MemoryStore
 from portico.store.sqlite import SqliteStore
 
 ARCHIVE_FILE = "archive.sqlite3"
+MEDIA_DIR = "media"
+
+
+class LiveConnection(Protocol):
+    """An open WebSocket of any protocol, as shutdown sees it."""
+
+    async def going_away(self) -> None:
+        """Send what is queued, then close with 1001."""
 
 
 class Services:
@@ -31,23 +44,31 @@ class Services:
         self.settings = settings
         self.store = build_store(settings)
         self.auth = build_auth(settings)
+        self.media = build_media(settings, self.store)
         agents = {name: settings.agent(name) for name in settings.agent_names()}
         resolved = {name: agent for name, agent in agents.items() if agent is not None}
+        self.metrics = Metrics()
         self.tools = ClientToolBroker(
             store=self.store,
             ack_timeout=settings.tool_ack_timeout,
             answer_timeout=settings.client_tool_timeout,
             clock=time.time,
+            telemetry=self.metrics,
         )
         self.engine = Engine(
             store=self.store,
             tools=self.tools,
+            telemetry=self.metrics,
+            media=self.media,
             runtimes={name: build_runtime(agent, settings) for name, agent in resolved.items()},
             agents=resolved,
             context_ttl=settings.context_ttl,
         )
         self.ready = False
-        self.websockets: weakref.WeakSet[web.WebSocketResponse] = weakref.WeakSet()
+        # Set on SIGTERM: no new upgrades or turns; running turns may finish.
+        self.draining = False
+        self.connections: weakref.WeakSet[LiveConnection] = weakref.WeakSet()
+        self.slots = ConnectionSlots(settings.max_connections)
 
     async def principal_of(self, request: web.Request) -> str:
         """The caller's principal from `Authorization: Bearer`, or HTTP 401."""
@@ -66,6 +87,23 @@ def build_store(settings: Settings) -> Store:
     if settings.store == "memory":
         return MemoryStore()
     return SqliteStore(Path(settings.data_dir) / ARCHIVE_FILE)
+
+
+def build_media(settings: Settings, archive: Store) -> MediaService:
+    store = (
+        LocalMediaStore(Path(settings.data_dir) / MEDIA_DIR) if settings.media == "local" else None
+    )
+    return MediaService(
+        store,
+        archive=archive,
+        max_upload_bytes=settings.max_upload_bytes,
+        max_inline_media_bytes=settings.max_inline_media_bytes,
+        media_ttl=settings.media_ttl,
+        upload_url_ttl=settings.upload_url_ttl,
+        public_url=settings.public_url,
+        fetch_timeout=settings.media_fetch_timeout,
+        fetch_private=settings.media_fetch_private,
+    )
 
 
 def build_auth(settings: Settings) -> Authenticator:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import re
+from collections import deque
 from enum import Enum
 from typing import Any
 
@@ -25,8 +26,15 @@ from portico.core.events import (
     TurnToolCall,
     TurnToolCallTimedOut,
 )
+from portico.core.limits import TokenBucket
 from portico.core.model import ContentPart
-from portico.errors import BinaryFrameError, InvalidMessage, MediaNotEnabled, PorticoError
+from portico.errors import (
+    BinaryFrameError,
+    InvalidMessage,
+    MediaNotEnabled,
+    PorticoError,
+    RateLimited,
+)
 from portico.protocols.omnia import frames as f
 from portico.protocols.omnia.binary import decode_frame
 
@@ -40,6 +48,7 @@ METADATA_MAX_TOTAL_BYTES = 32 * 1024
 DECLARE_MAX_BYTES = 16 * 1024
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 CLOSE_KEEPALIVE_TIMEOUT = 1011
+CLOSE_SLOW_CONSUMER = 4008  # the client stopped reading and its send queue filled
 
 _encode = msgspec.json.Encoder().encode
 
@@ -68,12 +77,35 @@ class UploadRequested(msgspec.Struct, frozen=True):
     request: f.UploadRequest
 
 
-Event = MessageReceived | ToolReply | UploadRequested
+class LimitHit(msgspec.Struct, frozen=True):
+    """Input was shed by a rate limit (the client already has its RATE_LIMITED)."""
+
+    limit: str  # "messages" or "media_bytes"
+
+
+Event = MessageReceived | ToolReply | UploadRequested | LimitHit
+
+
+class ConnectionLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-connection limits; every one a setting (see config.Settings)."""
+
+    max_payload_size: int
+    ping_interval: float
+    pong_timeout: float
+    messages_per_second: float = 50.0
+    message_burst: int = 100
+    media_bytes_per_second: int = 2 * 1024 * 1024
+    max_send_queue_bytes: int = 4 * 1024 * 1024
 
 
 class Keepalive(Enum):
     PING = "ping"
     CLOSE = "close"
+
+
+class _MediaRateExceeded(RateLimited):
+    def __init__(self) -> None:
+        super().__init__("media byte rate exceeded")
 
 
 def split_metadata(metadata: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -123,22 +155,24 @@ def check_declare(declare: dict[str, Any]) -> None:
 
 class OmniaConnection:
     def __init__(
-        self,
-        *,
-        session_id: str,
-        binary: bool,
-        max_payload_size: int,
-        ping_interval: float,
-        pong_timeout: float,
-        now: float,
+        self, *, session_id: str, binary: bool, limits: ConnectionLimits, now: float
     ) -> None:
         self.session_id = session_id
-        self._ping_interval = ping_interval
-        self._pong_timeout = pong_timeout
+        self._limits = limits
         self._last_received = now
-        self._next_ping = now + ping_interval
-        self._outbox: list[bytes] = []
+        self._next_ping = now + limits.ping_interval
+        self._outbox: deque[bytes] = deque()
+        self._outbox_bytes = 0
+        # Set when the client stopped reading and the send queue overflowed.
+        self.overflowed = False
         self._told_no_audio = False
+        self._messages = TokenBucket(
+            rate=limits.messages_per_second, burst=limits.message_burst, now=now
+        )
+        # A second of media may arrive at once; beyond that the rate holds.
+        self._media_bytes = TokenBucket(
+            rate=limits.media_bytes_per_second, burst=limits.media_bytes_per_second, now=now
+        )
         # `connected` is the first frame and is sent once per connection.
         self._queue(
             f.ConnectedFrame(
@@ -146,7 +180,7 @@ class OmniaConnection:
                 connected=f.ConnectedInfo(
                     capabilities=f.Capabilities(
                         binary_frames=binary,
-                        max_payload_size=max_payload_size,
+                        max_payload_size=limits.max_payload_size,
                         protocol_version=PROTOCOL_VERSION,
                     )
                 ),
@@ -156,16 +190,37 @@ class OmniaConnection:
     # -- output -----------------------------------------------------------------
 
     def _queue(self, frame: f.ServerFrame) -> None:
-        self._outbox.append(_encode(frame))
+        if self.overflowed:
+            return
+        data = _encode(frame)
+        if self._outbox_bytes + len(data) > self._limits.max_send_queue_bytes:
+            # Never buffer without limit for a client that does not read.
+            self.overflowed = True
+            return
+        self._outbox.append(data)
+        self._outbox_bytes += len(data)
+
+    def next_frame(self) -> bytes | None:
+        """The next encoded text frame to write, or None when the outbox is empty."""
+        if not self._outbox:
+            return None
+        data = self._outbox.popleft()
+        self._outbox_bytes -= len(data)
+        return data
 
     def data_to_send(self) -> list[bytes]:
-        """Encoded text frames to write, in order; draining empties the outbox."""
-        out, self._outbox = self._outbox, []
+        """Every queued text frame, in order; draining empties the outbox."""
+        out = list(self._outbox)
+        self._outbox.clear()
+        self._outbox_bytes = 0
         return out
 
     def send_error(self, error: PorticoError, session_id: str | None = None) -> None:
         info = f.ErrorInfo(code=error.code, message=error.message, details=error.details)
         self._queue(f.ErrorFrame(error=info, session_id=session_id))
+
+    def send_upload_ready(self, session_id: str, ready: f.UploadReady) -> None:
+        self._queue(f.UploadReadyFrame(upload_ready=ready, session_id=session_id))
 
     def send_turn_event(self, event: TurnEvent) -> None:
         self._queue(turn_event_frame(event))
@@ -174,6 +229,9 @@ class OmniaConnection:
 
     def receive_text(self, data: str | bytes, now: float) -> list[Event]:
         self._last_received = now
+        if not self._messages.allow(now):
+            self.send_error(RateLimited("too many messages; slow down"))
+            return [LimitHit("messages")]
         try:
             frame = f.client_frame_decoder.decode(data)
         except msgspec.DecodeError as exc:
@@ -185,6 +243,9 @@ class OmniaConnection:
             return []
         try:
             return self._dispatch(frame)
+        except _MediaRateExceeded as exc:
+            self.send_error(exc, getattr(frame, "session_id", None) or None)
+            return [LimitHit("media_bytes")]
         except InvalidMessage as exc:
             self.send_error(exc, getattr(frame, "session_id", None) or None)
             return []
@@ -192,6 +253,9 @@ class OmniaConnection:
     def receive_binary(self, data: bytes, now: float) -> list[Event]:
         """Decode an inbound binary frame; without an audio session it has nowhere to go."""
         self._last_received = now
+        if not self._media_bytes.allow(now, len(data)):
+            self.send_error(RateLimited("media byte rate exceeded"))
+            return [LimitHit("media_bytes")]
         try:
             decode_frame(data)
         except BinaryFrameError as exc:
@@ -239,6 +303,9 @@ class OmniaConnection:
         if not frame.content and not parts:
             raise InvalidMessage("a message needs `content` or `parts`")
         check_parts(parts)
+        inline = sum(len(p.media.data) for p in parts if p.media is not None and p.media.data)
+        if inline and not self._media_bytes.allow(self._last_received, inline):
+            raise _MediaRateExceeded()
         forwarded, directives = split_metadata(frame.metadata or {})
         if frame.declare is not None:
             check_declare(frame.declare)
@@ -256,15 +323,15 @@ class OmniaConnection:
 
     def keepalive(self, now: float) -> Keepalive | None:
         """What is due now: a ping, a close for silence, or nothing."""
-        if now - self._last_received >= self._pong_timeout:
+        if now - self._last_received >= self._limits.pong_timeout:
             return Keepalive.CLOSE
         if now >= self._next_ping:
-            self._next_ping = now + self._ping_interval
+            self._next_ping = now + self._limits.ping_interval
             return Keepalive.PING
         return None
 
     def next_deadline(self) -> float:
-        return min(self._next_ping, self._last_received + self._pong_timeout)
+        return min(self._next_ping, self._last_received + self._limits.pong_timeout)
 
 
 def turn_event_frame(event: TurnEvent) -> f.ServerFrame:

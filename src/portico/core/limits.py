@@ -1,0 +1,22 @@
+"""Rate limits as pure arithmetic: time comes in as `now`, so tests need no clock."""
+
+from __future__ import annotations
+
+
+class TokenBucket:
+    """`rate` tokens per second, holding at most `burst`; a full bucket to start."""
+
+    def __init__(self, *, rate: float, burst: float, now: float) -> None:
+        self._rate = rate
+        self._burst = burst
+        self._tokens = burst
+        self._updated = now
+
+    def allow(self, now: float, cost: float = 1.0) -> bool:
+        """Take `cost` tokens if there are enough; refused requests take nothing."""
+        self._tokens = min(self._burst, self._tokens + (now - self._updated) * self._rate)
+        self._updated = now
+        if cost > self._tokens:
+            return False
+        self._tokens -= cost
+        return True

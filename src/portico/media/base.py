@@ -1,0 +1,170 @@
+"""The MediaStore port and the records every backend shares.
+
+Every backend passes tests/contract/test_media_contract.py. A store keeps two
+things: upload tickets (the credential an upload URL carries, single use and
+expiring) and media (bytes plus metadata, addressed by session and media id).
+It enforces sizes and atomicity; who may do what (owners, sessions, limits,
+clocks) is decided by `MediaService`, which passes `now` in.
+
+Portico receives every upload itself (`PUT /media/upload/{id}`), whatever the
+backend: a cloud backend streams the body on to its bucket, so size limits and
+single use hold in one place and clients need no `confirm-upload` step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from datetime import UTC, datetime
+from typing import Final, Protocol
+
+import msgspec
+
+from portico.core.model import new_id
+from portico.errors import UploadFailed, UploadTooLarge
+
+# The same rule as `/ws` session ids; it also keeps `/` out of storage refs.
+SESSION_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+MEDIA_ID_PATTERN: Final = re.compile(r"med-[0-9a-f]{32}")
+# "upl-" and secrets.token_urlsafe(32): 256 random bits, URL- and filename-safe.
+UPLOAD_ID_PATTERN: Final = re.compile(r"upl-[A-Za-z0-9_\-]{43}")
+STORAGE_REF_PATTERN: Final = re.compile(
+    r"omnia://sessions/(?P<session>[A-Za-z0-9_.:\-]{1,128})/media/(?P<media>med-[0-9a-f]{32})"
+)
+UPLOAD_TOKEN_BYTES: Final = 32
+READ_CHUNK_BYTES: Final = 256 * 1024
+
+
+def new_media_id() -> str:
+    return new_id("med")
+
+
+def new_upload_id() -> str:
+    return "upl-" + secrets.token_urlsafe(UPLOAD_TOKEN_BYTES)
+
+
+def upload_key(upload_id: str) -> str:
+    """What a backend files a ticket under: a digest, so the credential is never at rest."""
+    return hashlib.sha256(upload_id.encode()).hexdigest()
+
+
+def storage_ref(session_id: str, media_id: str) -> str:
+    return f"omnia://sessions/{session_id}/media/{media_id}"
+
+
+def parse_storage_ref(ref: str) -> tuple[str, str] | None:
+    """``(session_id, media_id)`` of a well-formed storage ref, else None."""
+    match = STORAGE_REF_PATTERN.fullmatch(ref)
+    return None if match is None else (match["session"], match["media"])
+
+
+def iso8601(timestamp: float) -> str:
+    """UTC with millisecond precision and a `Z`, as the Omnia examples write it."""
+    moment = datetime.fromtimestamp(timestamp, tz=UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class UploadTicket(msgspec.Struct, frozen=True, kw_only=True):
+    """What an upload URL grants: one body of exactly `size_bytes`, until `expires_at`.
+
+    The upload id itself is not part of the record: stores file tickets under
+    `upload_key(upload_id)`.
+    """
+
+    media_id: str
+    session_id: str
+    owner: str
+    filename: str
+    mime_type: str
+    size_bytes: int
+    created_at: float
+    expires_at: float
+
+
+class MediaInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A stored media item. `expires_at` None: kept until deleted."""
+
+    media_id: str
+    session_id: str
+    owner: str
+    filename: str
+    mime_type: str
+    size_bytes: int
+    created_at: float
+    expires_at: float | None = None
+
+    @property
+    def storage_ref(self) -> str:
+        return storage_ref(self.session_id, self.media_id)
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
+
+
+class MediaStore(Protocol):
+    async def open(self) -> None:
+        """Create or check the storage; recover what a stopped server left half done."""
+
+    async def close(self) -> None: ...
+
+    async def create_ticket(self, upload_id: str, ticket: UploadTicket) -> None: ...
+
+    async def get_ticket(self, upload_id: str) -> UploadTicket | None:
+        """The ticket while it is unused (open or being uploaded); else None."""
+
+    async def claim_ticket(self, upload_id: str, *, now: float) -> UploadTicket:
+        """Take the ticket for one upload attempt, atomically (one claimant wins).
+
+        Raises `UploadNotFound` (unknown or swept), `UploadGone` (expired at
+        `now`, or already used) or `UploadInProgress` (claimed by another attempt).
+        """
+
+    async def release_ticket(self, upload_id: str) -> None:
+        """Give a claimed ticket back after a failed attempt; the URL stays usable."""
+
+    async def write(
+        self,
+        upload_id: str,
+        chunks: AsyncIterable[bytes],
+        *,
+        created_at: float,
+        expires_at: float | None,
+    ) -> MediaInfo:
+        """Stream a claimed ticket's body into storage, then mark the ticket used.
+
+        Exactly `size_bytes` must arrive: more raises `UploadTooLarge` as soon as
+        the excess arrives, fewer raises `UploadFailed`. On any failure, including
+        cancellation, nothing is stored and the ticket stays claimed.
+        """
+
+    async def info(self, session_id: str, media_id: str) -> MediaInfo | None:
+        """The media's record, None unless it exists in that session."""
+
+    async def stream(
+        self, session_id: str, media_id: str, *, chunk_size: int = READ_CHUNK_BYTES
+    ) -> AsyncGenerator[bytes, None] | None:
+        """The media's bytes in chunks, opened now (a later delete does not cut it)."""
+
+    async def delete(self, session_id: str, media_id: str) -> bool: ...
+
+    async def sweep(self, *, now: float, ticket_grace: float = 0.0) -> int:
+        """Delete media expired at `now` and unused tickets `ticket_grace` past expiry.
+
+        Returns how many media and unused tickets it deleted. Used tickets go with
+        the same grace, uncounted. Until then a late upload learns that its URL
+        expired (or was used) instead of finding it unknown.
+        """
+
+
+async def exactly(chunks: AsyncIterable[bytes], size: int) -> AsyncIterator[bytes]:
+    """Pass `chunks` through, refusing a body that is not exactly `size` bytes."""
+    received = 0
+    async for chunk in chunks:
+        received += len(chunk)
+        if received > size:
+            raise UploadTooLarge(f"the body is longer than the declared {size} bytes")
+        yield chunk
+    if received < size:
+        raise UploadFailed(f"the body ended after {received} of the declared {size} bytes")

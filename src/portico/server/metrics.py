@@ -1,0 +1,75 @@
+"""Prometheus metrics, one registry per server (so in-process test servers never mix)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from portico.core.states import ToolCallState, TurnState
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    """Every figure an operator of a gateway watches; also the engine's Telemetry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.connections_open = Gauge(
+            "portico_connections_open", "WebSocket connections now open", ["protocol"], registry=r
+        )
+        self.connections = Counter(
+            "portico_connections", "WebSocket connections accepted", ["protocol"], registry=r
+        )
+        self.upgrades_refused = Counter(
+            "portico_upgrades_refused",
+            "WebSocket upgrades refused before accepting",
+            ["reason"],
+            registry=r,
+        )
+        self.frames_in = Counter(
+            "portico_frames_in", "Frames received from clients", ["protocol"], registry=r
+        )
+        self.frames_out = Counter(
+            "portico_frames_out", "Frames sent to clients", ["protocol"], registry=r
+        )
+        self.turns = Counter("portico_turns", "Turns ended, by final state", ["state"], registry=r)
+        self.turn_first_chunk = Histogram(
+            "portico_turn_first_chunk_seconds",
+            "Time from a turn's start to its first streamed chunk",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.turn_duration = Histogram(
+            "portico_turn_duration_seconds",
+            "Time from a turn's start to its end",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tool_calls = Counter(
+            "portico_tool_calls", "Client tool calls ended, by state", ["state"], registry=r
+        )
+        self.uploads = Counter(
+            "portico_uploads", "Media uploads, by result", ["result"], registry=r
+        )
+        self.rate_limited = Counter(
+            "portico_rate_limited", "Client input shed by a limit", ["limit"], registry=r
+        )
+        self.slow_consumers = Counter(
+            "portico_slow_consumer_disconnects",
+            "Connections closed because the client stopped reading",
+            registry=r,
+        )
+
+    # -- Telemetry (core/telemetry.py) ------------------------------------------------
+
+    def turn_ended(
+        self, state: TurnState, *, first_chunk_seconds: float | None, duration_seconds: float
+    ) -> None:
+        self.turns.labels(state.value).inc()
+        self.turn_duration.observe(duration_seconds)
+        if first_chunk_seconds is not None:
+            self.turn_first_chunk.observe(first_chunk_seconds)
+
+    def tool_call_ended(self, state: ToolCallState) -> None:
+        self.tool_calls.labels(state.value).inc()

@@ -1,0 +1,581 @@
+"""Black-box conformance of the HTTP media routes against real `portico serve` processes.
+
+Servers: `media_server` (API keys for alice and bob, an 8 MiB upload limit),
+`short_media_server` (upload URLs and media that expire within a second, a
+fast sweeper, a `public_url`), `media_off_server` (`media: none`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import aiohttp
+import pytest
+from conftest import ALICE, BOB
+
+from support.omnia import OmniaClient
+from support.server import ServerProcess
+
+MiB = 1024 * 1024
+MAX_UPLOAD = 8 * MiB
+SHORT_UPLOAD_URL_TTL = 0.4
+SHORT_MEDIA_TTL = 0.8
+SHORT_SWEEP_INTERVAL = 0.2
+PUBLIC_URL = "https://chat.example.com/portico"
+GRANT_KEYS = {"upload_id", "upload_url", "storage_ref", "expires_at", "method", "headers"}
+API_KEYS = f"{ALICE}=alice,{BOB}=bob"
+
+
+def _start(data_dir: Path, **settings: str) -> ServerProcess:
+    env = {"PORTICO_AUTH": "apikey", "PORTICO_API_KEYS": API_KEYS, "PORTICO_RUNTIME": "echo"}
+    env.update({f"PORTICO_{name.upper()}": value for name, value in settings.items()})
+    return ServerProcess(data_dir, env=env).start()
+
+
+@pytest.fixture(scope="session")
+def media_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = _start(tmp_path_factory.mktemp("portico-media"), max_upload_bytes=str(MAX_UPLOAD))
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def short_media_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = _start(
+        tmp_path_factory.mktemp("portico-media-short"),
+        upload_url_ttl=str(SHORT_UPLOAD_URL_TTL),
+        media_ttl=str(SHORT_MEDIA_TTL),
+        media_sweep_interval=str(SHORT_SWEEP_INTERVAL),
+        public_url=PUBLIC_URL,
+    )
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def media_off_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = _start(tmp_path_factory.mktemp("portico-media-off"), media="none")
+    yield process
+    process.stop()
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def new_session() -> str:
+    return f"sess-{uuid.uuid4().hex}"
+
+
+def ids_of(storage_ref: str) -> tuple[str, str]:
+    prefix, session_id, media, media_id = storage_ref.rsplit("/", 3)
+    assert (prefix, media) == ("omnia://sessions", "media"), storage_ref
+    return session_id, media_id
+
+
+async def error_of(response: aiohttp.ClientResponse) -> tuple[int, str, str]:
+    assert response.content_type == "application/json", await response.text()
+    body = await response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) >= {"code", "message"}, body
+    return response.status, body["error"]["code"], body["error"]["message"]
+
+
+async def request_upload(
+    http: aiohttp.ClientSession,
+    server: ServerProcess,
+    *,
+    token: str | None = ALICE,
+    json: Any = None,
+    **fields: Any,
+) -> aiohttp.ClientResponse:
+    body = (
+        json
+        if json is not None
+        else {
+            "session_id": new_session(),
+            "filename": "photo.jpg",
+            "mime_type": "image/jpeg",
+            "size_bytes": 5,
+            **fields,
+        }
+    )
+    headers = bearer(token) if token else {}
+    return await http.post(f"{server.http_url}/media/request-upload", json=body, headers=headers)
+
+
+async def grant(
+    http: aiohttp.ClientSession, server: ServerProcess, **fields: Any
+) -> dict[str, Any]:
+    response = await request_upload(http, server, **fields)
+    assert response.status == 200, await response.text()
+    granted: dict[str, Any] = await response.json()
+    return granted
+
+
+def upload_url(server: ServerProcess, granted: dict[str, Any]) -> str:
+    """The grant's URL, pointed at this process (a `public_url` names a proxy)."""
+    return f"{server.http_url}/media/upload/{granted['upload_id']}"
+
+
+async def put(
+    http: aiohttp.ClientSession, server: ServerProcess, granted: dict[str, Any], data: Any
+) -> aiohttp.ClientResponse:
+    # Only the headers the grant lists: the upload URL is the credential.
+    return await http.put(upload_url(server, granted), data=data, headers=granted["headers"])
+
+
+async def uploaded(
+    http: aiohttp.ClientSession, server: ServerProcess, data: bytes, **fields: Any
+) -> dict[str, Any]:
+    granted = await grant(http, server, size_bytes=len(data), **fields)
+    response = await put(http, server, granted, data)
+    assert response.status == 204, await response.text()
+    return granted
+
+
+async def info(
+    http: aiohttp.ClientSession, server: ServerProcess, storage_ref: str, token: str | None = ALICE
+) -> aiohttp.ClientResponse:
+    session_id, media_id = ids_of(storage_ref)
+    headers = bearer(token) if token else {}
+    return await http.get(f"{server.http_url}/media/info/{session_id}/{media_id}", headers=headers)
+
+
+async def download(
+    http: aiohttp.ClientSession, server: ServerProcess, storage_ref: str, token: str | None = ALICE
+) -> aiohttp.ClientResponse:
+    session_id, media_id = ids_of(storage_ref)
+    headers = bearer(token) if token else {}
+    url = f"{server.http_url}/media/download/{session_id}/{media_id}"
+    return await http.get(url, headers=headers)
+
+
+async def archived_session(http: aiohttp.ClientSession, server: ServerProcess, token: str) -> str:
+    """A session the archive attributes to `token`'s principal (opened over /ws)."""
+    ws = await http.ws_connect(server.ws_url, headers=bearer(token))
+    client = OmniaClient(ws)
+    session_id: str = (await client.connected())["session_id"]
+    frames = await client.ask("hello")
+    assert frames[-1]["type"] == "done", frames
+    await ws.close()
+    return session_id
+
+
+def parse_time(text: str) -> float:
+    assert text.endswith("Z"), text
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def stored_files(server: ServerProcess) -> list[Path]:
+    return [p for p in (server.data_dir / "media" / "objects").rglob("*") if p.is_file()]
+
+
+# -- the happy path -----------------------------------------------------------------
+
+
+async def test_request_upload_download(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    session_id = new_session()
+    data = os.urandom(100_000)
+    response = await request_upload(
+        http,
+        media_server,
+        session_id=session_id,
+        filename="holiday photo.jpg",
+        mime_type="image/jpeg",
+        size_bytes=len(data),
+    )
+    assert response.status == 200
+    granted = await response.json()
+    assert set(granted) == GRANT_KEYS
+    assert granted["upload_url"] == f"{media_server.http_url}/media/upload/{granted['upload_id']}"
+    assert granted["method"] == "PUT"
+    assert granted["headers"] == {"Content-Type": "image/jpeg"}
+    assert granted["expires_at"].endswith("Z")
+    assert ids_of(granted["storage_ref"])[0] == session_id
+
+    started = time.time()
+    response = await http.put(granted["upload_url"], data=data, headers=granted["headers"])
+    assert response.status == 204
+    assert await response.read() == b""
+
+    response = await info(http, media_server, granted["storage_ref"])
+    assert response.status == 200
+    described = await response.json()
+    assert set(described) == {
+        "storage_ref",
+        "filename",
+        "mime_type",
+        "size_bytes",
+        "created_at",
+        "expires_at",
+    }
+    assert described["storage_ref"] == granted["storage_ref"]
+    assert (described["filename"], described["mime_type"], described["size_bytes"]) == (
+        "holiday photo.jpg",
+        "image/jpeg",
+        len(data),
+    )
+    created, expires = (parse_time(described[key]) for key in ("created_at", "expires_at"))
+    assert started - 1 <= created <= time.time() + 1
+    assert expires - created == pytest.approx(86400.0)  # the default media_ttl
+
+    response = await download(http, media_server, granted["storage_ref"])
+    assert response.status == 200
+    assert await response.read() == data
+    assert response.headers["Content-Type"] == "image/jpeg"
+    assert response.headers["Content-Length"] == str(len(data))
+    assert response.headers["Content-Disposition"] == (
+        "attachment; filename=\"holiday photo.jpg\"; filename*=UTF-8''holiday%20photo.jpg"
+    )
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+
+
+@pytest.mark.parametrize(
+    "filename", ['na"me;x=1.txt', "résumé 日本.pdf", "semi;colon,comma 100%.bin", "a'b.txt"]
+)
+async def test_download_names_the_file_safely(
+    http: aiohttp.ClientSession, media_server: ServerProcess, filename: str
+) -> None:
+    granted = await uploaded(http, media_server, b"abc", filename=filename, mime_type="text/plain")
+    response = await download(http, media_server, granted["storage_ref"])
+    disposition = response.headers["Content-Disposition"]
+    fallback, encoded = disposition.split("; filename*=UTF-8''")
+    assert fallback.startswith('attachment; filename="')
+    assert fallback.count('"') == 2
+    assert fallback.isascii()
+    assert unquote(encoded) == filename
+    assert all(c.isalnum() or c in "%-._~" for c in encoded)
+
+
+async def test_a_large_upload_streams(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    data = os.urandom(5 * MiB)  # above aiohttp's 1 MiB client_max_size
+    granted = await uploaded(http, media_server, data, mime_type="application/octet-stream")
+    response = await download(http, media_server, granted["storage_ref"])
+    assert response.status == 200
+    assert await response.read() == data
+
+
+async def test_a_chunked_upload_without_content_length(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    data = os.urandom(2 * MiB + 3)
+    granted = await grant(http, media_server, size_bytes=len(data))
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for start in range(0, len(data), 100_000):
+            yield data[start : start + 100_000]
+
+    response = await put(http, media_server, granted, pieces())
+    assert response.status == 204, await response.text()
+    assert await (await download(http, media_server, granted["storage_ref"])).read() == data
+
+
+async def test_an_empty_file(http: aiohttp.ClientSession, media_server: ServerProcess) -> None:
+    granted = await uploaded(http, media_server, b"", mime_type="text/plain")
+    response = await download(http, media_server, granted["storage_ref"])
+    assert (response.status, await response.read()) == (200, b"")
+
+
+# -- request-upload validation -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"session_id": None}, "session_id"),
+        ({"session_id": ""}, "session_id"),
+        ({"session_id": "a/b"}, "session_id"),
+        ({"session_id": "s" * 129}, "session_id"),
+        ({"filename": None}, "filename"),
+        ({"filename": ""}, "filename"),
+        ({"filename": "../../etc/passwd"}, "filename"),
+        ({"filename": "a\\b.txt"}, "filename"),
+        ({"filename": "bell\x07.txt"}, "filename"),
+        ({"filename": "x" * 256}, "filename"),
+        ({"filename": 3}, "filename"),
+        ({"mime_type": None}, "mime_type"),
+        ({"mime_type": "jpeg"}, "mime_type"),
+        ({"mime_type": "image/jpeg\r\nSet-Cookie: a=b"}, "mime_type"),
+        ({"size_bytes": None}, "size_bytes"),
+        ({"size_bytes": -1}, "size_bytes"),
+        ({"size_bytes": "5"}, "size_bytes"),
+        ({"size_bytes": 2.5}, "size_bytes"),
+        ({"size_bytes": False}, "size_bytes"),
+    ],
+)
+async def test_invalid_fields_are_named(
+    http: aiohttp.ClientSession, media_server: ServerProcess, fields: dict[str, Any], field: str
+) -> None:
+    body = {
+        "session_id": new_session(),
+        "filename": "photo.jpg",
+        "mime_type": "image/jpeg",
+        "size_bytes": 5,
+        **fields,
+    }
+    if fields[field] is None:
+        del body[field]  # absent, as a client that forgot it sends it
+    status, code, message = await error_of(await request_upload(http, media_server, json=body))
+    assert (status, code) == (400, "INVALID_MESSAGE")
+    assert message.startswith(f"{field}:")
+
+
+@pytest.mark.parametrize("raw", [b"", b"not json", b"[1, 2]", b'"text"', b"{", b"null"])
+async def test_a_body_that_is_not_an_object(
+    http: aiohttp.ClientSession, media_server: ServerProcess, raw: bytes
+) -> None:
+    response = await http.post(
+        f"{media_server.http_url}/media/request-upload", data=raw, headers=bearer(ALICE)
+    )
+    assert await error_of(response) == (400, "INVALID_MESSAGE", "the body must be a JSON object")
+
+
+async def test_a_size_above_the_limit(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    response = await request_upload(http, media_server, size_bytes=MAX_UPLOAD + 1)
+    status, code, message = await error_of(response)
+    assert (status, code) == (413, "UPLOAD_FAILED")
+    assert message.startswith("size_bytes:")
+    assert str(MAX_UPLOAD) in message
+    assert (await request_upload(http, media_server, size_bytes=MAX_UPLOAD)).status == 200
+
+
+async def test_an_oversized_request_body(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    body = {"session_id": new_session(), "filename": "a", "padding": "x" * 20_000}
+    status, code, _ = await error_of(await request_upload(http, media_server, json=body))
+    assert (status, code) == (413, "INVALID_MESSAGE")
+
+
+# -- upload failures ----------------------------------------------------------------
+
+
+async def test_a_body_longer_than_declared(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    granted = await grant(http, media_server, size_bytes=10)
+    status, code, _ = await error_of(await put(http, media_server, granted, b"x" * 20))
+    assert (status, code) == (413, "UPLOAD_FAILED")
+    assert (await download(http, media_server, granted["storage_ref"])).status == 404
+    assert (await info(http, media_server, granted["storage_ref"])).status == 404
+
+
+async def test_a_chunked_body_longer_than_declared(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    granted = await grant(http, media_server, size_bytes=300_000)
+
+    async def too_much() -> AsyncIterator[bytes]:
+        for _ in range(10):
+            yield b"x" * 100_000
+
+    status, code, _ = await error_of(await put(http, media_server, granted, too_much()))
+    assert (status, code) == (413, "UPLOAD_FAILED")
+    assert (await download(http, media_server, granted["storage_ref"])).status == 404
+
+
+async def test_a_body_shorter_than_declared(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    granted = await grant(http, media_server, size_bytes=10)
+    status, code, _ = await error_of(await put(http, media_server, granted, b"x" * 9))
+    assert (status, code) == (400, "UPLOAD_FAILED")
+    assert (await download(http, media_server, granted["storage_ref"])).status == 404
+    # A failed attempt does not spend the URL.
+    assert (await put(http, media_server, granted, b"y" * 10)).status == 204
+
+
+async def test_a_second_put_is_refused(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    granted = await uploaded(http, media_server, b"first")
+    status, code, _ = await error_of(await put(http, media_server, granted, b"again"))
+    assert (status, code) == (410, "UPLOAD_FAILED")
+    assert await (await download(http, media_server, granted["storage_ref"])).read() == b"first"
+
+
+@pytest.mark.parametrize(
+    "upload_id", ["upl-" + "A" * 43, "upl-short", "..%2F..%2Fetc%2Fpasswd", "x" * 300]
+)
+async def test_an_unknown_upload_id(
+    http: aiohttp.ClientSession, media_server: ServerProcess, upload_id: str
+) -> None:
+    response = await http.put(f"{media_server.http_url}/media/upload/{upload_id}", data=b"abc")
+    status, code, _ = await error_of(response)
+    assert (status, code) == (404, "UPLOAD_FAILED")
+
+
+async def test_a_client_that_goes_away_mid_upload(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    granted = await grant(http, media_server, size_bytes=1_000_000)
+    _reader, writer = await asyncio.open_connection("127.0.0.1", media_server.port)
+    writer.write(
+        (
+            f"PUT /media/upload/{granted['upload_id']} HTTP/1.1\r\n"
+            f"Host: 127.0.0.1\r\nContent-Length: 1000000\r\n\r\n"
+        ).encode()
+        + b"x" * 400_000
+    )
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    # Nothing stored; once the server has noticed, the same URL works again.
+    deadline = time.monotonic() + 5
+    while True:
+        response = await put(http, media_server, granted, b"z" * 1_000_000)
+        if response.status != 409 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert response.status == 204, await response.text()
+    assert await (await download(http, media_server, granted["storage_ref"])).read() == (
+        b"z" * 1_000_000
+    )
+
+
+# -- expiry -------------------------------------------------------------------------
+
+
+async def test_an_expired_upload_url(
+    http: aiohttp.ClientSession, short_media_server: ServerProcess
+) -> None:
+    granted = await grant(http, short_media_server)
+    await asyncio.sleep(SHORT_UPLOAD_URL_TTL + 0.05)
+    status, code, message = await error_of(await put(http, short_media_server, granted, b"hello"))
+    assert (status, code) == (410, "UPLOAD_FAILED")
+    assert "expired" in message
+
+
+async def test_media_expires_and_is_swept(
+    http: aiohttp.ClientSession, short_media_server: ServerProcess
+) -> None:
+    granted = await uploaded(http, short_media_server, b"short-lived")
+    media_id = ids_of(granted["storage_ref"])[1]
+    assert (await info(http, short_media_server, granted["storage_ref"])).status == 200
+    await asyncio.sleep(SHORT_MEDIA_TTL)
+    assert (await info(http, short_media_server, granted["storage_ref"])).status == 404
+    assert (await download(http, short_media_server, granted["storage_ref"])).status == 404
+    deadline = time.monotonic() + 5
+    while any(media_id in p.name for p in stored_files(short_media_server)):
+        assert time.monotonic() < deadline, "the sweeper did not delete the expired media"
+        await asyncio.sleep(SHORT_SWEEP_INTERVAL)
+
+
+async def test_public_url_is_the_base_of_upload_urls(
+    http: aiohttp.ClientSession, short_media_server: ServerProcess
+) -> None:
+    granted = await grant(http, short_media_server)
+    assert granted["upload_url"] == f"{PUBLIC_URL}/media/upload/{granted['upload_id']}"
+
+
+# -- authentication and ownership ------------------------------------------------------
+
+
+async def test_a_credential_is_required(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    granted = await uploaded(http, media_server, b"hello")
+    for token in (None, "wrong-token"):
+        for response in (
+            await request_upload(http, media_server, token=token),
+            await info(http, media_server, granted["storage_ref"], token=token),
+            await download(http, media_server, granted["storage_ref"], token=token),
+        ):
+            assert (await error_of(response))[:2] == (401, "UNAUTHENTICATED")
+            assert response.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+async def test_another_principals_session_and_media_are_hidden(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    alices = await archived_session(http, media_server, ALICE)
+    granted = await uploaded(http, media_server, b"alice's", session_id=alices)
+
+    status, code, _ = await error_of(
+        await request_upload(http, media_server, token=BOB, session_id=alices)
+    )
+    assert (status, code) == (404, "SESSION_EXPIRED")
+    for route in (info, download):
+        hidden = await error_of(await route(http, media_server, granted["storage_ref"], BOB))
+        session_id, _ = ids_of(granted["storage_ref"])
+        missing = f"omnia://sessions/{session_id}/media/med-{uuid.uuid4().hex}"
+        absent = await error_of(await route(http, media_server, missing, ALICE))
+        assert hidden == absent == (404, "MEDIA_NOT_FOUND", "no such media")
+    assert (await download(http, media_server, granted["storage_ref"], ALICE)).status == 200
+
+
+async def test_media_uploaded_by_another_principal_to_an_unseen_session(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    granted = await uploaded(http, media_server, b"bob's", token=BOB)
+    assert (await info(http, media_server, granted["storage_ref"], BOB)).status == 200
+    assert (await info(http, media_server, granted["storage_ref"], ALICE)).status == 404
+
+
+@pytest.mark.parametrize(
+    ("session_id", "media_id"),
+    [("..", "med-" + "0" * 32), ("s1", ".."), ("s1", "med-..%2F..%2Ftickets"), ("s1", "x" * 500)],
+)
+async def test_path_tricks_find_nothing(
+    http: aiohttp.ClientSession, media_server: ServerProcess, session_id: str, media_id: str
+) -> None:
+    for route in ("info", "download"):
+        url = f"{media_server.http_url}/media/{route}/{session_id}/{media_id}"
+        response = await http.get(url, headers=bearer(ALICE))
+        assert response.status == 404
+
+
+# -- media disabled -----------------------------------------------------------------
+
+
+async def test_every_route_answers_media_not_enabled(
+    http: aiohttp.ClientSession, media_off_server: ServerProcess
+) -> None:
+    base = media_off_server.http_url
+    ref = f"s1/med-{uuid.uuid4().hex}"
+    for response in (
+        await request_upload(http, media_off_server),
+        await http.put(f"{base}/media/upload/upl-{'A' * 43}", data=b"abc"),
+        await http.get(f"{base}/media/info/{ref}", headers=bearer(ALICE)),
+        await http.get(f"{base}/media/download/{ref}", headers=bearer(ALICE)),
+    ):
+        assert (await error_of(response))[:2] == (404, "MEDIA_NOT_ENABLED")
+    assert not (media_off_server.data_dir / "media").exists()
+
+
+# -- restart ------------------------------------------------------------------------
+
+
+async def test_upload_urls_and_media_survive_a_restart(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    server = _start(tmp_path / "portico")
+    try:
+        kept = await uploaded(http, server, b"before the restart")
+        pending = await grant(http, server, size_bytes=5)
+        server.restart()
+        assert await (await download(http, server, kept["storage_ref"])).read() == (
+            b"before the restart"
+        )
+        assert (await put(http, server, pending, b"after")).status == 204
+        assert (await put(http, server, kept, b"x" * 18)).status == 410
+    finally:
+        server.stop()
