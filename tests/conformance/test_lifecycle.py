@@ -129,6 +129,25 @@ def test_invalid_environment_value_is_a_clear_error() -> None:
     assert "port" in result.stderr
 
 
+def draining_server(tmp_path: Path, *, drain_timeout: float) -> ServerProcess:
+    return ServerProcess(
+        tmp_path / "data",
+        args=("--runtime", "scripted", "--script", str(SCRIPT)),
+        env={"PORTICO_DRAIN_TIMEOUT": str(drain_timeout)},
+    ).start()
+
+
+async def start_slow_turn(
+    http: aiohttp.ClientSession, server: ServerProcess
+) -> tuple[OmniaClient, str]:
+    """A client whose `slow` turn has streamed its first chunk and now sleeps."""
+    client = await open_client(http, server)
+    session_id = (await client.connected())["session_id"]
+    await client.send({"type": "message", "content": "slow", **scenario("slow")})
+    assert (await client.recv())["content"] == "a"
+    return client, session_id
+
+
 async def _wait_status(http: aiohttp.ClientSession, url: str, status: int) -> None:
     """Poll until the probe answers `status` (the signal is delivered asynchronously)."""
     for _ in range(100):
@@ -142,15 +161,8 @@ async def _wait_status(http: aiohttp.ClientSession, url: str, status: int) -> No
 async def test_sigterm_drain_finishes_the_running_turn_then_closes_1001(
     http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    server = ServerProcess(
-        tmp_path / "data",
-        args=("--runtime", "scripted", "--script", str(SCRIPT)),
-        env={"PORTICO_DRAIN_TIMEOUT": "20"},
-    ).start()
-    client = await open_client(http, server)
-    session_id = (await client.connected())["session_id"]
-    await client.send({"type": "message", "content": "slow", **scenario("slow")})
-    assert (await client.recv())["content"] == "a"
+    server = draining_server(tmp_path, drain_timeout=20)
+    client, session_id = await start_slow_turn(http, server)
     assert server.process is not None
     server.process.send_signal(signal.SIGTERM)
 
@@ -174,15 +186,8 @@ async def test_sigterm_drain_finishes_the_running_turn_then_closes_1001(
 async def test_drain_timeout_interrupts_with_a_terminal_frame_then_closes_1001(
     http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    server = ServerProcess(
-        tmp_path / "data",
-        args=("--runtime", "scripted", "--script", str(SCRIPT)),
-        env={"PORTICO_DRAIN_TIMEOUT": "0.2"},
-    ).start()
-    client = await open_client(http, server)
-    session_id = (await client.connected())["session_id"]
-    await client.send({"type": "message", "content": "slow", **scenario("slow")})
-    await client.recv()
+    server = draining_server(tmp_path, drain_timeout=0.2)
+    client, session_id = await start_slow_turn(http, server)
     assert server.stop(signal.SIGTERM) == 0
     terminal = await client.recv()
     assert terminal["type"] == "error"
