@@ -206,3 +206,43 @@ class MediaNotFound(PorticoError):
 
     def __init__(self, message: str = "no such media") -> None:
         super().__init__(message)
+
+
+# -- /v1/session (spec/sessions-protocol.md, close codes) --------------------------------
+
+
+class ProtocolViolation(PorticoError):
+    """The peer broke a framing rule (first frame, seq gap, ack beyond sent)."""
+
+    code = "PROTOCOL_ERROR"
+    close_code = 4400
+
+
+class SessionUnauthenticated(Unauthenticated):
+    close_code = 4401
+
+
+class ResumeFailed(PorticoError):
+    """The session cannot be resumed; never says whether it exists."""
+
+    code = "RESUME_FAILED"
+    close_code = 4404
+    http_status = 404
+
+    def __init__(self, message: str = "the session cannot be resumed", **details: str) -> None:
+        super().__init__(message, details=details or None)
+
+
+class SessionAgentNotFound(PorticoError):
+    code = "AGENT_NOT_FOUND"
+    close_code = 4404
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown agent {name!r}")
+
+
+class BufferOverflow(ResumeFailed):
+    """The resend buffer is full: the peer reads but never acknowledges."""
+
+    def __init__(self) -> None:
+        super().__init__("the resend buffer overflowed", reason="buffer_overflow")

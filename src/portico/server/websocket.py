@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
 
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import web
 
 from portico.config import DEFAULT_AGENT
 from portico.core.engine import UserMessage
@@ -34,6 +31,7 @@ from portico.protocols.omnia.frames import (
 )
 from portico.server.admission import admit
 from portico.server.services import SERVICES, Services
+from portico.server.sockets import ServerSocket, run_socket
 
 log = logging.getLogger("portico.ws")
 PROTOCOL = "omnia"
@@ -52,8 +50,10 @@ def connection_limits(services: Services) -> ConnectionLimits:
     )
 
 
-class OmniaSocket:
-    """One `/ws` connection: a read loop, a writer task and a keepalive task."""
+class OmniaSocket(ServerSocket):
+    """One `/ws` connection."""
+
+    protocol = PROTOCOL
 
     def __init__(
         self,
@@ -63,78 +63,50 @@ class OmniaSocket:
         principal: str,
         agent: str,
     ) -> None:
-        self._transport = request.transport
+        super().__init__(request, ws, services)
         # Upload URLs point at this server as the client reached it.
         self._base_url = str(request.url.origin())
-        self._ws = ws
-        self._services = services
         self._principal = principal
         self._agent = agent
-        self._loop = asyncio.get_running_loop()
         self._core = OmniaConnection(
             session_id=new_id("sess"),
             binary=request.query.get("binary", "false").lower() == "true",
             limits=connection_limits(services),
             now=self._loop.time(),
         )
-        self._metrics = services.metrics
-        self._wake = asyncio.Event()
         self._attached: set[str] = set()
-        self._closed = False
-        # A close the server started (keepalive, slow consumer); the handler waits for it
-        # so the close frame reaches the client before the socket goes.
-        self._closing: asyncio.Task[None] | None = None
 
-    async def serve(self) -> None:
-        started = time.perf_counter()
-        log.info(
-            "connection opened protocol=omnia session=%s principal=%s agent=%s",
-            self._core.session_id,
-            self._principal,
-            self._agent,
-        )
-        self._wake.set()
-        writer = asyncio.create_task(self._write_loop())
-        keepalive = asyncio.create_task(self._keepalive_loop())
-        try:
-            await self._read_loop()
-        finally:
-            self._closed = True
-            for session_id in self._attached:
-                self._services.engine.detach(session_id, self._on_turn_event)
-            if self._closing is not None:
-                await asyncio.gather(self._closing, return_exceptions=True)
-            for task in (writer, keepalive):
-                task.cancel()
-            await asyncio.gather(writer, keepalive, return_exceptions=True)
-            log.info(
-                "connection closed protocol=omnia session=%s close_code=%s duration_s=%.1f",
-                self._core.session_id,
-                self._ws.close_code,
-                time.perf_counter() - started,
-            )
+    @property
+    def core(self) -> OmniaConnection:
+        return self._core
 
-    # -- reading ------------------------------------------------------------------
+    def describe(self) -> str:
+        return f"session={self._core.session_id} principal={self._principal} agent={self._agent}"
 
-    async def _read_loop(self) -> None:
-        ws, frames_in = self._ws, self._metrics.frames_in.labels(PROTOCOL)
-        while not ws.closed:
-            msg = await ws.receive()
-            now = self._loop.time()
-            if msg.type is WSMsgType.TEXT:
-                frames_in.inc()
-                await self._handle_all(self._core.receive_text(msg.data, now))
-            elif msg.type is WSMsgType.BINARY:
-                frames_in.inc()
-                await self._handle_all(self._core.receive_binary(msg.data, now))
-            elif msg.type is WSMsgType.PING:
-                self._core.receive_control(now)
-                await ws.pong(msg.data)
-            elif msg.type is WSMsgType.PONG:
-                self._core.receive_control(now)
-            else:  # CLOSE, CLOSING, CLOSED, ERROR (e.g. a frame over max_msg_size: 1009)
-                break
-            self._wake.set()
+    def on_closed(self) -> None:
+        for session_id in self._attached:
+            self._services.engine.detach(session_id, self._on_turn_event)
+
+    async def on_text(self, data: str, now: float) -> None:
+        await self._handle_all(self._core.receive_text(data, now))
+
+    async def on_binary(self, data: bytes, now: float) -> None:
+        await self._handle_all(self._core.receive_binary(data, now))
+
+    def on_control(self, now: float) -> None:
+        self._core.receive_control(now)
+
+    async def on_timer(self, now: float) -> None:
+        action = self._core.keepalive(now)
+        if action is Keepalive.PING:
+            await self._ws.ping()
+        elif action is Keepalive.CLOSE:
+            self.start_close(CLOSE_KEEPALIVE_TIMEOUT, "keepalive timeout")
+
+    def on_overflow(self) -> None:
+        self.start_close(CLOSE_SLOW_CONSUMER, "slow consumer")
+
+    # -- events -------------------------------------------------------------------
 
     async def _handle_all(self, events: list[Event]) -> None:
         for event in events:
@@ -211,56 +183,7 @@ class OmniaSocket:
     def _on_turn_event(self, event: TurnEvent) -> None:
         if not self._closed:
             self._core.send_turn_event(event)
-            self._wake.set()
-
-    async def _write_loop(self) -> None:
-        ws, frames_out = self._ws, self._metrics.frames_out.labels(PROTOCOL)
-        while not ws.closed:
-            await self._wake.wait()
-            self._wake.clear()
-            while (frame := self._core.next_frame()) is not None:
-                # Awaiting the write is the backpressure: while a client does not read,
-                # frames wait in the core's bounded queue, never in an unbounded buffer.
-                await ws.send_frame(frame, WSMsgType.TEXT)
-                frames_out.inc()
-            if self._core.overflowed:
-                self._metrics.slow_consumers.inc()
-                log.info("slow consumer session=%s: send queue full", self._core.session_id)
-                self._start_close(CLOSE_SLOW_CONSUMER, b"slow consumer")
-                return
-
-    async def going_away(self) -> None:
-        """Server shutdown: flush what is queued, then close with 1001."""
-        self._closed = True  # no more turn events; what is queued still goes out
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(self._services.settings.close_timeout):
-                while (frame := self._core.next_frame()) is not None:
-                    await self._ws.send_frame(frame, WSMsgType.TEXT)
-        self._start_close(WSCloseCode.GOING_AWAY, b"server shutting down")
-        await asyncio.gather(self._closing or asyncio.sleep(0), return_exceptions=True)
-
-    def _start_close(self, code: int, reason: bytes) -> None:
-        if self._closing is None:
-            self._closing = asyncio.create_task(self._close(code, reason))
-
-    async def _close(self, code: int, reason: bytes) -> None:
-        """Close with `code`; a client that never takes the close frame is dropped."""
-        try:
-            async with asyncio.timeout(self._services.settings.close_timeout):
-                await self._ws.close(code=code, message=reason)
-        except TimeoutError:
-            if self._transport is not None:
-                self._transport.abort()
-
-    async def _keepalive_loop(self) -> None:
-        while not self._ws.closed:
-            await asyncio.sleep(max(0.0, self._core.next_deadline() - self._loop.time()))
-            action = self._core.keepalive(self._loop.time())
-            if action is Keepalive.PING:
-                await self._ws.ping()
-            elif action is Keepalive.CLOSE:
-                self._start_close(CLOSE_KEEPALIVE_TIMEOUT, b"keepalive timeout")
-                return
+            self.wake()
 
 
 async def omnia_handler(request: web.Request) -> web.StreamResponse:
@@ -269,22 +192,6 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
     if not services.engine.has_agent(agent):
         raise web.HTTPNotFound(text=f"unknown agent {agent!r}")
     principal = await admit(request, services)
-    settings = services.settings
-    ws = web.WebSocketResponse(
-        max_msg_size=settings.max_payload_size,
-        autoping=False,  # the core tracks pongs to decide when a peer is dead
-        compress=settings.ws_compression,
+    return await run_socket(
+        request, services, lambda ws: OmniaSocket(request, ws, services, principal, agent)
     )
-    async with services.slots.hold():
-        await ws.prepare(request)
-        open_gauge = services.metrics.connections_open.labels(PROTOCOL)
-        services.metrics.connections.labels(PROTOCOL).inc()
-        open_gauge.inc()
-        try:
-            socket = OmniaSocket(request, ws, services, principal, agent)
-            services.connections.add(socket)
-            with contextlib.suppress(ConnectionResetError):
-                await socket.serve()
-        finally:
-            open_gauge.dec()
-    return ws

@@ -1,0 +1,1 @@
+"""Resumable sessions (`GET /v1/session`): exactly-once control messages across reconnects."""

@@ -1,0 +1,282 @@
+"""The connection-scoped half of `/v1/session`, sans-I/O, for both roles.
+
+One `SessionConnection` per WebSocket. It runs the handshake, decodes frames,
+discards duplicates, paces acknowledgements, and keeps the heartbeat deadlines;
+the session's `Channel` does the numbering. Feed it what arrived
+(`receive_text`) and the time (`on_timer`); drain `next_frame()` and act on the
+returned events and on `close_request`.
+
+Server role: waits for `hello` (-> `HelloReceived`); the adapter authenticates
+and calls `accept` or `refuse`. Client role: `start(hello)` sends it; `ready`
+comes back as `ReadyReceived` and the client's backlog is resent.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from enum import Enum
+
+import msgspec
+
+from portico.errors import BufferOverflow, PorticoError, ProtocolViolation
+from portico.protocols.session import frames as f
+from portico.protocols.session.channel import Channel, Numbered
+
+CLOSE_NORMAL = 1000
+CLOSE_IDLE = 4000
+CLOSE_SLOW_CONSUMER = 4408
+CLOSE_REPLACED = 4409
+
+
+class Role(Enum):
+    SERVER = "server"
+    CLIENT = "client"
+
+
+class State(Enum):
+    AWAIT_HELLO = "await_hello"  # server: nothing received yet
+    AWAIT_READY = "await_ready"  # client: hello sent
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Timing(msgspec.Struct, frozen=True, kw_only=True):
+    """Every protocol duration and count; each a setting with the spec's default."""
+
+    ack_delay: float = 0.1  # acknowledge within this many seconds of handling
+    ack_every: int = 16  # ...or after this many unacknowledged messages
+    heartbeat_interval: float = 15.0  # client pings this often
+    dead_after: float = 2.5  # client: dead after this many silent intervals
+    idle_timeout: float = 45.0  # server: close 4000 after this much silence
+    max_send_queue_bytes: int = 4 * 1024 * 1024  # per connection; past it close 4408
+
+
+class HelloReceived(msgspec.Struct, frozen=True):
+    hello: f.Hello
+
+
+class ReadyReceived(msgspec.Struct, frozen=True):
+    ready: f.Ready
+
+
+class Received(msgspec.Struct, frozen=True):
+    """A numbered message taking effect now: new, in order, never a duplicate."""
+
+    frame: Numbered
+
+
+class PeerDead(msgspec.Struct, frozen=True):
+    """Client role: nothing arrived for `dead_after` heartbeat intervals."""
+
+
+Event = HelloReceived | ReadyReceived | Received | PeerDead
+
+_DECODERS: dict[Role, msgspec.json.Decoder[f.ClientFrame | f.ServerFrame]] = {
+    Role.SERVER: f.client_frame_decoder,  # type: ignore[dict-item]
+    Role.CLIENT: f.server_frame_decoder,  # type: ignore[dict-item]
+}
+
+
+class SessionConnection:
+    def __init__(self, *, role: Role, timing: Timing, now: float) -> None:
+        self.role = role
+        self.state = State.AWAIT_HELLO if role is Role.SERVER else State.CLOSED
+        self.channel: Channel | None = None
+        self.close_request: tuple[int, str] | None = None
+        self.overflowed = False
+        self._timing = timing
+        self._decoder = _DECODERS[role]
+        self._outbox: deque[bytes] = deque()
+        self._outbox_bytes = 0
+        self._last_received = now
+        self._next_ping = now + timing.heartbeat_interval
+        self._unacked = 0  # handled peer messages not yet acknowledged
+        self._ack_deadline: float | None = None
+
+    # -- output ---------------------------------------------------------------------------
+
+    def next_frame(self) -> bytes | None:
+        if not self._outbox:
+            return None
+        data = self._outbox.popleft()
+        self._outbox_bytes -= len(data)
+        return data
+
+    def data_to_send(self) -> list[bytes]:
+        out = list(self._outbox)
+        self._outbox.clear()
+        self._outbox_bytes = 0
+        return out
+
+    def _write(self, data: bytes) -> None:
+        if self.overflowed:
+            return
+        if self._outbox_bytes + len(data) > self._timing.max_send_queue_bytes:
+            # The client stopped reading; it resumes and gets the backlog again.
+            self.overflowed = True
+            self._request_close(CLOSE_SLOW_CONSUMER, "slow consumer")
+            return
+        self._outbox.append(data)
+        self._outbox_bytes += len(data)
+
+    def _write_frame(self, frame: f.ClientFrame | f.ServerFrame) -> None:
+        self._write(f.encode(frame))
+
+    def write_numbered(self, data: bytes) -> None:
+        """A numbered message the channel just encoded; live only once the handshake is done."""
+        if self.state is State.OPEN:
+            self._write(data)
+
+    def send(self, frame: Numbered) -> None:
+        """Number `frame` on the session's channel and write it."""
+        if self.channel is None:
+            raise ProtocolViolation("no session yet: the handshake has not completed")
+        self.write_numbered(self.channel.send(frame))
+
+    def _request_close(self, code: int, reason: str) -> None:
+        if self.close_request is None:
+            self.close_request = (code, reason)
+        self.state = State.CLOSED
+
+    def fail(self, error: PorticoError) -> None:
+        """An unnumbered error, then a close with the error's code."""
+        if self.state is State.CLOSED and self.close_request is not None:
+            return
+        info = f.ErrorInfo(code=error.code, message=error.message, details=error.details)
+        self._write_frame(f.Error(error=info))
+        self._request_close(error.close_code or 4400, error.code)
+
+    def close(self, code: int, reason: str) -> None:
+        self._request_close(code, reason)
+
+    # -- handshake ------------------------------------------------------------------------
+
+    def accept(self, channel: Channel, ready: f.Ready, peer_last_seq: int) -> None:
+        """Server: the hello is good. Send `ready`, then what the client missed."""
+        self.channel = channel
+        try:
+            channel.acknowledge(peer_last_seq)
+        except ProtocolViolation as exc:
+            self.fail(exc)
+            return
+        self._write_frame(ready)
+        self.state = State.OPEN
+        for data in channel.unacknowledged():
+            self._write(data)
+
+    def start(self, hello: f.Hello, channel: Channel) -> None:
+        """Client: send `hello` on a fresh connection."""
+        self.channel = channel
+        self._write_frame(hello)
+        self.state = State.AWAIT_READY
+
+    # -- input ----------------------------------------------------------------------------
+
+    def receive_text(self, data: str | bytes, now: float) -> list[Event]:
+        self._last_received = now
+        if self.state is State.CLOSED:
+            return []  # whatever arrives after we decided to close is ignored
+        try:
+            frame = self._decoder.decode(data)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            self.fail(ProtocolViolation(f"malformed frame: {exc}"))
+            return []
+        try:
+            return self._dispatch(frame, now)
+        except BufferOverflow as exc:
+            self.fail(exc)
+        except ProtocolViolation as exc:
+            self.fail(exc)
+        return []
+
+    def _dispatch(self, frame: f.ClientFrame | f.ServerFrame, now: float) -> list[Event]:
+        if self.state is State.AWAIT_HELLO:
+            if not isinstance(frame, f.Hello):
+                raise ProtocolViolation("the first frame must be hello")
+            return [HelloReceived(frame)]
+        if isinstance(frame, f.Hello):
+            raise ProtocolViolation("hello was already received on this connection")
+        if self.state is State.AWAIT_READY:
+            return self._on_ready(frame)
+        match frame:
+            case f.Ack(seq=seq):
+                assert self.channel is not None
+                self.channel.acknowledge(seq)
+                return []
+            case f.Ping():
+                self._write_frame(f.Pong())
+                return []
+            case f.Pong():
+                return []
+            case f.Ready():
+                raise ProtocolViolation("ready was already received on this connection")
+            case f.Error(seq=None) as error:
+                # A connection-level error from the server precedes its close.
+                return [Received(error)] if self.role is Role.CLIENT else []
+        return self._numbered(frame, now)
+
+    def _on_ready(self, frame: f.ClientFrame | f.ServerFrame) -> list[Event]:
+        if isinstance(frame, f.Error) and frame.seq is None:
+            return [Received(frame)]
+        if not isinstance(frame, f.Ready):
+            raise ProtocolViolation("the first frame from the server must be ready")
+        assert self.channel is not None
+        self.channel.acknowledge(frame.last_seq)
+        self.state = State.OPEN
+        for data in self.channel.unacknowledged():
+            self._write(data)
+        return [ReadyReceived(frame)]
+
+    def _numbered(self, frame: f.ClientFrame | f.ServerFrame, now: float) -> list[Event]:
+        seq = getattr(frame, "seq", None)
+        if not isinstance(seq, int):
+            raise ProtocolViolation(f"{type(frame).__name__} needs a seq")
+        assert self.channel is not None
+        fresh = self.channel.receive(seq)
+        self._schedule_ack(now)
+        return [Received(frame)] if fresh else []  # type: ignore[arg-type]
+
+    # -- acknowledgements and heartbeats ----------------------------------------------------
+
+    def _schedule_ack(self, now: float) -> None:
+        self._unacked += 1
+        if self._unacked >= self._timing.ack_every:
+            self._send_ack()
+        elif self._ack_deadline is None:
+            self._ack_deadline = now + self._timing.ack_delay
+
+    def _send_ack(self) -> None:
+        assert self.channel is not None
+        self._write_frame(f.Ack(seq=self.channel.handled))
+        self._unacked = 0
+        self._ack_deadline = None
+
+    def next_deadline(self) -> float:
+        deadlines = [self._last_received + self._silence_limit()]
+        if self._ack_deadline is not None:
+            deadlines.append(self._ack_deadline)
+        if self.role is Role.CLIENT:
+            deadlines.append(self._next_ping)
+        return min(deadlines)
+
+    def _silence_limit(self) -> float:
+        if self.role is Role.SERVER:
+            return self._timing.idle_timeout
+        return self._timing.heartbeat_interval * self._timing.dead_after
+
+    def on_timer(self, now: float) -> list[Event]:
+        """Do what is due at `now`: an ack, a ping, or give up on a silent peer."""
+        if self.state is State.CLOSED:
+            return []
+        if self._ack_deadline is not None and now >= self._ack_deadline:
+            self._send_ack()
+        if now - self._last_received >= self._silence_limit():
+            if self.role is Role.SERVER:
+                self._request_close(CLOSE_IDLE, "idle timeout")
+                return []
+            self.state = State.CLOSED
+            return [PeerDead()]
+        if self.role is Role.CLIENT and self.state is State.OPEN and now >= self._next_ping:
+            self._write_frame(f.Ping())
+            self._next_ping = now + self._timing.heartbeat_interval
+        return []

@@ -1,0 +1,190 @@
+"""Every `/v1/session` frame as an immutable type (spec/sessions-protocol.md).
+
+Numbered messages carry `seq`; `hello`, `ready`, `ack`, `ping`, `pong` and a
+connection-level `error` (one without `seq`, before a close) are not numbered.
+The AsyncAPI document docs/asyncapi/session.json is generated from these types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from portico.core.model import ContentPart
+
+PROTOCOL_VERSION = 1
+
+
+class _Frame(msgspec.Struct, frozen=True, omit_defaults=True, tag_field="type"):
+    pass
+
+
+class ToolSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A client-side tool declared in `hello`."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ErrorInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    code: str
+    message: str
+    details: dict[str, Any] | None = None
+
+
+# -- unnumbered, both directions ---------------------------------------------------------
+
+
+class Hello(_Frame, frozen=True, tag="hello"):
+    protocol: int = PROTOCOL_VERSION
+    session_id: str | None = None
+    last_seq: int = 0
+    credential: str | None = None
+    agent: str | None = None
+    tools: tuple[ToolSpec, ...] = ()
+    audio: dict[str, Any] | None = None
+    context: dict[str, Any] | None = None
+    capabilities: tuple[str, ...] = ()
+
+
+class Ready(_Frame, frozen=True, tag="ready"):
+    session_id: str
+    resumed: bool
+    last_seq: int
+    capabilities: tuple[str, ...]
+    heartbeat_ms: int
+    resume_window_ms: int
+    audio: dict[str, Any] | None = None
+
+
+class Ack(_Frame, frozen=True, tag="ack"):
+    seq: int
+
+
+class Ping(_Frame, frozen=True, tag="ping"):
+    pass
+
+
+class Pong(_Frame, frozen=True, tag="pong"):
+    pass
+
+
+# -- numbered, client to server ----------------------------------------------------------
+
+
+class Message(_Frame, frozen=True, tag="message"):
+    seq: int
+    content: str | None = None
+    parts: tuple[ContentPart, ...] | None = None
+    metadata: dict[str, str] | None = None
+
+
+class ToolCallAck(_Frame, frozen=True, tag="tool_call_ack"):
+    seq: int
+    call_id: str
+
+
+class ToolCallNack(_Frame, frozen=True, tag="tool_call_nack"):
+    seq: int
+    call_id: str
+    reason: str
+
+
+class ClientToolResult(_Frame, frozen=True, tag="tool_result"):
+    seq: int
+    call_id: str
+    result: Any = None
+    error: str | None = None
+
+
+class Context(_Frame, frozen=True, tag="context"):
+    seq: int
+    context: dict[str, Any]
+
+
+class Interrupt(_Frame, frozen=True, tag="interrupt"):
+    seq: int
+
+
+class End(_Frame, frozen=True, tag="end"):
+    seq: int
+
+
+# -- numbered, server to client ----------------------------------------------------------
+
+
+class Chunk(_Frame, frozen=True, tag="chunk"):
+    seq: int
+    turn_id: str
+    content: str
+
+
+class Done(_Frame, frozen=True, tag="done"):
+    seq: int
+    turn_id: str
+    content: str | None = None
+    parts: tuple[ContentPart, ...] | None = None
+    cancelled: bool = False
+
+
+class ToolCallInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    id: str
+    name: str
+    arguments: dict[str, Any]
+    consent_message: str | None = None
+    categories: tuple[str, ...] | None = None
+
+
+class ToolCall(_Frame, frozen=True, tag="tool_call"):
+    seq: int
+    turn_id: str
+    tool_call: ToolCallInfo
+
+
+class ServerToolResult(_Frame, frozen=True, tag="tool_result"):
+    """The server ended a call the client never answered."""
+
+    seq: int
+    call_id: str
+    error: str
+
+
+class Transcript(_Frame, frozen=True, tag="transcript"):
+    seq: int
+    role: str
+    text: str
+
+
+class Error(_Frame, frozen=True, tag="error"):
+    """Numbered when it answers a message or ends a turn; unnumbered before a close."""
+
+    error: ErrorInfo
+    seq: int | None = None
+    turn_id: str | None = None
+    ref_seq: int | None = None
+
+
+ClientFrame = (
+    Hello
+    | Ack
+    | Ping
+    | Pong
+    | Message
+    | ToolCallAck
+    | ToolCallNack
+    | ClientToolResult
+    | Context
+    | Interrupt
+    | End
+)
+ServerFrame = (
+    Ready | Ack | Ping | Pong | Chunk | Done | ToolCall | ServerToolResult | Transcript | Error
+)
+ClientNumbered = Message | ToolCallAck | ToolCallNack | ClientToolResult | Context | Interrupt | End
+ServerNumbered = Chunk | Done | ToolCall | ServerToolResult | Transcript | Error
+
+client_frame_decoder = msgspec.json.Decoder(ClientFrame)
+server_frame_decoder = msgspec.json.Decoder(ServerFrame)
+encode = msgspec.json.Encoder().encode

@@ -1,0 +1,209 @@
+"""What every WebSocket adapter shares: the read, write and timer loops, closing, shutdown.
+
+A protocol adapter subclasses `ServerSocket`, feeds its sans-I/O core from the
+`on_*` hooks and calls `wake()` when the core has frames to write. The core
+offers `next_frame()`, `overflowed` and `next_deadline()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar, Protocol
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from portico.server.services import Services
+
+log = logging.getLogger("portico.ws")
+
+
+class FramedCore(Protocol):
+    overflowed: bool
+
+    def next_frame(self) -> bytes | None: ...
+
+    def next_deadline(self) -> float: ...
+
+
+class ServerSocket(ABC):
+    protocol: ClassVar[str]
+
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse, services: Services) -> None:
+        self._transport = request.transport
+        self._ws = ws
+        self._services = services
+        self._metrics = services.metrics
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._rearm = asyncio.Event()
+        # Set once the socket stops taking engine events (closed or shutting down).
+        self._closed = False
+        # A close the server started; the handler waits for it so the close frame
+        # reaches the client before the socket goes.
+        self._closing: asyncio.Task[None] | None = None
+
+    @property
+    @abstractmethod
+    def core(self) -> FramedCore: ...
+
+    @abstractmethod
+    def describe(self) -> str:
+        """`key=value` fields for the connection's log lines."""
+
+    @abstractmethod
+    async def on_text(self, data: str, now: float) -> None: ...
+
+    @abstractmethod
+    async def on_binary(self, data: bytes, now: float) -> None: ...
+
+    def on_control(self, now: float) -> None:
+        """A WebSocket ping or pong arrived."""
+        return None
+
+    @abstractmethod
+    async def on_timer(self, now: float) -> None:
+        """The core's deadline passed."""
+
+    def on_overflow(self) -> None:
+        """The core's send queue overflowed: the client stopped reading."""
+        return None
+
+    def on_closed(self) -> None:
+        """The socket is gone; detach from the engine."""
+        return None
+
+    # -- running ------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        started = time.perf_counter()
+        log.info("connection opened protocol=%s %s", self.protocol, self.describe())
+        self.wake()
+        tasks = [asyncio.create_task(self._write_loop()), asyncio.create_task(self._timer_loop())]
+        try:
+            await self._read_loop()
+        finally:
+            self._closed = True
+            self.on_closed()
+            if self._closing is not None:
+                await asyncio.gather(self._closing, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            log.info(
+                "connection closed protocol=%s %s close_code=%s duration_s=%.1f",
+                self.protocol,
+                self.describe(),
+                self._ws.close_code,
+                time.perf_counter() - started,
+            )
+
+    def wake(self) -> None:
+        """Frames are queued in the core, or its deadline moved."""
+        self._wake.set()
+        self._rearm.set()
+
+    async def _read_loop(self) -> None:
+        ws, frames_in = self._ws, self._metrics.frames_in.labels(self.protocol)
+        while not ws.closed:
+            msg = await ws.receive()
+            now = self._loop.time()
+            if msg.type is WSMsgType.TEXT:
+                frames_in.inc()
+                await self.on_text(msg.data, now)
+            elif msg.type is WSMsgType.BINARY:
+                frames_in.inc()
+                await self.on_binary(msg.data, now)
+            elif msg.type is WSMsgType.PING:
+                self.on_control(now)
+                await ws.pong(msg.data)
+            elif msg.type is WSMsgType.PONG:
+                self.on_control(now)
+            else:  # CLOSE, CLOSING, CLOSED, ERROR (e.g. a frame over max_msg_size: 1009)
+                break
+            self.wake()
+
+    async def _write_loop(self) -> None:
+        ws, frames_out = self._ws, self._metrics.frames_out.labels(self.protocol)
+        while not ws.closed:
+            await self._wake.wait()
+            self._wake.clear()
+            while (frame := self.core.next_frame()) is not None:
+                # Awaiting the write is the backpressure: while a client does not read,
+                # frames wait in the core's bounded queue, never in an unbounded buffer.
+                await ws.send_frame(frame, WSMsgType.TEXT)
+                frames_out.inc()
+            if self.core.overflowed:
+                self._metrics.slow_consumers.inc()
+                log.info("slow consumer protocol=%s %s", self.protocol, self.describe())
+                self.on_overflow()
+                return
+            self.after_flush()
+
+    def after_flush(self) -> None:
+        """Everything queued was written."""
+        return None
+
+    async def _timer_loop(self) -> None:
+        while not self._ws.closed:
+            timeout = max(0.0, self.core.next_deadline() - self._loop.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._rearm.wait(), timeout)
+            self._rearm.clear()
+            await self.on_timer(self._loop.time())
+
+    # -- closing ------------------------------------------------------------------------
+
+    def start_close(self, code: int, reason: str) -> None:
+        if self._closing is None:
+            self._closing = asyncio.create_task(self._close(code, reason.encode()))
+
+    async def _close(self, code: int, reason: bytes) -> None:
+        """Flush what is queued, then close with `code`; drop a client that never takes it."""
+        try:
+            async with asyncio.timeout(self._services.settings.close_timeout):
+                if not self.core.overflowed:
+                    while (frame := self.core.next_frame()) is not None:
+                        await self._ws.send_frame(frame, WSMsgType.TEXT)
+                await self._ws.close(code=code, message=reason)
+        except (TimeoutError, ConnectionError):
+            if self._transport is not None:
+                self._transport.abort()
+
+    async def going_away(self) -> None:
+        """Server shutdown: what is queued still goes out, then close with 1001."""
+        self._closed = True
+        self.start_close(WSCloseCode.GOING_AWAY, "server shutting down")
+        await asyncio.gather(self._closing or asyncio.sleep(0), return_exceptions=True)
+
+
+async def run_socket(
+    request: web.Request,
+    services: Services,
+    socket_for: Callable[[web.WebSocketResponse], ServerSocket],
+) -> web.WebSocketResponse:
+    """Upgrade, count the connection against `max_connections`, and serve it."""
+    settings = services.settings
+    ws = web.WebSocketResponse(
+        max_msg_size=settings.max_payload_size,
+        autoping=False,  # the cores decide when a peer is dead, so they see every pong
+        compress=settings.ws_compression,
+    )
+    async with services.slots.hold():
+        await ws.prepare(request)
+        socket = socket_for(ws)
+        protocol = socket.protocol
+        services.metrics.connections.labels(protocol).inc()
+        open_gauge = services.metrics.connections_open.labels(protocol)
+        open_gauge.inc()
+        services.connections.add(socket)
+        try:
+            with contextlib.suppress(ConnectionResetError):
+                await socket.serve()
+        finally:
+            open_gauge.dec()
+    return ws
