@@ -105,6 +105,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     heartbeat_interval: Seconds = 15.0
     resend_buffer_messages: Count = 1000
     resend_buffer_bytes: Bytes = 8 * 1024 * 1024
+    ack_delay: Seconds = 0.1  # acknowledge within this long of handling a message...
+    ack_every: Count = 16  # ...or after this many unacknowledged messages
 
     # /v1/rpc (issue: RPC).
     update_retention: Seconds = 604800.0

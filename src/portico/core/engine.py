@@ -30,7 +30,7 @@ from portico.errors import (
     TurnInProgress,
     UnknownAgent,
 )
-from portico.runtime.base import MediaAccess, Runtime, TurnInput
+from portico.runtime.base import ClientTool, MediaAccess, Runtime, TurnInput
 from portico.store.base import Store
 
 log = logging.getLogger("portico.engine")
@@ -54,6 +54,8 @@ class UserMessage(msgspec.Struct, frozen=True, kw_only=True):
     directives: dict[str, str] = msgspec.field(default_factory=dict)
     declare: dict[str, Any] | None = None
     client_id: str = ""
+    client_tools: tuple[ClientTool, ...] = ()
+    context: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 def check_declaration(declare: dict[str, Any], agent: AgentSettings) -> None:
@@ -183,7 +185,12 @@ class Engine:
         now = self._clock()
         session = await self.store.get_session(message.session_id)
         if session is None:
-            session = await self._open_session(message, now)
+            session = await self.open_session(
+                principal=message.principal,
+                agent=message.agent,
+                session_id=message.session_id,
+                declare=message.declare,
+            )
         if session.owner != message.principal:
             raise SessionExpired()
         expired = now - session.last_activity_at > self._context_ttl
@@ -191,22 +198,31 @@ class Engine:
             raise SessionExpired()
         return session
 
-    async def _open_session(self, message: UserMessage, now: float) -> Session:
-        agent = self._agents.get(message.agent)
-        if agent is None or message.agent not in self._runtimes:
-            raise UnknownAgent(message.agent)
-        if message.declare:
-            check_declaration(message.declare, agent)
+    async def open_session(
+        self,
+        *,
+        principal: str,
+        agent: str,
+        session_id: str,
+        declare: dict[str, Any] | None = None,
+    ) -> Session:
+        """Create the session unless it exists; return what is stored under the id."""
+        settings = self._agents.get(agent)
+        if settings is None or agent not in self._runtimes:
+            raise UnknownAgent(agent)
+        if declare:
+            check_declaration(declare, settings)
+        now = self._clock()
         return await self.store.create_session(
             Session(
-                id=message.session_id,
-                owner=message.principal,
-                agent=message.agent,
+                id=session_id,
+                owner=principal,
+                agent=agent,
                 created_at=now,
                 updated_at=now,
                 last_activity_at=now,
-                root_session_id=message.session_id,
-                declare=message.declare,
+                root_session_id=session_id,
+                declare=declare,
             )
         )
 
@@ -246,6 +262,8 @@ class Engine:
             directives=message.directives,
             declare=session.declare,
             media=self._media,
+            client_tools=message.client_tools,
+            context=message.context,
         )
         return turn, turn_input
 

@@ -62,6 +62,14 @@ class ToolOutcome(msgspec.Struct, frozen=True):
     error: str | None = None
 
 
+class ClientTool(msgspec.Struct, frozen=True):
+    """A tool the client declared (`/v1/session` `hello.tools`); the agent may call it."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
 class MediaAccess(Protocol):
     """Media of message parts: vetted when a message arrives, read when a runtime needs it."""
 
@@ -83,6 +91,10 @@ class TurnInput(msgspec.Struct, frozen=True, kw_only=True):
     directives: dict[str, str] = msgspec.field(default_factory=dict)
     declare: dict[str, Any] | None = None
     media: MediaAccess | None = None
+    # Tools the client offers, and the application context it sent: data for
+    # server code and tool arguments, never instructions to the model.
+    client_tools: tuple[ClientTool, ...] = ()
+    context: dict[str, Any] = msgspec.field(default_factory=dict)
 
     async def read_media(self, media: MediaContent) -> bytes:
         """The bytes of one of this turn's media parts."""

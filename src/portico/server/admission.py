@@ -45,6 +45,12 @@ class ConnectionSlots:
 
 async def admit(request: web.Request, services: Services) -> str:
     """The caller's principal, or the HTTP refusal a browser or SDK can act on."""
+    check_admission(request, services)
+    return await services.principal_of(request)
+
+
+def check_admission(request: web.Request, services: Services) -> None:
+    """Refuse an upgrade from a foreign origin, while draining, or at capacity."""
     settings = services.settings
     if not origin_allowed(request.headers.get("Origin"), request.host, settings.origins):
         services.metrics.upgrades_refused.labels("origin").inc()
@@ -55,4 +61,3 @@ async def admit(request: web.Request, services: Services) -> str:
     if services.slots.open >= services.slots.limit:
         services.metrics.upgrades_refused.labels("capacity").inc()
         raise web.HTTPServiceUnavailable(text="too many connections", headers={"Retry-After": "1"})
-    return await services.principal_of(request)

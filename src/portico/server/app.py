@@ -9,9 +9,11 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from portico.bus.memory import InProcessTransportStates
 from portico.config import Settings
 from portico.server import media_routes, observability
 from portico.server.services import SERVICES, Services
+from portico.server.session_ws import TRANSPORTS, LiveSession, session_handler
 from portico.server.websocket import omnia_handler
 
 log = logging.getLogger("portico.server")
@@ -64,7 +66,10 @@ async def _stop(app: web.Application) -> None:
 def create_app(settings: Settings) -> web.Application:
     app = web.Application()
     app[SERVICES] = Services(settings)
+    transports: InProcessTransportStates[LiveSession] = InProcessTransportStates()
+    app[TRANSPORTS] = transports
     app.router.add_get("/ws", omnia_handler)
+    app.router.add_get("/v1/session", session_handler)
     observability.add_routes(app)
     media_routes.add_routes(app)
     app.on_startup.append(_open)

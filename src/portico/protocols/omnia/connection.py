@@ -28,6 +28,7 @@ from portico.core.events import (
 )
 from portico.core.limits import TokenBucket
 from portico.core.model import ContentPart
+from portico.core.validation import check_declare, check_parts, split_metadata
 from portico.errors import (
     BinaryFrameError,
     InvalidMessage,
@@ -39,13 +40,6 @@ from portico.protocols.omnia import frames as f
 from portico.protocols.omnia.binary import decode_frame
 
 PROTOCOL_VERSION = 1
-RESERVED_METADATA_KEYS = frozenset({"mock_scenario", "content_type"})
-RESERVED_METADATA_PREFIX = "omnia."
-METADATA_MAX_KEYS = 32
-METADATA_KEY_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-METADATA_MAX_VALUE_BYTES = 8 * 1024
-METADATA_MAX_TOTAL_BYTES = 32 * 1024
-DECLARE_MAX_BYTES = 16 * 1024
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 CLOSE_KEEPALIVE_TIMEOUT = 1011
 CLOSE_SLOW_CONSUMER = 4008  # the client stopped reading and its send queue filled
@@ -106,51 +100,6 @@ class Keepalive(Enum):
 class _MediaRateExceeded(RateLimited):
     def __init__(self) -> None:
         super().__init__("media byte rate exceeded")
-
-
-def split_metadata(metadata: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """Split into (forwarded, directives) and enforce the spec's limits on the former."""
-    forwarded: dict[str, str] = {}
-    directives: dict[str, str] = {}
-    for key, value in metadata.items():
-        if len(value.encode()) > METADATA_MAX_VALUE_BYTES:
-            raise InvalidMessage(f"metadata value of {key[:64]!r} exceeds 8 KiB")
-        if key in RESERVED_METADATA_KEYS or key.startswith(RESERVED_METADATA_PREFIX):
-            directives[key] = value
-        else:
-            forwarded[key] = value
-    if len(forwarded) > METADATA_MAX_KEYS:
-        raise InvalidMessage("metadata has more than 32 keys")
-    for key in forwarded:
-        if not METADATA_KEY_PATTERN.fullmatch(key):
-            raise InvalidMessage(
-                "metadata key must be 1 to 64 characters of letters, digits, '_', '.' or '-'"
-            )
-    total = sum(len(key.encode()) + len(value.encode()) for key, value in forwarded.items())
-    if total > METADATA_MAX_TOTAL_BYTES:
-        raise InvalidMessage("metadata exceeds 32 KiB in total")
-    return forwarded, directives
-
-
-def check_parts(parts: tuple[ContentPart, ...]) -> None:
-    for index, part in enumerate(parts):
-        if part.type == "text":
-            if part.text is None:
-                raise InvalidMessage(f"parts[{index}]: a text part needs `text`")
-            continue
-        if part.media is None:
-            raise InvalidMessage(f"parts[{index}]: a {part.type} part needs `media`")
-        media = part.media
-        sources = [s for s in (media.data, media.url, media.storage_ref) if s is not None]
-        if len(sources) != 1:
-            raise InvalidMessage(
-                f"parts[{index}].media: exactly one of data, url, storage_ref is required"
-            )
-
-
-def check_declare(declare: dict[str, Any]) -> None:
-    if len(_encode(declare)) > DECLARE_MAX_BYTES:
-        raise InvalidMessage("declare exceeds 16 KiB")
 
 
 class OmniaConnection:

@@ -1,0 +1,387 @@
+"""The `/v1/session` adapter: resumable sessions on the shared engine.
+
+A `LiveSession` is the session's transport state (its `Channel`, capabilities,
+tools, context) and outlives connections for `resume_window` seconds; the
+engine's turn events are numbered into its channel whether or not a connection
+is attached, so a client that resumes gets exactly what it missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from portico.bus.base import TransportStates
+from portico.config import DEFAULT_AGENT
+from portico.core.engine import UserMessage
+from portico.core.events import (
+    TurnChunk,
+    TurnCompleted,
+    TurnEvent,
+    TurnFailed,
+    TurnMediaChunk,
+    TurnToolCall,
+    TurnToolCallTimedOut,
+)
+from portico.core.model import new_id
+from portico.core.validation import check_parts, split_metadata
+from portico.errors import (
+    BufferOverflow,
+    InternalError,
+    InvalidMessage,
+    PorticoError,
+    ProtocolViolation,
+    RateLimited,
+    ResumeFailed,
+    SessionAgentNotFound,
+    SessionUnauthenticated,
+    Unauthenticated,
+)
+from portico.protocols.session import frames as f
+from portico.protocols.session.channel import Channel, Numbered
+from portico.protocols.session.connection import (
+    CLOSE_NORMAL,
+    CLOSE_REPLACED,
+    HelloReceived,
+    Received,
+    Role,
+    SessionConnection,
+    Timing,
+)
+from portico.runtime.base import ClientTool
+from portico.server.admission import check_admission
+from portico.server.services import SERVICES, Services
+from portico.server.sockets import ServerSocket, run_socket
+
+log = logging.getLogger("portico.session")
+PROTOCOL = "session"
+SUPPORTED_CAPABILITIES = frozenset({"resume", "tools", "context"})
+# Credentials never travel in URLs (they end up in logs and browser history).
+CREDENTIAL_QUERY_KEYS = frozenset({"token", "access_token", "credential", "authorization"})
+TRANSPORTS = web.AppKey("session_transports", TransportStates["LiveSession"])
+
+
+def timing(services: Services) -> Timing:
+    settings = services.settings
+    return Timing(
+        ack_delay=settings.ack_delay,
+        ack_every=settings.ack_every,
+        heartbeat_interval=settings.heartbeat_interval,
+        idle_timeout=settings.session_idle_timeout,
+        max_send_queue_bytes=settings.max_send_queue_bytes,
+    )
+
+
+def session_frame(event: TurnEvent) -> Numbered | None:
+    """The numbered `/v1/session` message for an engine event (seq set by the channel)."""
+    match event:
+        case TurnChunk(turn_id=turn_id, text=text):
+            return f.Chunk(seq=0, turn_id=turn_id, content=text)
+        case TurnCompleted(turn_id=turn_id, content=content, parts=parts, cancelled=cancelled):
+            return f.Done(seq=0, turn_id=turn_id, content=content, parts=parts, cancelled=cancelled)
+        case TurnFailed(turn_id=turn_id, code=code, message=message):
+            return f.Error(seq=0, turn_id=turn_id, error=f.ErrorInfo(code=code, message=message))
+        case TurnToolCall(turn_id=turn_id, call=call):
+            info = f.ToolCallInfo(
+                id=call.id,
+                name=call.name,
+                arguments=call.arguments,
+                consent_message=call.consent_message,
+                categories=call.categories or None,
+            )
+            return f.ToolCall(seq=0, turn_id=turn_id, tool_call=info)
+        case TurnToolCallTimedOut(call_id=call_id, error=error):
+            return f.ServerToolResult(seq=0, call_id=call_id, error=error)
+        case TurnMediaChunk():
+            return None  # audio travels only in binary frames once the `audio` capability lands
+    raise AssertionError(f"unhandled turn event {type(event).__name__}")
+
+
+class LiveSession:
+    def __init__(
+        self,
+        *,
+        session_id: str,
+        owner: str,
+        agent: str,
+        capabilities: tuple[str, ...],
+        tools: tuple[ClientTool, ...],
+        context: dict[str, Any],
+        channel: Channel,
+        states: TransportStates[LiveSession],
+    ) -> None:
+        self.id = session_id
+        self.owner = owner
+        self.agent = agent
+        self.capabilities = capabilities
+        self.tools = tools
+        self.context = context
+        self.channel = channel
+        self.socket: SessionSocket | None = None
+        self.ended = False
+        self._states = states
+        self._expiry: asyncio.TimerHandle | None = None
+
+    def attach(self, socket: SessionSocket) -> None:
+        """A connection takes the session; an older one still attached is replaced (4409)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        previous, self.socket = self.socket, socket
+        if previous is not None:
+            previous.replaced()
+
+    def detach(self, socket: SessionSocket, window: float) -> None:
+        """The connection went away: the resume window starts now."""
+        if self.socket is not socket or self.ended:
+            return
+        self.socket = None
+        self._expiry = asyncio.get_running_loop().call_later(window, self.end)
+
+    def end(self) -> None:
+        """No resume any more (`end`, window passed, buffer overflow); turns still finish."""
+        if self.ended:
+            return
+        self.ended = True
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._states.remove(self.id)
+        log.info("session ended session=%s", self.id)
+
+    def on_turn_event(self, event: TurnEvent) -> None:
+        """Number every event into the channel; write it if a connection is attached."""
+        frame = session_frame(event)
+        if frame is None or self.ended:
+            return
+        try:
+            data = self.channel.send(frame)
+        except BufferOverflow as exc:
+            # A client that reads but never acknowledges: end the session.
+            if self.socket is not None:
+                self.socket.fail(exc)
+            self.end()
+            return
+        if self.socket is not None:
+            self.socket.write(data)
+
+
+class SessionSocket(ServerSocket):
+    protocol = PROTOCOL
+
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse, services: Services) -> None:
+        super().__init__(request, ws, services)
+        self._core = SessionConnection(
+            role=Role.SERVER, timing=timing(services), now=self._loop.time()
+        )
+        self._states = request.app[TRANSPORTS]
+        self._live: LiveSession | None = None
+        self._principal = ""
+
+    @property
+    def core(self) -> SessionConnection:
+        return self._core
+
+    def describe(self) -> str:
+        session = self._live.id if self._live else "-"
+        return f"session={session} principal={self._principal or '-'}"
+
+    # -- core plumbing ------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        self._core.write_numbered(data)
+        self._after_core()
+
+    def fail(self, error: PorticoError) -> None:
+        self._core.fail(error)
+        self._after_core()
+
+    def replaced(self) -> None:
+        """A newer connection resumed this session: stop, whatever arrives later is ignored."""
+        self._live = None
+        self._core.close(CLOSE_REPLACED, "replaced by a newer connection")
+        self._after_core()
+
+    def _after_core(self) -> None:
+        if self._core.close_request is not None:
+            self.start_close(*self._core.close_request)
+        self.wake()
+
+    def _send(self, frame: Numbered) -> None:
+        try:
+            self._core.send(frame)
+        except BufferOverflow as exc:
+            self._core.fail(exc)
+            if self._live is not None:
+                self._live.end()
+
+    def on_closed(self) -> None:
+        if self._live is not None:
+            self._live.detach(self, self._services.settings.resume_window)
+
+    def on_overflow(self) -> None:
+        self._after_core()
+
+    async def on_text(self, data: str, now: float) -> None:
+        for event in self._core.receive_text(data, now):
+            if isinstance(event, HelloReceived):
+                await self._hello(event.hello)
+            elif isinstance(event, Received):
+                await self._numbered(event.frame)
+        self._after_core()
+
+    async def on_binary(self, data: bytes, now: float) -> None:
+        self._core.fail(ProtocolViolation("binary frames need the audio capability"))
+        self._after_core()
+
+    async def on_timer(self, now: float) -> None:
+        self._core.on_timer(now)
+        self._after_core()
+
+    # -- handshake ----------------------------------------------------------------------
+
+    async def _hello(self, hello: f.Hello) -> None:
+        try:
+            self._principal = await self._services.auth.authenticate(hello.credential)
+        except Unauthenticated as exc:
+            self._core.fail(SessionUnauthenticated(exc.message))
+            return
+        try:
+            if hello.protocol != f.PROTOCOL_VERSION:
+                raise ProtocolViolation(f"unsupported protocol version {hello.protocol}")
+            live = await (self._resume(hello) if hello.session_id else self._open(hello))
+        except PorticoError as exc:
+            self._core.fail(exc)
+            return
+        self._live = live
+        live.attach(self)
+        settings = self._services.settings
+        ready = f.Ready(
+            session_id=live.id,
+            resumed=bool(hello.session_id),
+            last_seq=live.channel.handled,
+            capabilities=live.capabilities,
+            heartbeat_ms=round(settings.heartbeat_interval * 1000),
+            resume_window_ms=round(settings.resume_window * 1000),
+        )
+        self._core.accept(live.channel, ready, hello.last_seq if hello.session_id else 0)
+        log.info("session %s session=%s", "resumed" if ready.resumed else "opened", live.id)
+
+    async def _resume(self, hello: f.Hello) -> LiveSession:
+        assert hello.session_id is not None
+        live = self._states.get(hello.session_id)
+        # One answer for unknown, foreign, expired and ended: existence never leaks.
+        if live is None or live.ended or live.owner != self._principal:
+            raise ResumeFailed()
+        return live
+
+    async def _open(self, hello: f.Hello) -> LiveSession:
+        agent = hello.agent or DEFAULT_AGENT
+        if not self._services.engine.has_agent(agent):
+            raise SessionAgentNotFound(agent)
+        capabilities = tuple(
+            sorted((set(hello.capabilities) & SUPPORTED_CAPABILITIES) | {"resume"})
+        )
+        session_id = new_id("sess")
+        await self._services.engine.open_session(
+            principal=self._principal, agent=agent, session_id=session_id
+        )
+        settings = self._services.settings
+        tools = hello.tools if "tools" in capabilities else ()
+        live = LiveSession(
+            session_id=session_id,
+            owner=self._principal,
+            agent=agent,
+            capabilities=capabilities,
+            tools=tuple(ClientTool(t.name, t.description, t.parameters) for t in tools),
+            context=dict(hello.context or {}) if "context" in capabilities else {},
+            channel=Channel(
+                max_messages=settings.resend_buffer_messages,
+                max_bytes=settings.resend_buffer_bytes,
+            ),
+            states=self._states,
+        )
+        self._states.put(session_id, live)
+        self._services.engine.attach(session_id, live.on_turn_event)
+        return live
+
+    # -- numbered messages --------------------------------------------------------------
+
+    async def _numbered(self, frame: Numbered) -> None:
+        live = self._live
+        if live is None or live.ended:
+            return
+        try:
+            await self._apply(live, frame)
+        except PorticoError as exc:
+            self._send(f.Error(seq=0, ref_seq=frame.seq, error=_info(exc)))
+        except Exception:
+            log.exception("unexpected error handling a /v1/session message")
+            self._send(f.Error(seq=0, ref_seq=frame.seq, error=_info(InternalError())))
+
+    async def _apply(self, live: LiveSession, frame: Numbered) -> None:
+        tools = self._services.tools
+        match frame:
+            case f.Message():
+                await self._message(live, frame)
+            case f.ToolCallAck(call_id=call_id):
+                await tools.acknowledge(self._principal, call_id)
+            case f.ToolCallNack(call_id=call_id, reason=reason):
+                tools.reject(self._principal, call_id, reason)
+            case f.ClientToolResult(call_id=call_id, result=result, error=error):
+                tools.answer(self._principal, call_id, result, error)
+            case f.Context(context=context):
+                if "context" not in live.capabilities:
+                    raise InvalidMessage("the context capability is not in effect")
+                live.context = dict(context)
+            case f.Interrupt():
+                await self._services.engine.cancel(live.id)
+            case f.End():
+                live.end()
+                self._services.engine.detach(live.id, live.on_turn_event)
+                self._core.close(CLOSE_NORMAL, "session ended")
+            case _:
+                raise InvalidMessage(f"{frame.type} is not a client message")  # type: ignore[union-attr]
+
+    async def _message(self, live: LiveSession, frame: f.Message) -> None:
+        if self._services.draining:
+            raise RateLimited("the server is draining; send again after resuming")
+        parts = frame.parts or ()
+        if not frame.content and not parts:
+            raise InvalidMessage("a message needs `content` or `parts`")
+        check_parts(parts)
+        forwarded, directives = split_metadata(frame.metadata or {})
+        await self._services.engine.submit(
+            UserMessage(
+                principal=self._principal,
+                agent=live.agent,
+                session_id=live.id,
+                own_session=True,
+                content=frame.content or "",
+                parts=parts,
+                metadata=forwarded,
+                directives=directives,
+                client_tools=live.tools,
+                context=live.context,
+            ),
+            live.on_turn_event,
+        )
+
+
+def _info(error: PorticoError) -> f.ErrorInfo:
+    return f.ErrorInfo(code=error.code, message=error.message, details=error.details)
+
+
+async def session_handler(request: web.Request) -> web.StreamResponse:
+    if CREDENTIAL_QUERY_KEYS & {key.lower() for key in request.query}:
+        raise web.HTTPBadRequest(
+            text="credentials are never accepted in the URL; send them in hello"
+        )
+    services = request.app[SERVICES]
+    check_admission(request, services)
+    return await run_socket(request, services, lambda ws: SessionSocket(request, ws, services))
+
+
+__all__ = ["TRANSPORTS", "LiveSession", "SessionSocket", "session_handler"]
