@@ -14,26 +14,25 @@ from typing import Any
 import msgspec
 
 from portico.protocols.omnia import frames as omnia
+from portico.protocols.session import frames as session
 
 REF_TEMPLATE = "#/components/schemas/{name}"
 
 
-def omnia_document() -> dict[str, Any]:
-    (client, server), components = msgspec.json.schema_components(
-        [omnia.ClientFrame, omnia.ServerFrame], ref_template=REF_TEMPLATE
+def _document(
+    *, title: str, address: str, description: str, client: Any, server: Any
+) -> dict[str, Any]:
+    (client_schema, server_schema), components = msgspec.json.schema_components(
+        [client, server], ref_template=REF_TEMPLATE
     )
-    schemas = {"ClientFrame": client, "ServerFrame": server, **components}
+    schemas = {"ClientFrame": client_schema, "ServerFrame": server_schema, **components}
+    channel = address.strip("/").replace("/", "_")
     return {
         "asyncapi": "3.0.0",
-        "info": {
-            "title": "Portico: Omnia agent facade",
-            "version": "1",
-            "description": "JSON text frames on GET /ws, wire-compatible with the Omnia "
-            "agent-facade protocol. Generated from src/portico/protocols/omnia/frames.py.",
-        },
+        "info": {"title": title, "version": "1", "description": description},
         "channels": {
-            "ws": {
-                "address": "/ws",
+            channel: {
+                "address": address,
                 "messages": {
                     "clientFrame": {"payload": {"$ref": REF_TEMPLATE.format(name="ClientFrame")}},
                     "serverFrame": {"payload": {"$ref": REF_TEMPLATE.format(name="ServerFrame")}},
@@ -43,20 +42,43 @@ def omnia_document() -> dict[str, Any]:
         "operations": {
             "receiveClientFrame": {
                 "action": "receive",
-                "channel": {"$ref": "#/channels/ws"},
-                "messages": [{"$ref": "#/channels/ws/messages/clientFrame"}],
+                "channel": {"$ref": f"#/channels/{channel}"},
+                "messages": [{"$ref": f"#/channels/{channel}/messages/clientFrame"}],
             },
             "sendServerFrame": {
                 "action": "send",
-                "channel": {"$ref": "#/channels/ws"},
-                "messages": [{"$ref": "#/channels/ws/messages/serverFrame"}],
+                "channel": {"$ref": f"#/channels/{channel}"},
+                "messages": [{"$ref": f"#/channels/{channel}/messages/serverFrame"}],
             },
         },
         "components": {"schemas": schemas},
     }
 
 
-DOCUMENTS = {"omnia.json": omnia_document}
+def omnia_document() -> dict[str, Any]:
+    return _document(
+        title="Portico: Omnia agent facade",
+        address="/ws",
+        description="JSON text frames on GET /ws, wire-compatible with the Omnia "
+        "agent-facade protocol. Generated from src/portico/protocols/omnia/frames.py.",
+        client=omnia.ClientFrame,
+        server=omnia.ServerFrame,
+    )
+
+
+def session_document() -> dict[str, Any]:
+    return _document(
+        title="Portico: resumable sessions",
+        address="/v1/session",
+        description="JSON text frames on GET /v1/session (spec/sessions-protocol.md): "
+        "numbered messages with seq/ack and exactly-once resume. Generated from "
+        "src/portico/protocols/session/frames.py.",
+        client=session.ClientFrame,
+        server=session.ServerFrame,
+    )
+
+
+DOCUMENTS = {"omnia.json": omnia_document, "session.json": session_document}
 
 
 def render(document: dict[str, Any]) -> str:
