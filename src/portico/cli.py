@@ -1,15 +1,17 @@
-"""The `portico` command: `serve`, `config show`."""
+"""The `portico` command: `serve`, `config show`, `chat`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
+from portico.client.chat import DEFAULT_URL, ChatOptions, run_chat
 from portico.config import Settings, load_settings
 from portico.errors import ConfigError
 from portico.server.app import serve
@@ -27,6 +29,20 @@ def _parser() -> argparse.ArgumentParser:
     config_sub = config_cmd.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the effective settings (credentials masked)")
     _add_setting_flags(show)
+
+    chat_cmd = commands.add_parser("chat", help="chat with an agent over /v1/session")
+    chat_cmd.add_argument("--url", default=DEFAULT_URL, help=f"session endpoint ({DEFAULT_URL})")
+    chat_cmd.add_argument(
+        "--credential", help="sent in hello (default: the PORTICO_CREDENTIAL variable)"
+    )
+    chat_cmd.add_argument("--agent", help="the agent to talk to (default: the server's)")
+    chat_cmd.add_argument(
+        "--metadata",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="metadata sent with every message (repeatable)",
+    )
     return parser
 
 
@@ -82,9 +98,26 @@ def _run_server(settings: Settings) -> None:
         uvloop.run(serve(settings, on_ready=lambda line: print(line, flush=True)))
 
 
+def _chat_options(args: argparse.Namespace) -> ChatOptions:
+    metadata = {}
+    for item in args.metadata:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--metadata takes KEY=VALUE, not {item!r}")
+        metadata[key] = value
+    return ChatOptions(
+        url=args.url,
+        credential=args.credential or os.environ.get("PORTICO_CREDENTIAL"),
+        agent=args.agent,
+        metadata=metadata,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "chat":
+            return asyncio.run(run_chat(_chat_options(args)))
         settings = _settings(args)
         if args.command == "serve":
             _run_server(settings)

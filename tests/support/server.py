@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -16,6 +17,15 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 SCRIPT = FIXTURES / "script.yaml"
 READY_LINE = re.compile(r"Portico serving http://(?P<host>[^:/]+):(?P<port>\d+)/")
 START_TIMEOUT = 20.0
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the test process dies, so none is orphaned."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1
 
 
 class ServerProcess:
@@ -65,10 +75,15 @@ class ServerProcess:
             str(self.data_dir),
             *self.args,
         ]
-        log = self.log_path.open("a")
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=log, text=True, env=env
-        )
+        with self.log_path.open("a") as log:  # the child keeps its own copy of the fd
+            self.process = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
         self.port = _await_ready_port(self.process.stdout, self.process, self.log_path)
         return self
 
@@ -83,6 +98,9 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             process.kill()
             return process.wait()
+        finally:
+            if process.stdout is not None:
+                process.stdout.close()
 
     def restart(self) -> ServerProcess:
         """Stop and start again on the same port and data dir."""

@@ -224,6 +224,9 @@ class SessionSocket(ServerSocket):
     def on_overflow(self) -> None:
         self._after_core()
 
+    def on_control(self, now: float) -> None:
+        self._core.receive_control(now)
+
     async def on_text(self, data: str, now: float) -> None:
         for event in self._core.receive_text(data, now):
             if isinstance(event, HelloReceived):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -41,6 +42,7 @@ class ServerSocket(ABC):
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._rearm = asyncio.Event()
+        self._armed = math.inf  # the deadline the timer loop sleeps until
         # Set once the socket stops taking engine events (closed or shutting down).
         self._closed = False
         # A close the server started; the handler waits for it so the close frame
@@ -103,9 +105,14 @@ class ServerSocket(ABC):
             )
 
     def wake(self) -> None:
-        """Frames are queued in the core, or its deadline moved."""
+        """Frames are queued in the core: the writer takes them."""
         self._wake.set()
-        self._rearm.set()
+
+    def _rearm_if_sooner(self) -> None:
+        # The timer sleeps until the deadline it saw; wake it only when the core's
+        # deadline moved earlier (a deadline that moved later is simply re-read).
+        if self.core.next_deadline() < self._armed:
+            self._rearm.set()
 
     async def _read_loop(self) -> None:
         ws, frames_in = self._ws, self._metrics.frames_in.labels(self.protocol)
@@ -126,6 +133,7 @@ class ServerSocket(ABC):
             else:  # CLOSE, CLOSING, CLOSED, ERROR (e.g. a frame over max_msg_size: 1009)
                 break
             self.wake()
+            self._rearm_if_sooner()
 
     async def _write_loop(self) -> None:
         ws, frames_out = self._ws, self._metrics.frames_out.labels(self.protocol)
@@ -150,7 +158,8 @@ class ServerSocket(ABC):
 
     async def _timer_loop(self) -> None:
         while not self._ws.closed:
-            timeout = max(0.0, self.core.next_deadline() - self._loop.time())
+            self._armed = deadline = self.core.next_deadline()
+            timeout = None if math.isinf(deadline) else max(0.0, deadline - self._loop.time())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._rearm.wait(), timeout)
             self._rearm.clear()

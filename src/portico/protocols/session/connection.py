@@ -7,12 +7,13 @@ the session's `Channel` does the numbering. Feed it what arrived
 returned events and on `close_request`.
 
 Server role: waits for `hello` (-> `HelloReceived`); the adapter authenticates
-and calls `accept` or `refuse`. Client role: `start(hello)` sends it; `ready`
+and calls `accept` or `fail`. Client role: `start(hello)` sends it; `ready`
 comes back as `ReadyReceived` and the client's backlog is resent.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from enum import Enum
 
@@ -35,6 +36,7 @@ class Role(Enum):
 
 class State(Enum):
     AWAIT_HELLO = "await_hello"  # server: nothing received yet
+    AWAIT_ACCEPT = "await_accept"  # server: hello received, the adapter is deciding
     AWAIT_READY = "await_ready"  # client: hello sent
     OPEN = "open"
     CLOSED = "closed"
@@ -108,10 +110,11 @@ class SessionConnection:
         self._outbox_bytes = 0
         return out
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes, *, bounded: bool = True) -> None:
+        """Queue a frame; live frames count against the send-queue bound."""
         if self.overflowed:
             return
-        if self._outbox_bytes + len(data) > self._timing.max_send_queue_bytes:
+        if bounded and self._outbox_bytes + len(data) > self._timing.max_send_queue_bytes:
             # The client stopped reading; it resumes and gets the backlog again.
             self.overflowed = True
             self._request_close(CLOSE_SLOW_CONSUMER, "slow consumer")
@@ -161,8 +164,13 @@ class SessionConnection:
             return
         self._write_frame(ready)
         self.state = State.OPEN
+        self._resend(channel)
+
+    def _resend(self, channel: Channel) -> None:
+        # The backlog is bounded by the resend buffer and shares its bytes; counting it
+        # against the live send queue would make a large backlog unresumable.
         for data in channel.unacknowledged():
-            self._write(data)
+            self._write(data, bounded=False)
 
     def start(self, hello: f.Hello, channel: Channel) -> None:
         """Client: send `hello` on a fresh connection."""
@@ -178,7 +186,8 @@ class SessionConnection:
             return []  # whatever arrives after we decided to close is ignored
         try:
             frame = self._decoder.decode(data)
-        except (msgspec.DecodeError, RecursionError) as exc:
+        except (msgspec.DecodeError, RecursionError, ValueError) as exc:
+            # ValueError covers a str that is not encodable UTF-8 (lone surrogates).
             self.fail(ProtocolViolation(f"malformed frame: {exc}"))
             return []
         try:
@@ -193,11 +202,14 @@ class SessionConnection:
         if self.state is State.AWAIT_HELLO:
             if not isinstance(frame, f.Hello):
                 raise ProtocolViolation("the first frame must be hello")
+            self.state = State.AWAIT_ACCEPT
             return [HelloReceived(frame)]
         if isinstance(frame, f.Hello):
             raise ProtocolViolation("hello was already received on this connection")
+        if self.state is State.AWAIT_ACCEPT:
+            raise ProtocolViolation("nothing but hello may come before ready")
         if self.state is State.AWAIT_READY:
-            return self._on_ready(frame)
+            return self._on_ready(frame, now)
         match frame:
             case f.Ack(seq=seq):
                 assert self.channel is not None
@@ -215,7 +227,7 @@ class SessionConnection:
                 return [Received(error)] if self.role is Role.CLIENT else []
         return self._numbered(frame, now)
 
-    def _on_ready(self, frame: f.ClientFrame | f.ServerFrame) -> list[Event]:
+    def _on_ready(self, frame: f.ClientFrame | f.ServerFrame, now: float) -> list[Event]:
         if isinstance(frame, f.Error) and frame.seq is None:
             return [Received(frame)]
         if not isinstance(frame, f.Ready):
@@ -223,14 +235,14 @@ class SessionConnection:
         assert self.channel is not None
         self.channel.acknowledge(frame.last_seq)
         self.state = State.OPEN
-        for data in self.channel.unacknowledged():
-            self._write(data)
+        self._next_ping = now + self._timing.heartbeat_interval
+        self._resend(self.channel)
         return [ReadyReceived(frame)]
 
     def _numbered(self, frame: f.ClientFrame | f.ServerFrame, now: float) -> list[Event]:
         seq = getattr(frame, "seq", None)
-        if not isinstance(seq, int):
-            raise ProtocolViolation(f"{type(frame).__name__} needs a seq")
+        if not isinstance(seq, int) or seq < 1:
+            raise ProtocolViolation(f"{type(frame).__name__} needs a seq of 1 or more")
         assert self.channel is not None
         fresh = self.channel.receive(seq)
         self._schedule_ack(now)
@@ -252,12 +264,18 @@ class SessionConnection:
         self._ack_deadline = None
 
     def next_deadline(self) -> float:
+        if self.state is State.CLOSED:
+            return math.inf  # nothing is due on a closed connection
         deadlines = [self._last_received + self._silence_limit()]
         if self._ack_deadline is not None:
             deadlines.append(self._ack_deadline)
-        if self.role is Role.CLIENT:
+        if self.role is Role.CLIENT and self.state is State.OPEN:
             deadlines.append(self._next_ping)
         return min(deadlines)
+
+    def receive_control(self, now: float) -> None:
+        """A WebSocket-level ping or pong: any frame counts as liveness."""
+        self._last_received = now
 
     def _silence_limit(self) -> float:
         if self.role is Role.SERVER:

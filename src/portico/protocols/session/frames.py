@@ -168,6 +168,7 @@ class Error(_Frame, frozen=True, tag="error"):
 
 ClientFrame = (
     Hello
+    | Error  # only unnumbered: the client explains the close it is about to make
     | Ack
     | Ping
     | Pong

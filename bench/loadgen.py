@@ -1,0 +1,571 @@
+"""The benchmark's load generator: one process, many `/ws` connections, one workload.
+
+    python bench/loadgen.py stream  --url ws://127.0.0.1:PORT/ws [--clients 100] [--seconds 5]
+    python bench/loadgen.py latency --url ... [--rate 200] [--pool 32] [--seconds 6]
+    python bench/loadgen.py idle    --url ... --count 1000 [--hold 120]
+
+Prints one JSON object per line on stdout; the last has `"event": "result"`. `idle` first
+prints `"event": "ready"` once every connection has its `connected`, then holds them until
+a line (or EOF) arrives on stdin, or `--hold` seconds pass.
+
+Adding a workload is one decorated function: `@workload("name")` over an
+`async def (Options) -> dict` (see `stream` below); it gets the parsed options and returns
+its figures. Talks only to loopback addresses; every phase is bounded in time and count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import stat
+import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import uvloop
+from common import TERMINAL_KINDS, frame_kind, message_frame, raise_fd_limit
+
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+DRAIN_TIMEOUT = 5.0  # seconds for in-flight turns to end once a workload stops sending
+CONNECT_TIMEOUT = 60.0  # seconds for every connection of a workload to get `connected`
+CLOSE_TIMEOUT = 30.0  # seconds for every closing handshake of a workload to finish
+
+
+# -- options and the workload registry ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    url: str
+    clients: int
+    seconds: float
+    warmup: float
+    start_at: float | None
+    scenario: str
+    max_turns: int
+    rate: float
+    pool: int
+    count: int
+    hold: float
+    warm: int
+    connect_concurrency: int
+    client: str
+
+
+Workload = Callable[[Options], Awaitable[dict[str, Any]]]
+WORKLOADS: dict[str, Workload] = {}
+
+
+def workload(name: str) -> Callable[[Workload], Workload]:
+    """Register a workload under `name` (the first positional argument of the CLI)."""
+
+    def register(fn: Workload) -> Workload:
+        WORKLOADS[name] = fn
+        return fn
+
+    return register
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+# -- connections: picows when installed (fastest), aiohttp otherwise ----------------------
+
+
+class Handler(Protocol):
+    """What a workload attaches to each connection."""
+
+    def on_frame(self, payload: bytes | str) -> None: ...
+
+    def on_closed(self) -> None: ...
+
+
+class Connection(Protocol):
+    def send(self, data: bytes) -> None: ...
+
+    def close(self) -> None:
+        """Start the closing handshake; the server then closes the TCP connection."""
+
+    def abort(self) -> None:
+        """Drop the TCP connection now."""
+
+
+class Dialer(Protocol):
+    async def connect(self, url: str, handler: Handler) -> Connection: ...
+
+    async def aclose(self) -> None: ...
+
+
+class PicowsDialer:
+    """picows parses frames in C and calls back synchronously: about 1 us per frame."""
+
+    def __init__(self) -> None:
+        import picows
+
+        self._picows = picows
+
+        class Listener(picows.WSListener):
+            def __init__(self, handler: Handler) -> None:
+                self.handler = handler
+
+            def on_ws_frame(self, transport: picows.WSTransport, frame: picows.WSFrame) -> None:
+                if frame.msg_type == picows.WSMsgType.TEXT:
+                    self.handler.on_frame(frame.get_payload_as_bytes())
+                elif frame.msg_type == picows.WSMsgType.CLOSE and not transport.is_close_frame_sent:
+                    transport.send_close(frame.get_close_code())
+                # Then wait: the server closes TCP first, so TIME_WAIT stays on its side
+                # and thousands of closed connections do not tie up our ephemeral ports.
+
+            def on_ws_disconnected(self, transport: picows.WSTransport) -> None:
+                self.handler.on_closed()
+
+        self._listener = Listener
+
+    async def connect(self, url: str, handler: Handler) -> Connection:
+        transport, _ = await self._picows.ws_connect(
+            lambda: self._listener(handler),
+            url,
+            websocket_handshake_timeout=CONNECT_TIMEOUT,
+            # uvloop's own connect: in this benchmark it opens connections about 30%
+            # faster than the aiofastnet path picows picks by default.
+            use_aiofastnet=False,
+        )
+        return PicowsConnection(transport, self._picows.WSMsgType.TEXT)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class PicowsConnection:
+    def __init__(self, transport: Any, text: Any) -> None:
+        self._transport = transport
+        self._text = text
+
+    def send(self, data: bytes) -> None:
+        self._transport.send(self._text, data)
+
+    def close(self) -> None:
+        if not self._transport.is_close_frame_sent:
+            self._transport.send_close()
+
+    def abort(self) -> None:
+        self._transport.disconnect(graceful=False)
+
+
+class AiohttpDialer:
+    """The fallback where picows is absent (CI): slower per frame, fine for smoke runs."""
+
+    def __init__(self) -> None:
+        import aiohttp
+
+        self._aiohttp = aiohttp
+        # limit=0: the default pool of 100 would queue every connection past the 100th.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def connect(self, url: str, handler: Handler) -> Connection:
+        ws = await self._session.ws_connect(url, max_msg_size=0, autoping=True)
+        return AiohttpConnection(ws, handler, self._aiohttp.WSMsgType.TEXT)
+
+    async def aclose(self) -> None:
+        await self._session.close()
+
+
+class AiohttpConnection:
+    def __init__(self, ws: Any, handler: Handler, text: Any) -> None:
+        self._ws = ws
+        self._text = text
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._spawn(self._read(handler))
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # held until done, so the loop cannot drop it
+        task.add_done_callback(self._tasks.discard)
+
+    async def _read(self, handler: Handler) -> None:
+        async for msg in self._ws:
+            if msg.type == self._text:
+                handler.on_frame(msg.data)
+        handler.on_closed()
+
+    def send(self, data: bytes) -> None:
+        self._spawn(self._ws.send_frame(data, self._text))
+
+    def close(self) -> None:
+        self._spawn(self._ws.close())
+
+    def abort(self) -> None:
+        return None  # AiohttpDialer.aclose() closes the session, which drops every socket
+
+
+def resolve_client(kind: str) -> str:
+    """`auto` is picows where it is installed, aiohttp otherwise."""
+    if kind != "auto":
+        return kind
+    try:
+        import picows  # noqa: F401
+    except ImportError:
+        return "aiohttp"
+    return "picows"
+
+
+def make_dialer(kind: str) -> Dialer:
+    return PicowsDialer() if resolve_client(kind) == "picows" else AiohttpDialer()
+
+
+class Peer:
+    """A handler base: resolves `connected`, notes a close, ignores the rest."""
+
+    def __init__(self) -> None:
+        self.connected: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.conn: Connection | None = None
+        self.closed = False
+
+    def on_frame(self, payload: bytes | str) -> None:
+        if not self.connected.done() and frame_kind(payload) == "connected":
+            self.connected.set_result(None)
+
+    def on_closed(self) -> None:
+        self.closed = True
+        if not self.connected.done():
+            self.connected.set_exception(ConnectionError("closed before `connected`"))
+
+
+async def open_all(dialer: Dialer, url: str, peers: Sequence[Peer], concurrency: int) -> int:
+    """Connect every peer (at most `concurrency` handshakes at once); returns the failures."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(peer: Peer) -> None:
+        async with gate:
+            peer.conn = await dialer.connect(url, peer)
+            await peer.connected
+
+    async with asyncio.timeout(CONNECT_TIMEOUT):
+        outcomes = await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
+    return sum(isinstance(outcome, BaseException) for outcome in outcomes)
+
+
+async def close_all(peers: Sequence[Peer]) -> None:
+    """Close every connection with a handshake; drop those still open after CLOSE_TIMEOUT."""
+    for peer in peers:
+        if peer.conn is not None and not peer.closed:
+            peer.conn.close()
+    await until(lambda: all(p.closed or p.conn is None for p in peers), CLOSE_TIMEOUT)
+    for peer in peers:
+        if peer.conn is not None and not peer.closed:
+            peer.conn.abort()
+
+
+async def sleep_until(wall_time: float | None) -> None:
+    """Processes started together align their windows on a shared wall-clock instant."""
+    if wall_time is not None:
+        await asyncio.sleep(max(0.0, wall_time - time.time()))
+
+
+async def until(condition: Callable[[], bool], within: float, step: float = 0.01) -> bool:
+    """Poll `condition` every `step` seconds, at most `within` seconds; returns its last value."""
+    for _ in range(math.ceil(within / step)):
+        if condition():
+            return True
+        await asyncio.sleep(step)
+    return condition()
+
+
+# -- stream: closed loop, each client sends its next message when its reply ends ----------
+
+
+class StreamTally:
+    def __init__(self, message: bytes, max_turns: int) -> None:
+        self.message = message
+        self.max_turns = max_turns
+        self.sending = False
+        self.sent = 0
+        self.frames = 0
+        self.turns = 0
+        self.errors = 0
+        self.busy = 0
+
+
+class StreamPeer(Peer):
+    def __init__(self, tally: StreamTally) -> None:
+        super().__init__()
+        self.tally = tally
+
+    def on_frame(self, payload: bytes | str) -> None:
+        kind = frame_kind(payload)
+        tally = self.tally
+        if kind == "chunk":
+            tally.frames += 1
+        elif kind in TERMINAL_KINDS:
+            tally.frames += 1
+            tally.turns += 1
+            tally.errors += kind == "error"
+            tally.busy -= 1
+            self.next_turn()
+        elif kind == "connected" and not self.connected.done():
+            self.connected.set_result(None)
+
+    def next_turn(self) -> None:
+        tally = self.tally
+        if tally.sending and tally.sent < tally.max_turns and self.conn is not None:
+            tally.sent += 1
+            tally.busy += 1
+            self.conn.send(tally.message)
+
+
+@workload("stream")
+async def stream(options: Options) -> dict[str, Any]:
+    """N clients, each: send a message, read its streamed reply to the terminal frame, repeat."""
+    tally = StreamTally(message_frame("bench", options.scenario), options.max_turns)
+    peers = [StreamPeer(tally) for _ in range(options.clients)]
+    dialer = make_dialer(options.client)
+    connect_errors = await open_all(dialer, options.url, peers, options.connect_concurrency)
+    await sleep_until(options.start_at)
+    tally.sending = True
+    for peer in peers:
+        peer.next_turn()
+    await asyncio.sleep(options.warmup)
+    frames0, turns0, errors0, t0, cpu0 = (
+        tally.frames,
+        tally.turns,
+        tally.errors,
+        time.perf_counter(),
+        time.process_time(),
+    )
+    await asyncio.sleep(options.seconds)
+    frames1, turns1, errors1, t1, cpu1 = (
+        tally.frames,
+        tally.turns,
+        tally.errors,
+        time.perf_counter(),
+        time.process_time(),
+    )
+    tally.sending = False
+    drained = await until(lambda: tally.busy <= 0, DRAIN_TIMEOUT)
+    await close_all(peers)
+    await dialer.aclose()
+    elapsed = t1 - t0
+    return {
+        "clients": options.clients,
+        "connect_errors": connect_errors,
+        "window_s": elapsed,
+        "frames_per_s": (frames1 - frames0) / elapsed,
+        "turns_per_s": (turns1 - turns0) / elapsed,
+        "errors": errors1 - errors0,
+        "drained": drained,
+        "client_cpu_pct": 100 * (cpu1 - cpu0) / elapsed,
+    }
+
+
+# -- latency: open loop at a fixed rate over a pool of connections -------------------------
+
+
+class LatencyPeer(Peer):
+    def __init__(self, done: Callable[[LatencyPeer, str], None]) -> None:
+        super().__init__()
+        self._done = done
+        self.sent_at = 0.0
+        self.first_at: float | None = None
+        self.busy = False
+
+    def send(self, data: bytes) -> None:
+        assert self.conn is not None
+        self.busy, self.first_at = True, None
+        self.sent_at = time.perf_counter()
+        self.conn.send(data)
+
+    def on_frame(self, payload: bytes | str) -> None:
+        now = time.perf_counter()
+        kind = frame_kind(payload)
+        if kind == "chunk":
+            if self.first_at is None:
+                self.first_at = now
+        elif kind in TERMINAL_KINDS:
+            self.busy = False
+            self._done(self, kind)
+        elif kind == "connected" and not self.connected.done():
+            self.connected.set_result(None)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending sequence."""
+    if not sorted_values:
+        return math.nan
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def summarize_ms(samples: list[float], prefix: str) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        f"{prefix}_p50_ms": 1000 * percentile(ordered, 0.50),
+        f"{prefix}_p99_ms": 1000 * percentile(ordered, 0.99),
+        f"{prefix}_p999_ms": 1000 * percentile(ordered, 0.999),
+    }
+
+
+@workload("latency")
+async def latency(options: Options) -> dict[str, Any]:
+    """`rate` messages/s, each on a pooled connection whose previous turn has ended."""
+    message = message_frame("bench", options.scenario)
+    first: list[float] = []
+    total: list[float] = []
+    idle: deque[LatencyPeer] = deque()
+    errors = 0
+    measure_from = math.inf  # perf_counter() after the warm-up
+
+    def done(peer: LatencyPeer, kind: str) -> None:
+        nonlocal errors
+        idle.append(peer)
+        if peer.sent_at < measure_from:
+            return
+        if kind == "error" or peer.first_at is None:
+            errors += 1
+            return
+        end = time.perf_counter()
+        first.append(peer.first_at - peer.sent_at)
+        total.append(end - peer.sent_at)
+
+    peers = [LatencyPeer(done) for _ in range(options.pool)]
+    dialer = make_dialer(options.client)
+    connect_errors = await open_all(dialer, options.url, peers, options.connect_concurrency)
+    idle.extend(p for p in peers if p.connected.done() and not p.connected.exception())
+    await sleep_until(options.start_at)
+    interval = 1.0 / options.rate
+    start = time.perf_counter()
+    measure_from = start + options.warmup
+    ticks = min(options.max_turns, int((options.warmup + options.seconds) * options.rate))
+    sent = missed = 0
+    for tick in range(ticks):
+        await asyncio.sleep(max(0.0, start + tick * interval - time.perf_counter()))
+        if idle:
+            idle.popleft().send(message)
+            sent += 1
+        else:
+            missed += 1  # the pool is too small for this rate: reported, never hidden
+    await until(lambda: not any(p.busy for p in peers), DRAIN_TIMEOUT)
+    await close_all(peers)
+    await dialer.aclose()
+    return {
+        "rate": options.rate,
+        "pool": options.pool,
+        "connect_errors": connect_errors,
+        "sent": sent,
+        "missed": missed,
+        "samples": len(total),
+        "errors": errors,
+        **summarize_ms(first, "first"),
+        **summarize_ms(total, "done"),
+    }
+
+
+# -- idle: hold connections open for the caller to measure the server's memory ------------
+
+
+async def stdin_reader() -> asyncio.StreamReader | None:
+    """stdin as a stream when it is a pipe (as bench/run.py gives it); else None."""
+    if not stat.S_ISFIFO(os.fstat(sys.stdin.fileno()).st_mode):
+        return None  # libuv aborts on a pipe reader over /dev/null or a file
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    return reader
+
+
+async def next_line(reader: asyncio.StreamReader | None, within: float) -> None:
+    """Return on a line or EOF on stdin, or after `within` seconds, whichever comes first."""
+    if reader is None:
+        await asyncio.sleep(within)
+        return
+    try:
+        await asyncio.wait_for(reader.readline(), within)
+    except TimeoutError:
+        return
+
+
+@workload("idle")
+async def idle(options: Options) -> dict[str, Any]:
+    """Open `count` connections, wait for every `connected`, hold until released (stdin).
+
+    With `--warm N`, first open and close N connections (the server's one-time costs),
+    say `warmed`, and wait for a line on stdin before opening the `count`.
+    """
+    reader = await stdin_reader()
+    dialer = make_dialer(options.client)
+    if options.warm:
+        warm = [Peer() for _ in range(options.warm)]
+        await open_all(dialer, options.url, warm, options.connect_concurrency)
+        await close_all(warm)
+        emit("warmed")
+        await next_line(reader, options.hold)
+    peers = [Peer() for _ in range(options.count)]
+    connect_errors = await open_all(dialer, options.url, peers, options.connect_concurrency)
+    emit("ready", opened=options.count - connect_errors, connect_errors=connect_errors)
+    await next_line(reader, options.hold)
+    dropped = sum(p.closed for p in peers)  # closed by the server while held
+    emit("released", dropped=dropped)  # told before closing: the caller may now kill the server
+    await close_all(peers)
+    await dialer.aclose()
+    return {"count": options.count, "connect_errors": connect_errors, "dropped": dropped}
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[str, Options]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workload", choices=sorted(WORKLOADS))
+    parser.add_argument("--url", required=True, help="ws://127.0.0.1:PORT/ws (loopback only)")
+    parser.add_argument("--clients", type=int, default=100, help="stream: concurrent clients")
+    parser.add_argument("--seconds", type=float, default=5.0, help="measurement window")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds before the window")
+    parser.add_argument("--start-at", type=float, help="wall-clock time to start sending")
+    parser.add_argument("--scenario", default="stream50", help="the script's scenario")
+    parser.add_argument("--max-turns", type=int, default=10_000_000, help="count bound")
+    parser.add_argument("--rate", type=float, default=200.0, help="latency: messages/s")
+    parser.add_argument("--pool", type=int, default=32, help="latency: connections")
+    parser.add_argument("--count", type=int, default=1000, help="idle: connections")
+    parser.add_argument("--hold", type=float, default=120.0, help="idle: longest hold, seconds")
+    parser.add_argument("--warm", type=int, default=0, help="idle: connections to cycle first")
+    parser.add_argument("--connect-concurrency", type=int, default=64)
+    parser.add_argument("--client", choices=["auto", "picows", "aiohttp"], default="auto")
+    args = parser.parse_args(argv)
+    host = urlsplit(args.url).hostname
+    if host not in LOOPBACK:
+        parser.error(f"refusing to load {host!r}: the benchmark talks to loopback only")
+    fields = {name: getattr(args, name) for name in Options.__dataclass_fields__}
+    fields["client"] = resolve_client(args.client)
+    return args.workload, Options(**fields)
+
+
+def time_bound(options: Options) -> float:
+    """The most any workload may take: its windows, its connects, its hold, and slack."""
+    waited = 0.0 if options.start_at is None else max(0.0, options.start_at - time.time())
+    return (
+        waited
+        + options.warmup
+        + options.seconds
+        + options.hold
+        + 2 * CONNECT_TIMEOUT
+        + CLOSE_TIMEOUT
+    )
+
+
+async def main(argv: Sequence[str] | None = None) -> None:
+    name, options = parse_args(argv)
+    raise_fd_limit()
+    async with asyncio.timeout(time_bound(options)):
+        result = await WORKLOADS[name](options)
+    emit("result", workload=name, client=options.client, **result)
+
+
+if __name__ == "__main__":
+    uvloop.run(main())

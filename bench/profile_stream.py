@@ -1,0 +1,204 @@
+"""Profile Portico's `stream` path with py-spy while bench/loadgen.py drives it.
+
+    python bench/profile_stream.py [--seconds 8] [--clients 100] [--store sqlite] [--out FILE]
+
+Starts Portico as bench/run.py does, runs the `stream` workload against it, samples the
+server with `py-spy record` (pip install py-spy; needs ptrace rights, e.g. root) and prints
+markdown tables: samples per thread, the event loop thread's top functions by own and by
+cumulative time, and its time by area (aiohttp writes, the engine, the archive, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import raise_fd_limit
+from harness import BENCH, SERVER_KINDS, CpuSnapshot, Loadgen, Server, cpu_percentages
+
+MAIN_THREAD = "MainThread"
+# The area a function belongs to, by the first pattern its "function (file)" matches.
+AREAS: tuple[tuple[str, str], ...] = (
+    ("asyncio/runners.py", "event loop internals (uvloop C code under Runner.run)"),
+    ("aiohttp/_websocket/writer.py", "socket writes (aiohttp writer, transport.write)"),
+    ("aiohttp/", "aiohttp other (reads, handshakes)"),
+    ("portico/store/", "archive (SQLite store)"),
+    ("portico/core/turns.py", "turn runner"),
+    ("portico/core/engine.py", "engine"),
+    ("portico/runtime/", "scripted runtime"),
+    ("portico/protocols/", "Omnia core (frames, encode, queue)"),
+    ("portico/server/websocket.py", "/ws adapter (read and write loops)"),
+    ("prometheus_client/", "Prometheus metrics"),
+    ("logging/", "logging"),
+    ("asyncio/", "asyncio machinery (Event, sleep, futures)"),
+    ("concurrent/futures/", "executor hand-off"),
+    ("msgspec", "msgspec"),
+)
+OTHER_AREA = "other (the loop itself, C code)"
+LINE_NUMBER = re.compile(r":\d+\)$")
+
+
+@dataclass
+class Profile:
+    """Collapsed py-spy stacks, aggregated by function (line numbers dropped)."""
+
+    samples: Counter[str] = field(default_factory=Counter)  # per thread
+    own: dict[str, Counter[str]] = field(default_factory=dict)
+    cumulative: dict[str, Counter[str]] = field(default_factory=dict)
+
+    def add(self, thread: str, frames: Sequence[str], count: int) -> None:
+        self.samples[thread] += count
+        self.own.setdefault(thread, Counter())[frames[-1]] += count
+        cumulative = self.cumulative.setdefault(thread, Counter())
+        for frame in set(frames):  # a recursive function counts once per sample
+            cumulative[frame] += count
+
+
+def parse_collapsed(lines: Iterable[str]) -> Profile:
+    """Read `py-spy record --format raw --threads` output: `thread (tid): name;f;f;f N`."""
+    profile = Profile()
+    for line in lines:
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not stack:
+            continue
+        thread, *frames = stack.split(";")
+        name = thread.split(": ", 1)[-1]
+        if frames:
+            profile.add(name, [LINE_NUMBER.sub(")", f) for f in frames], int(count))
+    return profile
+
+
+def area_of(function: str) -> str:
+    return next((area for pattern, area in AREAS if pattern in function), OTHER_AREA)
+
+
+def top_table(counts: Counter[str], total: int, top: int, heading: str) -> list[str]:
+    lines = [f"| {heading} | % of thread samples |", "|---|---:|"]
+    for function, count in counts.most_common(top):
+        lines.append(f"| `{function}` | {100 * count / total:.1f} |")
+    return lines
+
+
+def below_roots(cumulative: Counter[str], total: int) -> Counter[str]:
+    """Drop the frames every sample passes through (runpy, main, the loop's run)."""
+    return Counter({f: n for f, n in cumulative.items() if n < total})
+
+
+def area_table(own: Counter[str], total: int) -> list[str]:
+    areas: Counter[str] = Counter()
+    for function, count in own.items():
+        areas[area_of(function)] += count
+    lines = ["| Area (own time) | % of thread samples |", "|---|---:|"]
+    lines += [f"| {area} | {100 * n / total:.1f} |" for area, n in areas.most_common()]
+    return lines
+
+
+def thread_tables(profile: Profile, thread: str, top: int) -> list[str]:
+    total = profile.samples[thread]
+    return [
+        f"### Thread `{thread}` ({total} samples)",
+        "",
+        *area_table(profile.own[thread], total),
+        "",
+        *top_table(profile.own[thread], total, top, "Function (own time)"),
+        "",
+        *top_table(
+            below_roots(profile.cumulative[thread], total), total, top, "Function (cumulative)"
+        ),
+        "",
+    ]
+
+
+def render(profile: Profile, header: Sequence[str], top: int) -> str:
+    lines = [*header, "", "| Thread | samples |", "|---|---:|"]
+    lines += [f"| {name} | {count} |" for name, count in profile.samples.most_common()]
+    lines.append("")
+    main = [t for t in profile.samples if t == MAIN_THREAD]
+    others = [t for t, _ in profile.samples.most_common() if t != MAIN_THREAD][:1]
+    for thread in main + others:
+        lines += thread_tables(profile, thread, top)
+    return "\n".join(lines)
+
+
+# -- running it ----------------------------------------------------------------------------
+
+
+def py_spy() -> str:
+    found = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(found).exists():
+        raise SystemExit("py-spy is not installed: pip install py-spy (or '.[bench]')")
+    return found
+
+
+def record(pid: int, seconds: float, rate: int, raw: Path) -> None:
+    command = [py_spy(), "record", "--pid", str(pid), "--duration", str(int(seconds))]
+    command += ["--rate", str(rate), "--format", "raw", "--threads", "--output", str(raw)]
+    subprocess.run(command, check=True, capture_output=True, timeout=seconds + 60)
+
+
+def profile_stream(args: argparse.Namespace, workdir: Path) -> tuple[Profile, list[str]]:
+    server = Server(args.server, workdir, store=args.store).start()
+    try:
+        window = ["--warmup", "1", "--seconds", str(args.seconds + 2)]
+        gen = Loadgen("stream", server.url, ["--clients", str(args.clients), *window])
+        try:
+            time.sleep(1.5)  # connected and warmed up before sampling starts
+            before = CpuSnapshot.take(server.pid, [gen.pid])
+            raw = workdir / "py-spy.txt"
+            record(server.pid, args.seconds, args.rate, raw)
+            cpu = cpu_percentages(before, CpuSnapshot.take(server.pid, [gen.pid]))
+            result = gen.result(args.seconds + 60)
+        finally:
+            gen.stop()
+        if args.raw:
+            shutil.copy(raw, args.raw)
+        profile = parse_collapsed(raw.read_text().splitlines())
+    finally:
+        server.stop()
+    header = [
+        f"# `stream` profile of {args.server} (py-spy)",
+        "",
+        f"`python bench/profile_stream.py {' '.join(sys.argv[1:])}`: {args.clients} clients, "
+        f"scenario `stream50`, store {args.store}, py-spy at {args.rate} Hz for {args.seconds:g} s "
+        "(blocking mode; only samples of running threads).",
+        f"Throughput while sampled: {result['frames_per_s']:,.0f} frames/s, "
+        f"{result['turns_per_s']:,.0f} turns/s; server CPU {cpu['server_cpu']:.0f}% of a core "
+        f"(all threads), client {cpu['client_cpu']:.0f}%, other processes {cpu['other_cpu']:.0f}%.",
+    ]
+    return profile, header
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=8.0, help="sampling time")
+    parser.add_argument("--rate", type=int, default=100, help="samples per second")
+    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--store", choices=["sqlite", "memory"], default="sqlite")
+    parser.add_argument(
+        "--server", choices=SERVER_KINDS, default="portico", help="or a bare one, to compare"
+    )
+    parser.add_argument("--top", type=int, default=25, help="rows per table")
+    parser.add_argument("--raw", type=Path, help="also keep py-spy's collapsed stacks here")
+    parser.add_argument("--out", type=Path, default=BENCH / "results" / "profile.md")
+    args = parser.parse_args(argv)
+    raise_fd_limit()
+    with tempfile.TemporaryDirectory(prefix="portico-profile-") as workdir:
+        profile, header = profile_stream(args, Path(workdir))
+    text = render(profile, header, args.top)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

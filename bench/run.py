@@ -1,0 +1,576 @@
+"""Run every workload against Portico and the two bare servers; print and write a markdown report.
+
+    python bench/run.py             # the full run (about 5 minutes); writes bench/results/latest.md
+    python bench/run.py --quick     # under a minute
+    python bench/run.py --clients 2 --seconds 1 --idle 20 --repeat 1 --out /tmp/r.md
+
+Each server runs in its own process, each load generator in its own (bench/loadgen.py), all
+on 127.0.0.1. Every figure is measured `--repeat` times, servers interleaved so background
+noise hits them alike; the report gives the median, the min-max spread and Portico's ratio
+to each bare server (bench/baseline.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from importlib import metadata
+from pathlib import Path
+
+from common import raise_fd_limit
+from harness import (
+    BENCH,
+    PORTICO_BENCH_ENV,
+    SERVER_KINDS,
+    CpuSnapshot,
+    Loadgen,
+    Server,
+    cpu_percentages,
+    picows_available,
+    rss_kib,
+    stop_all,
+)
+
+SETTLE = 0.3  # seconds for a server's RSS to settle after connections open
+RESULT_SLACK = 30.0  # seconds past its own bounds a load generator may take to report
+IDLE_WARMUP = 50  # connections opened and closed before the baseline RSS is read
+BUSY_THRESHOLD = 50.0  # % of a core used by other processes before the run
+BUSY_WARNING = (
+    " **The machine was busy: absolute figures are low and noisy; servers were interleaved, "
+    "so the ratios are the figures to compare.**"
+)
+
+Sample = dict[str, float]
+Results = dict[tuple[str, str], list[Sample]]  # (workload row, server kind) -> one per repeat
+
+
+@dataclass(frozen=True)
+class Plan:
+    repeat: int = 3
+    clients: int = 100
+    launch: float = 0.7  # seconds for stream generators to start and connect before sending
+    warmup: float = 0.5
+    seconds: float = 2.5
+    client_procs: tuple[int, ...] = (1, 2)
+    # The first rate is the target's (200 msg/s); a lower one shows latency below saturation.
+    rates: tuple[float, ...] = (200.0, 50.0)
+    pool: int = 32
+    latency_warmup: float = 0.3
+    latency_seconds: float = 2.5
+    idle_counts: tuple[int, ...] = (1000, 10000)
+    idle_per_process: int = 5000
+    kinds: tuple[str, ...] = SERVER_KINDS
+    log_level: str | None = None  # None: Portico's default (INFO, one line per turn)
+
+
+QUICK = Plan(
+    launch=0.7,
+    warmup=0.3,
+    seconds=0.8,
+    client_procs=(1,),
+    latency_warmup=0.3,
+    latency_seconds=0.8,
+    rates=(200.0,),
+    idle_counts=(500,),
+)
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def split(total: int, parts: int) -> list[int]:
+    """`total` as `parts` near-equal positive shares."""
+    parts = max(1, min(parts, total))
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def sleep_until(wall_time: float) -> None:
+    time.sleep(max(0.0, wall_time - time.time()))
+
+
+@contextmanager
+def loadgens(workload: str, url: str, shares: Sequence[Sequence[str]]) -> Iterator[list[Loadgen]]:
+    """Start one load generator per argument list; every one is stopped on the way out."""
+    started: list[Loadgen] = []
+    try:
+        for args in shares:
+            started.append(Loadgen(workload, url, args))
+        yield started
+    finally:
+        for gen in started:
+            gen.stop()
+
+
+# -- one measurement each ----------------------------------------------------------------
+
+
+def measure_stream(server: Server, plan: Plan, procs: int) -> Sample:
+    start_at = time.time() + plan.launch
+    window = ["--warmup", str(plan.warmup), "--seconds", str(plan.seconds)]
+    shares = [
+        ["--clients", str(n), *window, "--start-at", str(start_at)]
+        for n in split(plan.clients, procs)
+    ]
+    bound = plan.launch + plan.warmup + plan.seconds + RESULT_SLACK
+    with loadgens("stream", server.url, shares) as gens:
+        pids = [gen.pid for gen in gens]
+        sleep_until(start_at + plan.warmup)
+        before = CpuSnapshot.take(server.pid, pids)
+        time.sleep(plan.seconds)
+        after = CpuSnapshot.take(server.pid, pids)
+        results = [gen.result(bound) for gen in gens]
+    return {
+        "frames_per_s": sum(r["frames_per_s"] for r in results),
+        "turns_per_s": sum(r["turns_per_s"] for r in results),
+        "errors": sum(r["errors"] + r["connect_errors"] for r in results),
+        **cpu_percentages(before, after),
+    }
+
+
+def measure_latency(server: Server, plan: Plan, rate: float) -> Sample:
+    args = ["--rate", str(rate), "--pool", str(plan.pool)]
+    args += ["--warmup", str(plan.latency_warmup), "--seconds", str(plan.latency_seconds)]
+    with loadgens("latency", server.url, [args]) as (gen,):
+        result = gen.result(plan.latency_warmup + plan.latency_seconds + RESULT_SLACK)
+    figures = {key: float(value) for key, value in result.items() if key.endswith("_ms")}
+    errors = result["errors"] + result["connect_errors"]
+    achieved = result["sent"] / (plan.latency_warmup + plan.latency_seconds)
+    return {
+        **figures,
+        "achieved_rate": achieved,
+        "samples": result["samples"],
+        "missed": result["missed"],
+        "errors": errors,
+    }
+
+
+def wait_ready(gens: Sequence[Loadgen]) -> int:
+    """Wait for every `idle` generator's `ready`; returns the connections that failed."""
+    return sum(int(gen.next_event(RESULT_SLACK * 3)["connect_errors"]) for gen in gens)
+
+
+def release(gens: Sequence[Loadgen], server: Server) -> int:
+    """Let the connections go and kill the server (measured already: a graceful close of
+    10,000 sockets takes longer than opening them); returns how many the server had
+    dropped while they were held."""
+    for gen in gens:
+        gen.tell()
+    dropped = sum(int(gen.next_event(RESULT_SLACK)["dropped"]) for gen in gens)
+    server.kill()
+    for gen in gens:
+        gen.result(RESULT_SLACK)
+        gen.stop()
+    return dropped
+
+
+def idle_shares(plan: Plan) -> list[list[int]]:
+    """Per count, the connections each new generator opens (at most `idle_per_process`)."""
+    counts = sorted(plan.idle_counts)
+    batches = [count - before for before, count in zip([0, *counts], counts, strict=False)]
+    return [split(batch, math.ceil(batch / plan.idle_per_process)) for batch in batches]
+
+
+def measure_idle(server: Server, plan: Plan) -> dict[int, Sample]:
+    """RSS growth per connection at each of `idle_counts` connections held at once.
+
+    Ends with the server killed: use a fresh one for each call.
+    """
+    shares = idle_shares(plan)
+    # The first generator cycles some connections before the baseline is read, so the
+    # server's one-time costs (imports, buffers, caches) are not counted per connection.
+    first = Loadgen("idle", server.url, ["--count", str(shares[0][0]), "--warm", str(IDLE_WARMUP)])
+    held = [first]
+    samples: dict[int, Sample] = {}
+    failures = 0
+    try:
+        first.next_event(RESULT_SLACK * 3)  # `warmed`
+        time.sleep(SETTLE)
+        base = rss_kib(server.pid)
+        first.tell()
+        for index, (count, batch) in enumerate(zip(sorted(plan.idle_counts), shares, strict=True)):
+            # The first batch's first share is `first`'s, already under way.
+            new = [Loadgen("idle", server.url, ["--count", str(n)]) for n in batch[index == 0 :]]
+            held += new
+            failures += wait_ready([first, *new] if index == 0 else new)
+            time.sleep(SETTLE)
+            rss = rss_kib(server.pid)
+            held_now = max(1, count - failures)
+            samples[count] = {"kib_per_conn": (rss - base) / held_now, "errors": failures}
+        samples[max(samples)]["errors"] += release(held, server)
+    finally:
+        for gen in held:
+            gen.stop()
+    return samples
+
+
+# -- the whole run -------------------------------------------------------------------------
+
+
+def run_streams_and_latency(plan: Plan, workdir: Path, results: Results) -> None:
+    servers = {kind: Server(kind, workdir, plan.log_level) for kind in plan.kinds}
+    try:
+        for server in servers.values():
+            server.launch()  # start-ups overlap
+        for server in servers.values():
+            server.await_ready()
+        for rep in range(plan.repeat):
+            for kind, server in servers.items():
+                for procs in plan.client_procs:
+                    sample = measure_stream(server, plan, procs)
+                    results[(f"stream{procs}", kind)].append(sample)
+                    log(
+                        f"stream  rep {rep + 1} {kind:8} {procs} proc: "
+                        f"{sample['frames_per_s']:9.0f} frames/s, server CPU "
+                        f"{sample['server_cpu']:.0f}%, client CPU {sample['client_cpu']:.0f}%"
+                    )
+        for rep in range(plan.repeat):
+            for rate in plan.rates:
+                for kind, server in servers.items():
+                    sample = measure_latency(server, plan, rate)
+                    results[(f"latency{rate:g}", kind)].append(sample)
+                    log(
+                        f"latency rep {rep + 1} {kind:8} {rate:g}/s: first chunk p50 "
+                        f"{sample['first_p50_ms']:.2f} ms p99 {sample['first_p99_ms']:.2f} ms, "
+                        f"{sample['missed']:.0f} sends skipped (pool busy)"
+                    )
+    finally:
+        stop_all(list(servers.values()))
+
+
+def run_idle_all(plan: Plan, workdir: Path, results: Results) -> None:
+    for rep in range(plan.repeat):
+        # Fresh servers each repeat: memory freed by an earlier repeat's connections would
+        # be reused and understate the cost per connection. Launched together, so their
+        # start-ups overlap; each is measured alone, the others idle.
+        servers = [Server(kind, workdir, plan.log_level) for kind in plan.kinds]
+        try:
+            for server in servers:
+                server.launch()
+            for server in servers:
+                server.await_ready()
+                for count, sample in measure_idle(server, plan).items():
+                    results[(f"idle{count}", server.kind)].append(sample)
+                    log(
+                        f"idle    rep {rep + 1} {server.kind:8} {count:6} conns: "
+                        f"{sample['kib_per_conn']:.1f} KiB/conn, errors {sample['errors']:.0f}"
+                    )
+        finally:
+            stop_all(servers)
+
+
+def run(plan: Plan, workdir: Path) -> Results:
+    results: Results = defaultdict(list)
+    run_streams_and_latency(plan, workdir, results)
+    if plan.idle_counts:
+        run_idle_all(plan, workdir, results)
+    return results
+
+
+# -- the report ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    workload: str  # key in Results
+    figure: str  # key in a Sample
+    label: str
+    unit: str
+
+
+def stats(
+    results: Results, workload: str, figure: str, kind: str
+) -> tuple[float, float, float] | None:
+    """Median, min and max of one figure over the repeats, or None if never measured."""
+    values = [sample[figure] for sample in results.get((workload, kind), [])]
+    if not values:
+        return None
+    return statistics.median(values), min(values), max(values)
+
+
+def fmt(value: float) -> str:
+    if math.isnan(value):
+        return "n/a"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}"
+
+
+def cell(figures: tuple[float, float, float] | None) -> str:
+    if figures is None:
+        return "—"
+    median, low, high = figures
+    if low == high:
+        return fmt(median)
+    return f"{fmt(median)} ({fmt(low)}–{fmt(high)})"
+
+
+def ratio_cell(portico: tuple[float, ...] | None, bare: tuple[float, ...] | None, unit: str) -> str:
+    if portico is None or bare is None or bare[0] == 0:
+        return "—"
+    ratio = f"{portico[0] / bare[0]:.2f}"
+    if unit == "ms":
+        return f"{ratio} ({portico[0] - bare[0]:+.2f} ms)"
+    if unit == "KiB":
+        return f"{ratio} ({portico[0] - bare[0]:+.1f} KiB)"
+    return ratio
+
+
+def rows_for(plan: Plan) -> list[Row]:
+    rows: list[Row] = []
+    for procs in plan.client_procs:
+        name = f"stream, {plan.clients} clients, {procs} client process{'es' if procs > 1 else ''}"
+        rows.append(Row(f"stream{procs}", "frames_per_s", name, "frames/s"))
+        rows.append(Row(f"stream{procs}", "turns_per_s", name, "turns/s"))
+    for rate in plan.rates:
+        key, name = f"latency{rate:g}", f"latency, {rate:g} msg/s over {plan.pool} connections"
+        rows.append(Row(key, "achieved_rate", name, "msg/s achieved"))
+        for stage, what in (("first", "send → first chunk"), ("done", "send → done")):
+            for q in ("p50", "p99", "p999"):
+                rows.append(Row(key, f"{stage}_{q}_ms", name, f"{what} {q}, ms"))
+    for count in sorted(plan.idle_counts):
+        label = f"idle, {count:,} connections"
+        rows.append(Row(f"idle{count}", "kib_per_conn", label, "KiB"))
+    return rows
+
+
+def results_table(results: Results, plan: Plan) -> list[str]:
+    head = (
+        "| Workload | Figure | Portico | bare aiohttp | bare picows "
+        "| Portico ÷ aiohttp | Portico ÷ picows |"
+    )
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|"]
+    for row in rows_for(plan):
+        portico, aio, pico = (stats(results, row.workload, row.figure, k) for k in SERVER_KINDS)
+        unit = "ms" if row.figure.endswith("_ms") else row.unit
+        unit_label = row.unit if unit != "KiB" else "server RSS per connection, KiB"
+        lines.append(
+            f"| {row.label} | {unit_label} | {cell(portico)} | {cell(aio)} | {cell(pico)} "
+            f"| {ratio_cell(portico, aio, unit)} | {ratio_cell(portico, pico, unit)} |"
+        )
+    return lines
+
+
+def diagnostics_table(results: Results, plan: Plan) -> list[str]:
+    """Whether the client limits a figure: 2 client processes must not raise it."""
+    lines = [
+        "| Server | frames/s, 1 client proc | frames/s, 2 client procs | 2 ÷ 1 "
+        "| server CPU % | client CPU % | other processes' CPU % | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind in plan.kinds:
+        one = stats(results, "stream1", "frames_per_s", kind)
+        two = stats(results, "stream2", "frames_per_s", kind)
+        ratio = f"{two[0] / one[0]:.2f}" if one and two else "—"
+        cpu = [
+            cell(stats(results, "stream1", key, kind))
+            for key in ("server_cpu", "client_cpu", "other_cpu")
+        ]
+        errors = sum(
+            sample["errors"]
+            for (workload, server), samples in results.items()
+            if server == kind
+            for sample in samples
+        )
+        lines.append(
+            f"| {kind} | {cell(one)} | {cell(two)} | {ratio} | {' | '.join(cpu)} | {errors:.0f} |"
+        )
+    return lines
+
+
+def median_of(results: Results, workload: str, figure: str, kind: str) -> float | None:
+    figures = stats(results, workload, figure, kind)
+    return None if figures is None else figures[0]
+
+
+def verdict(
+    value: float | None, ok: Callable[[float], bool], text: str, show: Callable[[float], str] = fmt
+) -> str:
+    if value is None:
+        return f"| {text} | not measured | — |"
+    return f"| {text} | {show(value)} | {'met' if ok(value) else '**not met**'} |"
+
+
+def targets_table(results: Results, plan: Plan) -> list[str]:
+    def ratio(kind: str) -> float | None:
+        portico = median_of(results, "stream1", "frames_per_s", "portico")
+        bare = median_of(results, "stream1", "frames_per_s", kind)
+        return None if portico is None or not bare else portico / bare
+
+    target_rate = f"latency{plan.rates[0]:g}" if plan.rates else ""
+    portico_p99 = median_of(results, target_rate, "first_p99_ms", "portico")
+    bare_p99 = median_of(results, target_rate, "first_p99_ms", "aiohttp")
+    added = None if portico_p99 is None or bare_p99 is None else portico_p99 - bare_p99
+    largest = max(plan.idle_counts, default=0)
+    per_conn = median_of(results, f"idle{largest}", "kib_per_conn", "portico")
+    idle_errors = sum(s["errors"] for s in results.get(("idle10000", "portico"), []))
+    held = None if ("idle10000", "portico") not in results else idle_errors
+    return [
+        "| Target | Measured | |",
+        "|---|---:|---|",
+        verdict(ratio("aiohttp"), lambda v: v >= 0.80, "stream frames/s ≥ 0.80 × bare aiohttp"),
+        verdict(ratio("picows"), lambda v: v >= 0.60, "stream frames/s ≥ 0.60 × bare picows"),
+        verdict(added, lambda v: v <= 1.0, "p99 send → first chunk, ms added to bare aiohttp ≤ 1"),
+        verdict(per_conn, lambda v: v <= 20, f"≤ 20 KiB per idle connection (at {largest:,})"),
+        verdict(
+            held, lambda v: v == 0, "10,000 idle connections held, errors", lambda v: f"{v:.0f}"
+        ),
+    ]
+
+
+def versions() -> str:
+    names = ("portico", "aiohttp", "uvloop", "msgspec", "picows", "py-spy")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} (not installed)")
+    return ", ".join(found)
+
+
+def source_state() -> str:
+    """The commit measured, and whether src/ had uncommitted changes."""
+
+    def git(*args: str) -> str:
+        command = ["git", "-C", str(BENCH.parent), *args]
+        return subprocess.run(command, capture_output=True, text=True, check=False).stdout
+
+    head = git("rev-parse", "--short", "HEAD").strip() or "unknown"
+    dirty = git("status", "--porcelain", "--", "src").strip()
+    return f"commit {head}" + (" with uncommitted changes in src/" if dirty else "")
+
+
+def machine() -> list[str]:
+    cpu = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem = Path("/proc/meminfo").read_text().split("\n")[0].split()[1]
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return [
+        f"- CPU: {cpu}, {os.cpu_count()} cores; memory {int(mem) / 1024**2:.1f} GiB; "
+        f"Linux {platform.release()}; RLIMIT_NOFILE {nofile}",
+        f"- Python {platform.python_version()}; {versions()}; Portico at {source_state()}",
+    ]
+
+
+def report(results: Results, plan: Plan, started: float, elapsed: float, background: float) -> str:
+    env = ", ".join(f"`{k}={v}`" for k, v in PORTICO_BENCH_ENV.items())
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started))
+    clients = "picows" if picows_available() else "aiohttp (picows not installed)"
+    lines = [
+        "# Portico benchmark",
+        "",
+        f"Run {when}, {elapsed:.0f} s, `python bench/run.py {' '.join(sys.argv[1:])}`.".replace(
+            "`python bench/run.py `", "`python bench/run.py`"
+        ),
+        f"Each figure: median (min–max) of {plan.repeat} repeat(s); ratios divide medians.",
+        "",
+        *machine(),
+        f"- Other processes used {background:.0f}% of a core in the second before the run "
+        "(the machine is shared; see the last table for each stream window)."
+        + (BUSY_WARNING if background > BUSY_THRESHOLD else ""),
+        f"- Portico: `python -m portico serve --runtime scripted --script bench/script.yaml "
+        f"--store sqlite`, log level {plan.log_level or 'INFO (default)'}, with {env} so its "
+        "per-connection rate limit (50 msg/s) and 10,000-connection cap do not shape the figures.",
+        f"- Load generator: bench/loadgen.py on uvloop, {clients} client; every server and "
+        "client in its own process, on 127.0.0.1.",
+        f"- stream: {plan.clients} clients, each sends a `message` (scenario `stream50`: 50 "
+        f"`chunk` frames and a `done`) and sends the next when `done` arrives; {plan.warmup:g} s "
+        f"warm-up, {plan.seconds:g} s window. latency: open loop at each rate, `stream50`, a "
+        "message only on a connection whose last turn ended (else the send is skipped and "
+        f"counted), {plan.latency_seconds:g} s after {plan.latency_warmup:g} s warm-up; "
+        "percentiles are nearest-rank. idle: server VmRSS growth "
+        f"over its RSS after {IDLE_WARMUP} connections opened and closed.",
+        "",
+        "## Results",
+        "",
+        *results_table(results, plan),
+        "",
+        "## Targets",
+        "",
+        *targets_table(results, plan),
+        "",
+        "## Is the client the bottleneck?",
+        "",
+        "Stream workload; CPU is % of one core over the window (2 cores in all). "
+        '"Other processes" is everything else on the machine in that window: '
+        "a high figure means the run was disturbed.",
+        "",
+        *diagnostics_table(results, plan),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter windows; under a minute")
+    parser.add_argument("--repeat", type=int, help="measurements per figure (default 3)")
+    parser.add_argument("--clients", type=int, help="stream: concurrent clients (default 100)")
+    parser.add_argument("--seconds", type=float, help="stream and latency window, seconds")
+    parser.add_argument("--warmup", type=float, help="seconds before each window")
+    parser.add_argument("--rates", help="latency: messages/s, comma-separated (default 200,50)")
+    parser.add_argument("--idle", help="idle: connection counts, comma-separated; 0 skips")
+    parser.add_argument("--log-level", help="Portico's log level (default: its own, INFO)")
+    parser.add_argument("--out", type=Path, default=BENCH / "results" / "latest.md")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else Plan()
+    if args.seconds is not None:
+        plan = replace(plan, seconds=args.seconds, latency_seconds=args.seconds)
+    if args.warmup is not None:
+        plan = replace(plan, warmup=args.warmup, latency_warmup=args.warmup)
+    if args.idle is not None:
+        counts = tuple(int(n) for n in args.idle.split(",") if int(n) > 0)
+        plan = replace(plan, idle_counts=counts)
+    overrides = {"repeat": args.repeat, "clients": args.clients}
+    overrides["log_level"] = args.log_level
+    if args.rates is not None:
+        plan = replace(plan, rates=tuple(float(r) for r in args.rates.split(",") if r))
+    plan = replace(plan, **{k: v for k, v in overrides.items() if v is not None})
+    if not picows_available():
+        plan = replace(plan, kinds=tuple(k for k in plan.kinds if k != "picows"))
+    return plan, args.out
+
+
+def background_cpu(seconds: float = 1.0) -> float:
+    """% of one core the machine's other processes use, sampled before the run."""
+    before = CpuSnapshot.take(os.getpid(), [])
+    time.sleep(seconds)
+    return cpu_percentages(before, CpuSnapshot.take(os.getpid(), []))["other_cpu"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    plan, out = parse_plan(argv)
+    raise_fd_limit()  # inherited by every server and load generator started below
+    started, clock = time.time(), time.monotonic()
+    background = background_cpu()
+    with tempfile.TemporaryDirectory(prefix="portico-bench-") as workdir:
+        results = run(plan, Path(workdir))
+    text = report(results, plan, started, time.monotonic() - clock, background)
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    log(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

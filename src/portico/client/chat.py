@@ -1,0 +1,262 @@
+"""`portico chat`: a terminal chat on `SessionClient`.
+
+Each line read from stdin is sent as a message and the reply streams to stdout
+as it arrives; the next line is read once the turn has ended, so a piped script
+of lines (`printf 'hi\\n/quit\\n' | portico chat`) runs as a conversation.
+Tool calls are shown (name, consent message, categories) and answered by a
+built-in demo tool set after a y/n line; any other tool is declined as
+unknown. `/quit` or end of input ends the session. Reconnects are silent but
+for one dim status line on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final, TextIO
+
+from portico.client.session import (
+    ConnectionStatus,
+    SessionClient,
+    SessionError,
+    Turn,
+)
+from portico.protocols.session import frames as f
+
+DEFAULT_URL: Final = "ws://127.0.0.1:8080/v1/session"
+QUIT: Final = "/quit"
+UNKNOWN_TOOL: Final = "unknown tool"
+YES: Final = frozenset({"y", "yes"})
+NO_PARAMETERS: Final[Mapping[str, Any]] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    url: str = DEFAULT_URL
+    credential: str | None = None
+    agent: str | None = None
+    metadata: Mapping[str, str] = field(default_factory=dict)  # sent with every message
+
+
+# -- the demo tools -----------------------------------------------------------------------
+
+
+def get_time(**_: Any) -> str:
+    """The local date and time, ISO 8601 with the UTC offset."""
+    return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def get_timezone(**_: Any) -> dict[str, str]:
+    now = datetime.now().astimezone()
+    return {"name": now.tzname() or "", "utc_offset": now.strftime("%z")}
+
+
+def get_location(**_: Any) -> dict[str, str]:
+    """Only what the machine knows without a GPS: its time zone."""
+    return {"timezone": get_timezone()["name"], "accuracy": "time zone only"}
+
+
+DEMO_TOOLS: Final = {
+    "get_time": (get_time, "the local date and time"),
+    "get_timezone": (get_timezone, "the local time zone and UTC offset"),
+    "get_location": (get_location, "an approximate location (the local time zone)"),
+}
+
+
+# -- terminal input and output ------------------------------------------------------------
+
+
+class Lines:
+    """Lines of a text stream, read by a thread so a pipe, a file or a tty all work."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.interactive = stream.isatty()
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._eof = False
+        loop = asyncio.get_running_loop()
+
+        def pump() -> None:
+            for line in stream:
+                loop.call_soon_threadsafe(self._queue.put_nowait, line.rstrip("\r\n"))
+            loop.call_soon_threadsafe(self._queue.put_nowait, None)
+
+        # A daemon: a thread blocked in read() must not keep the process alive at exit.
+        threading.Thread(target=pump, name="portico-chat-stdin", daemon=True).start()
+
+    async def next(self) -> str | None:
+        """The next line, or None at end of input (and every time after it)."""
+        if self._eof:
+            return None
+        line = await self._queue.get()
+        self._eof = line is None
+        return line
+
+
+class Screen:
+    """Stdout for the conversation, stderr for status; knows whether a line is open."""
+
+    def __init__(self, out: TextIO, err: TextIO) -> None:
+        self._out = out
+        self._err = err
+        self._mid_line = False
+        self._dim = err.isatty()
+
+    def write(self, text: str) -> None:
+        if text:
+            self._out.write(text)
+            self._out.flush()
+            self._mid_line = not text.endswith("\n")
+
+    def line(self, text: str) -> None:
+        """`text` on a line of its own, even after a partly streamed reply."""
+        self.write(("\n" if self._mid_line else "") + text + "\n")
+
+    def end_line(self) -> None:
+        if self._mid_line:
+            self.write("\n")
+
+    def typed(self, text: str, *, echo: bool) -> None:
+        """The user answered a prompt: a terminal echoed it, a pipe did not."""
+        if echo:
+            self.write(text + "\n")
+        else:
+            self._mid_line = False
+
+    def status(self, text: str) -> None:
+        self._err.write(f"\x1b[2m{text}\x1b[0m\n" if self._dim else f"{text}\n")
+        self._err.flush()
+
+
+# -- the conversation ---------------------------------------------------------------------
+
+
+class Chat:
+    def __init__(self, options: ChatOptions, lines: Lines, screen: Screen) -> None:
+        self._options = options
+        self._lines = lines
+        self._screen = screen
+        self.interactive = lines.interactive
+        self.client = SessionClient(
+            options.url,
+            credential=options.credential,
+            agent=options.agent,
+            on_status=self._on_status,
+        )
+        for name, (func, description) in DEMO_TOOLS.items():
+            self.client.register_tool(
+                name, func, description=description, parameters=NO_PARAMETERS, consent=self._ask
+            )
+
+    async def converse(self) -> None:
+        """Line after line until `/quit` or end of input; each turn shown to its end."""
+        while (line := await self._prompt()) is not None and line.strip() != QUIT:
+            if line.strip():
+                turn = await self.client.start_turn(line, metadata=self._options.metadata or None)
+                await self._show(turn)
+
+    async def _prompt(self) -> str | None:
+        if self._lines.interactive:
+            self._screen.write("> ")
+        line = await self._lines.next()
+        self._screen.typed("", echo=False)
+        return line
+
+    async def watch(self) -> None:
+        """Messages outside any turn (late errors); returns or raises when the session stops."""
+        async for frame in self.client:
+            if isinstance(frame, f.Error):
+                self._screen.status(f"[{frame.error.code}] {frame.error.message}")
+
+    async def _show(self, turn: Turn) -> None:
+        streamed = False
+        async for frame in turn:
+            if isinstance(frame, f.Chunk):
+                self._screen.write(frame.content)
+                streamed = True
+            elif isinstance(frame, f.ToolCall) and frame.tool_call.name not in self.client.tools:
+                self._screen.line(f"[tool] {frame.tool_call.name}: {UNKNOWN_TOOL}, declined")
+                await self.client.nack_tool_call(frame.tool_call.id, UNKNOWN_TOOL)
+            elif isinstance(frame, f.Done):
+                if not streamed and frame.content:
+                    self._screen.write(frame.content)
+                if frame.cancelled:
+                    self._screen.write(" [cancelled]")
+                self._screen.end_line()
+            elif isinstance(frame, f.Error):
+                self._screen.line(f"[error {frame.error.code}] {frame.error.message}")
+
+    async def _ask(self, frame: f.ToolCall) -> bool:
+        """Consent for a demo tool: show the call, then one line answers y or n."""
+        call = frame.tool_call
+        self._screen.line(" ".join(["[tool]", call.name, *_arguments(call.arguments)]))
+        if call.consent_message:
+            self._screen.line(f"       {call.consent_message}")
+        if call.categories:
+            self._screen.line(f"       categories: {', '.join(call.categories)}")
+        self._screen.write("allow? [y/N] ")
+        answer = await self._lines.next()
+        if answer is None:
+            self._screen.line("(end of input: declined)")
+            return False
+        self._screen.typed(answer, echo=not self._lines.interactive)
+        return answer.strip().lower() in YES
+
+    def _on_status(self, status: ConnectionStatus) -> None:
+        if status.state == "open" and status.resumed:
+            self._screen.status("(reconnected)")
+
+
+def _arguments(arguments: Mapping[str, Any]) -> list[str]:
+    return [f"{key}={value!r}" for key, value in arguments.items()]
+
+
+async def run_chat(
+    options: ChatOptions,
+    *,
+    stdin: TextIO | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """The chat's exit status: 0 after `/quit` or end of input, 1 when the session failed."""
+    screen = Screen(stdout or sys.stdout, stderr or sys.stderr)
+    chat = Chat(options, Lines(stdin or sys.stdin), screen)
+    try:
+        await chat.client.connect()
+    except SessionError as exc:
+        screen.status(f"portico chat: {exc.message}")
+        return 1
+    if chat.interactive:
+        screen.status(f"session {chat.client.session_id} ({QUIT} or end of input to leave)")
+    conversation = asyncio.create_task(chat.converse())
+    watcher = asyncio.create_task(chat.watch())
+    try:
+        await asyncio.wait({conversation, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        failure = _failure(conversation) or _failure(watcher)
+        if failure is not None:
+            screen.line("")
+            screen.status(f"portico chat: {failure.message}")
+            return 1
+        await chat.client.end()
+        return 0
+    finally:
+        for task in (conversation, watcher):
+            task.cancel()
+        await asyncio.gather(conversation, watcher, return_exceptions=True)
+        await chat.client.close()
+
+
+def _failure(task: asyncio.Task[None]) -> SessionError | None:
+    """The task's SessionError; any other exception propagates."""
+    if not task.done() or task.cancelled():
+        return None
+    error = task.exception()
+    if error is None or isinstance(error, SessionError):
+        return error
+    raise error
+
+
+__all__ = ["DEFAULT_URL", "ChatOptions", "run_chat"]

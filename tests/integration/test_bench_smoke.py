@@ -1,0 +1,60 @@
+"""bench/run.py end to end with tiny counts: real servers, real load, the full report.
+
+No timing assertions: only that every workload ran against every server without errors
+and the report has its rows. Without picows (the `bench` extra) the load generator uses
+aiohttp and the picows baseline is left out, so this runs on a `.[dev]` install too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+HAS_PICOWS = importlib.util.find_spec("picows") is not None
+
+
+def run_quick(out: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, str(BENCH / "run.py"), "--quick", "--out", str(out)]
+    command += ["--clients", "2", "--seconds", "0.5", "--idle", "20", "--repeat", "1"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=100, check=False)
+
+
+def table_rows(report: str, heading: str) -> list[list[str]]:
+    """The cells of each data row of the table under `## heading`."""
+    section = report.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[1:]]
+
+
+def test_quick_run_reports_every_workload_for_every_server(tmp_path: Path) -> None:
+    out = tmp_path / "latest.md"
+    finished = run_quick(out)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    report = out.read_text()
+    assert report.strip() == finished.stdout.strip()  # printed and written alike
+
+    results = {(row[0], row[1]): row[2:] for row in table_rows(report, "Results")}
+    expected = [
+        ("stream, 2 clients, 1 client process", "frames/s"),
+        ("stream, 2 clients, 1 client process", "turns/s"),
+        ("latency, 200 msg/s over 32 connections", "msg/s achieved"),
+        ("latency, 200 msg/s over 32 connections", "send → first chunk p99, ms"),
+        ("latency, 200 msg/s over 32 connections", "send → done p999, ms"),
+        ("idle, 20 connections", "server RSS per connection, KiB"),
+    ]
+    assert set(expected) <= set(results)
+    for portico, aiohttp, picows, *ratios in results.values():
+        assert "—" not in (portico, aiohttp, ratios[0])
+        assert (picows != "—") is HAS_PICOWS
+
+    diagnostics = {row[0]: row for row in table_rows(report, "Is the client the bottleneck?")}
+    servers = {"portico", "aiohttp", "picows"} if HAS_PICOWS else {"portico", "aiohttp"}
+    assert set(diagnostics) == servers
+    assert all(row[-1] == "0" for row in diagnostics.values()), diagnostics  # no errors
+
+    targets = [row[0] for row in table_rows(report, "Targets")]
+    assert any("0.80 × bare aiohttp" in target for target in targets)
+    assert "PORTICO_RATE_LIMIT_MESSAGES" in report  # the lifted limits are disclosed

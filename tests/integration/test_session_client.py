@@ -1,0 +1,496 @@
+"""`SessionClient` against real `portico serve` processes over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from portico.client import (
+    AuthenticationError,
+    ConnectError,
+    ConnectionStatus,
+    ReconnectPolicy,
+    ResumeFailedError,
+    ServerMessage,
+    SessionClient,
+    SessionClosedError,
+    SessionReplacedError,
+)
+from portico.protocols.session import frames as f
+from support.archive import wait_for_messages
+from support.server import SCRIPT, ServerProcess
+
+SCRIPTED = ("--runtime", "scripted", "--script", str(SCRIPT))
+# The server closes a connection silent for this long (4000), so an idle client
+# that stays connected proves its pings get there.
+SERVER_IDLE_TIMEOUT = 1.0
+SHORT_ENV = {
+    "PORTICO_SESSION_IDLE_TIMEOUT": str(SERVER_IDLE_TIMEOUT),
+    "PORTICO_HEARTBEAT_INTERVAL": "0.25",
+    "PORTICO_RESUME_WINDOW": "10",
+}
+HEARTBEAT = 0.2  # the client's ping interval in these tests; dead after 2.5 of them
+FAST_RETRY = ReconnectPolicy(initial=0.05, maximum=0.4, give_up_after=15.0)
+WITHIN = 10.0  # seconds any single step of a test may take
+TOOL_REPLY = "status={status} result={result} error={error}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = ServerProcess(
+        tmp_path_factory.mktemp("session-client"), args=SCRIPTED, env=SHORT_ENV
+    ).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server of the test's own, for tests that restart or pause it."""
+    process = ServerProcess(tmp_path / "server", args=SCRIPTED, env=SHORT_ENV).start()
+    yield process
+    if process.process is not None:
+        os.kill(process.process.pid, signal.SIGCONT)  # in case the test paused it
+    process.stop()
+
+
+def session_url(server: ServerProcess) -> str:
+    return f"ws://127.0.0.1:{server.port}/v1/session"
+
+
+def make_client(server: ServerProcess, **overrides: Any) -> SessionClient:
+    settings: dict[str, Any] = {
+        "heartbeat_interval": HEARTBEAT,
+        "reconnect": FAST_RETRY,
+        "connect_timeout": 2.0,
+        "close_timeout": 2.0,
+    }
+    settings.update(overrides)
+    return SessionClient(session_url(server), **settings)
+
+
+class Statuses:
+    """Collects `on_status` calls and lets a test wait for one."""
+
+    def __init__(self) -> None:
+        self.seen: list[ConnectionStatus] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, status: ConnectionStatus) -> None:
+        self.seen.append(status)
+        self._changed.set()
+
+    def count(self, state: str, *, resumed: bool | None = None) -> int:
+        return sum(
+            1
+            for status in self.seen
+            if status.state == state and (resumed is None or status.resumed is resumed)
+        )
+
+    async def wait_for(self, state: str, count: int, *, resumed: bool | None = None) -> None:
+        async with asyncio.timeout(WITHIN):
+            while self.count(state, resumed=resumed) < count:
+                await self._changed.wait()
+                self._changed.clear()
+
+
+def tool_reply(status: str, result: str = "", error: str = "") -> str:
+    return TOOL_REPLY.format(status=status, result=result, error=error)
+
+
+async def drain(client: SessionClient) -> list[ServerMessage]:
+    """Everything the client's stream yields until it stops (or raises)."""
+    async with asyncio.timeout(WITHIN):
+        return [frame async for frame in client]
+
+
+def kinds(frames: list[ServerMessage] | tuple[ServerMessage, ...]) -> list[str]:
+    return [type(frame).__name__ for frame in frames]
+
+
+# -- handshake and turns -------------------------------------------------------------------
+
+
+async def test_connect_gets_ready_with_a_session_id_and_capabilities(
+    server: ServerProcess,
+) -> None:
+    async with make_client(server) as client:
+        assert client.session_id is not None
+        assert client.session_id.startswith("sess-")
+        assert set(client.capabilities) == {"resume", "tools", "context"}
+        assert client.ready is not None
+        assert client.ready.resumed is False
+        assert client.connections == 1
+    assert client.closed
+
+
+async def test_ask_collects_the_streamed_reply(server: ServerProcess) -> None:
+    async with make_client(server) as client, asyncio.timeout(WITHIN):
+        reply = await client.ask("hi")
+        assert reply.text == "Hello world"
+        assert kinds(reply.frames) == ["Chunk", "Chunk", "Done"]
+        assert [frame.seq for frame in reply.frames] == [1, 2, 3]
+        assert {getattr(frame, "turn_id", None) for frame in reply.frames} == {reply.turn_id}
+        assert reply.error is None
+        assert not reply.cancelled
+
+
+async def test_messages_outside_a_turn_object_arrive_by_iteration_in_order(
+    server: ServerProcess,
+) -> None:
+    async with make_client(server) as client, asyncio.timeout(WITHIN):
+        first = await client.send_message("one")
+        assert first == 1
+        texts: list[str] = []
+        seqs: list[int] = []
+        async for frame in client:
+            seqs.append(frame.seq or 0)
+            if isinstance(frame, f.Chunk):
+                texts.append(frame.content)
+            if isinstance(frame, f.Done):
+                break
+        assert "".join(texts) == "Hello world"
+        assert seqs == [1, 2, 3]
+
+
+async def test_a_message_during_a_turn_is_refused_and_routed_to_its_own_turn(
+    server: ServerProcess,
+) -> None:
+    async with make_client(server) as client, asyncio.timeout(WITHIN):
+        slow = await client.start_turn("slow", metadata={"mock_scenario": "slow"})
+        refused = await client.ask("too early")
+        assert refused.turn_id is None
+        assert refused.error is not None
+        assert refused.error.code == "TURN_IN_PROGRESS"
+        error_frame = refused.frames[-1]
+        # The refused message is the one after the slow turn's.
+        assert isinstance(error_frame, f.Error)
+        assert error_frame.ref_seq == slow.message_seq + 1
+        finished = await slow.reply()
+        assert finished.text == "a"
+        assert kinds(finished.frames) == ["Chunk", "Done"]
+
+
+async def test_interrupt_cancels_the_running_turn(server: ServerProcess) -> None:
+    async with make_client(server) as client, asyncio.timeout(WITHIN):
+        turn = await client.start_turn("slow", metadata={"mock_scenario": "slow"})
+        first = await anext(turn)
+        assert isinstance(first, f.Chunk)
+        await client.interrupt()
+        reply = await turn.reply()
+        assert reply.cancelled
+        assert reply.done is not None
+        assert reply.done.content == "a"
+
+
+async def test_a_failing_turn_ends_with_its_error(server: ServerProcess) -> None:
+    async with make_client(server) as client, asyncio.timeout(WITHIN):
+        reply = await client.ask("x", metadata={"mock_scenario": "fail"})
+        assert reply.text == "partial"
+        assert reply.error is not None
+        assert reply.error.code == "PROVIDER_UNAVAILABLE"
+
+
+async def test_send_context_is_accepted(server: ServerProcess) -> None:
+    async with make_client(server, context={"doc": "a"}) as client, asyncio.timeout(WITHIN):
+        await client.send_context({"doc": "b"})
+        assert (await client.ask("hi")).text == "Hello world"
+    assert client.closed
+
+
+# -- the tool helper ------------------------------------------------------------------------
+
+
+async def test_a_registered_tool_answers_the_call_and_the_turn_shows_it(
+    server: ServerProcess,
+) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def get_location(**arguments: Any) -> dict[str, str]:
+        calls.append(arguments)
+        return {"city": "Paris"}
+
+    client = make_client(server)
+    client.register_tool("get_location", get_location, description="where the user is")
+    async with client, asyncio.timeout(WITHIN):
+        reply = await client.ask("where?", metadata={"mock_scenario": "tool"})
+    assert reply.text == tool_reply("completed", '{"city":"Paris"}')
+    assert calls == [{"query": "current"}]
+    (call,) = reply.tool_calls
+    assert call.name == "get_location"
+    assert call.consent_message == "Allow location access?"
+    assert call.categories == ("location",)
+
+
+async def test_a_refused_consent_declines_the_call(server: ServerProcess) -> None:
+    asked: list[str] = []
+
+    async def consent(frame: f.ToolCall) -> bool:
+        asked.append(frame.tool_call.consent_message or "")
+        return False
+
+    client = make_client(server)
+    client.register_tool("get_location", lambda **_: "never run", consent=consent)
+    async with client, asyncio.timeout(WITHIN):
+        reply = await client.ask("where?", metadata={"mock_scenario": "tool"})
+    assert reply.text == tool_reply("denied", error="declined by the user")
+    assert asked == ["Allow location access?"]
+
+
+async def test_a_tool_that_raises_answers_with_its_error(server: ServerProcess) -> None:
+    async def get_location(**_: Any) -> str:
+        raise LookupError("no fix yet")
+
+    client = make_client(server)
+    client.register_tool("get_location", get_location, consent=lambda frame: True)
+    async with client, asyncio.timeout(WITHIN):
+        reply = await client.ask("where?", metadata={"mock_scenario": "tool"})
+    assert reply.text == tool_reply("error", error="no fix yet")
+
+
+async def test_an_unregistered_tool_is_left_to_the_application(server: ServerProcess) -> None:
+    async with make_client(server) as client, asyncio.timeout(WITHIN):
+        turn = await client.start_turn("where?", metadata={"mock_scenario": "tool"})
+        call = await anext(turn)
+        assert isinstance(call, f.ToolCall)
+        await client.nack_tool_call(call.tool_call.id, "not here")
+        reply = await turn.reply()
+    assert reply.text == tool_reply("denied", error="not here")
+
+
+# -- reconnects ------------------------------------------------------------------------------
+
+
+async def test_drops_mid_conversation_lose_and_duplicate_nothing(server: ServerProcess) -> None:
+    statuses = Statuses()
+    rounds = 6
+    replies: list[list[ServerMessage]] = []
+    async with make_client(server, on_status=statuses) as client, asyncio.timeout(4 * WITHIN):
+        for index in range(rounds):
+            turn = await client.start_turn(f"round {index}", metadata={"mock_scenario": "stream50"})
+            if index % 2 == 0:
+                client.abort_connection()  # before the message was even written
+            frames: list[ServerMessage] = []
+            async for frame in turn:
+                frames.append(frame)
+                if index % 2 == 1 and len(frames) == 2:
+                    client.abort_connection()  # in the middle of the reply
+            replies.append(frames)
+        await statuses.wait_for("open", rounds + 1)
+        session_id = client.session_id
+        assert client.connections == rounds + 1
+    assert statuses.count("open", resumed=True) == rounds
+    assert all(status.close_code is None for status in statuses.seen if status.state == "dropped")
+    seqs = [frame.seq for frames in replies for frame in frames]
+    assert seqs == list(range(1, len(seqs) + 1))
+    for frames in replies:
+        assert kinds(frames) == ["Chunk"] * 5 + ["Done"]
+        assert "".join(frame.content for frame in frames if isinstance(frame, f.Chunk)) == "c " * 5
+    # Server side: each message took effect once (one user and one agent message a round).
+    assert session_id is not None
+    archived = await wait_for_messages(server.archive_path, session_id, 2 * rounds)
+    assert [m.content for m in archived if m.role == "user"] == [
+        f"round {i}" for i in range(rounds)
+    ]
+    assert len(archived) == 2 * rounds
+
+
+async def test_a_tool_call_survives_a_drop_between_call_and_answer(server: ServerProcess) -> None:
+    release = asyncio.Event()
+
+    async def get_location(**_: Any) -> str:
+        await release.wait()
+        return "here"
+
+    statuses = Statuses()
+    client = make_client(server, on_status=statuses)
+    client.register_tool("get_location", get_location)
+    async with client, asyncio.timeout(WITHIN):
+        turn = await client.start_turn("where?", metadata={"mock_scenario": "tool"})
+        assert isinstance(await anext(turn), f.ToolCall)
+        client.abort_connection()
+        release.set()  # the result is numbered while the connection is down
+        reply = await turn.reply()
+        assert client.connections == 2
+    assert reply.text == tool_reply("completed", '"here"')
+
+
+async def test_idle_connection_stays_up_because_the_client_pings(server: ServerProcess) -> None:
+    statuses = Statuses()
+    async with make_client(server, on_status=statuses) as client:
+        # Twice the server's idle timeout with nothing to say: only pings and pongs flow.
+        await asyncio.sleep(2 * SERVER_IDLE_TIMEOUT)
+        assert client.connections == 1
+        assert statuses.count("dropped") == 0
+        async with asyncio.timeout(WITHIN):
+            assert (await client.ask("hi")).text == "Hello world"
+
+
+async def test_a_client_that_pings_too_rarely_is_closed_idle_and_resumes(
+    server: ServerProcess,
+) -> None:
+    statuses = Statuses()
+    # Pings every 5 s against a 1 s server idle timeout: the server closes with 4000.
+    async with make_client(server, on_status=statuses, heartbeat_interval=5.0) as client:
+        await statuses.wait_for("open", 2)
+        assert any(s.close_code == 4000 for s in statuses.seen if s.state == "dropped")
+        async with asyncio.timeout(WITHIN):
+            assert (await client.ask("hi")).text == "Hello world"
+
+
+async def test_a_silent_server_is_detected_dead_and_the_client_resumes(
+    own_server: ServerProcess,
+) -> None:
+    assert own_server.process is not None
+    pid = own_server.process.pid
+    statuses = Statuses()
+    async with make_client(own_server, on_status=statuses, connect_timeout=1.0) as client:
+        async with asyncio.timeout(WITHIN):
+            assert (await client.ask("hi")).text == "Hello world"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # No pong for 2.5 intervals: the client drops the connection by itself, then
+            # retries against a server that accepts TCP but never answers the upgrade.
+            await statuses.wait_for("dropped", 1)
+            await asyncio.sleep(1.5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await statuses.wait_for("open", 1, resumed=True)
+        assert statuses.seen[1].state == "dropped"
+        assert statuses.seen[1].close_code is None
+        async with asyncio.timeout(WITHIN):
+            reply = await client.ask("again")
+        assert reply.text == "Hello world"
+        assert [frame.seq for frame in reply.frames] == [4, 5, 6]
+
+
+# -- terminal conditions ----------------------------------------------------------------------
+
+
+async def test_resume_after_a_server_restart_fails_and_is_raised(
+    own_server: ServerProcess,
+) -> None:
+    statuses = Statuses()
+    client = make_client(own_server, on_status=statuses)
+    async with client:
+        async with asyncio.timeout(WITHIN):
+            assert (await client.ask("hi")).text == "Hello world"
+        own_server.restart()  # same port, a process that never heard of the session
+        with pytest.raises(ResumeFailedError) as raised:
+            await drain(client)
+        assert raised.value.code == "RESUME_FAILED"
+        assert raised.value.close_code == 4404
+        with pytest.raises(ResumeFailedError):
+            await client.send_message("into a new session?")
+        assert client.closed
+    assert statuses.seen[-1].state == "closed"
+    assert isinstance(statuses.seen[-1].error, ResumeFailedError)
+
+
+async def test_resume_after_the_window_passed_fails(tmp_path: Path) -> None:
+    window = 0.3
+    env = {**SHORT_ENV, "PORTICO_RESUME_WINDOW": str(window)}
+    process = ServerProcess(tmp_path / "server", args=SCRIPTED, env=env).start()
+    try:
+        late = ReconnectPolicy(initial=4 * window, jitter=0.0, give_up_after=WITHIN)
+        async with make_client(process, reconnect=late) as client:
+            client.abort_connection()
+            with pytest.raises(ResumeFailedError):
+                async with asyncio.timeout(WITHIN):
+                    await client.ask("anyone?")
+    finally:
+        process.stop()
+
+
+async def test_a_newer_connection_replaces_the_client(server: ServerProcess) -> None:
+    async with make_client(server) as client, aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(session_url(server))
+        await ws.send_json({"type": "hello", "session_id": client.session_id, "last_seq": 0})
+        ready = await ws.receive_json(timeout=WITHIN)
+        assert ready["type"] == "ready"
+        assert ready["resumed"] is True
+        with pytest.raises(SessionReplacedError):
+            await drain(client)
+        await ws.close()
+
+
+async def test_after_end_iteration_stops_and_sending_is_refused(server: ServerProcess) -> None:
+    async with make_client(server) as client, asyncio.timeout(WITHIN):
+        await client.ask("hi")
+        assert await client.end() is True
+        assert [frame async for frame in client] == []
+        with pytest.raises(SessionClosedError):
+            await client.send_message("after the end")
+
+
+async def test_an_ended_session_cannot_be_resumed(server: ServerProcess) -> None:
+    async with make_client(server) as client, asyncio.timeout(WITHIN):
+        session_id = client.session_id
+        await client.end()
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(session_url(server))
+        await ws.send_json({"type": "hello", "session_id": session_id, "last_seq": 0})
+        answer = await ws.receive_json(timeout=WITHIN)
+        assert answer["error"]["code"] == "RESUME_FAILED"
+        await ws.receive(timeout=WITHIN)
+        assert ws.close_code == 4404
+
+
+async def test_an_unreachable_server_fails_the_first_connect(server: ServerProcess) -> None:
+    client = SessionClient("ws://127.0.0.1:9/v1/session", connect_timeout=2.0)
+    with pytest.raises(ConnectError):
+        async with client:
+            pass
+
+
+# -- authentication ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    env = {**SHORT_ENV, "PORTICO_AUTH": "apikey", "PORTICO_API_KEYS": "good-token=alice"}
+    process = ServerProcess(tmp_path_factory.mktemp("session-auth"), args=SCRIPTED, env=env).start()
+    yield process
+    process.stop()
+
+
+async def test_a_wrong_credential_raises_authentication_error(auth_server: ServerProcess) -> None:
+    with pytest.raises(AuthenticationError) as raised:
+        async with make_client(auth_server, credential="bad-token"):
+            pass
+    assert raised.value.close_code == 4401
+
+
+async def test_a_credential_provider_gets_a_second_chance(auth_server: ServerProcess) -> None:
+    tokens = iter(["expired-token", "good-token"])
+    provided: list[str] = []
+
+    async def provider() -> str:
+        provided.append(next(tokens))
+        return provided[-1]
+
+    async with make_client(auth_server, credential_provider=provider) as client:
+        async with asyncio.timeout(WITHIN):
+            assert (await client.ask("hi")).text == "Hello world"
+    assert provided == ["expired-token", "good-token"]
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def test_a_shared_http_session_is_left_open(
+    server: ServerProcess, http: aiohttp.ClientSession
+) -> None:
+    async with make_client(server, http=http) as client, asyncio.timeout(WITHIN):
+        assert (await client.ask("hi")).text == "Hello world"
+    assert not http.closed
