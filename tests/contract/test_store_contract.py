@@ -474,3 +474,27 @@ async def test_list_tool_calls_per_session_oldest_first(store: Store) -> None:
     )
     calls = await store.list_tool_calls("s1")
     assert [(c.id, c.outcome) for c in calls] == [("c1", "denied"), ("c2", None)]
+
+
+# -- begin_turn ---------------------------------------------------------------------
+
+
+async def test_begin_turn_creates_the_turn_appends_and_touches(store: Store) -> None:
+    await store.create_session(make_session())
+    await append_many(store, "s1", 2)
+    turn = make_turn("t9")
+    message = msgspec.structs.replace(make_message("s1", n=9), created_at=500.0, updated_at=500.0)
+    stored = await store.begin_turn(turn, message)
+    assert stored.global_offset == 3
+    assert await store.get_turn("t9") == turn
+    session = await store.get_session("s1")
+    assert session is not None
+    assert session.last_activity_at == 500.0
+    assert (await store.list_messages("s1"))[-1] == stored
+
+
+async def test_begin_turn_for_a_missing_session_writes_nothing(store: Store) -> None:
+    with pytest.raises(StoreError):
+        await store.begin_turn(make_turn("t1", session_id="missing"), make_message("missing"))
+    assert await store.get_turn("t1") is None
+    assert await store.list_messages("missing") == []

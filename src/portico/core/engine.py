@@ -233,9 +233,8 @@ class Engine:
         turn = Turn(
             id=new_id("turn"), session_id=session.id, state=TurnState.PENDING, created_at=now
         )
-        history = await self.store.list_messages(session.id)
-        await self.store.create_turn(turn)
-        stored = await self.store.append_message(
+        stored = await self.store.begin_turn(
+            turn,
             Message(
                 id=new_id("msg"),
                 session_id=session.id,
@@ -249,16 +248,16 @@ class Engine:
                 created_at=now,
                 updated_at=now,
                 turn_offset=1,
-            )
+            ),
         )
-        await self.store.touch_session(session.id, now)
+        history = await self._history_before(stored)
         turn_input = TurnInput(
             session_id=session.id,
             turn_id=turn.id,
             agent=session.agent,
             owner=session.owner,
             message=stored,
-            history=tuple(history[-HISTORY_LIMIT:]),
+            history=history,
             directives=message.directives,
             declare=session.declare,
             media=self._media,
@@ -266,6 +265,17 @@ class Engine:
             context=message.context,
         )
         return turn, turn_input
+
+    async def _history_before(self, message: Message) -> tuple[Message, ...]:
+        """At most HISTORY_LIMIT messages before `message`, read in one query."""
+        earlier = message.global_offset - 1
+        if not earlier:
+            return ()
+        start = max(0, earlier - HISTORY_LIMIT)
+        found = await self.store.list_messages(
+            message.session_id, after_offset=start, limit=earlier - start
+        )
+        return tuple(found)
 
     def _start_runner(self, session: Session, turn: Turn, turn_input: TurnInput) -> None:
         runner = TurnRunner(

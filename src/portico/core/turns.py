@@ -37,6 +37,7 @@ from portico.runtime.base import (
 from portico.store.base import Store
 
 log = logging.getLogger("portico.turn")
+YIELD_EVERY = 16  # runtime events between forced yields to the event loop
 
 
 class TurnRunner:
@@ -128,6 +129,7 @@ class TurnRunner:
 
     async def _drive(self, stream: TurnStream) -> Done | Failure:
         reply: ToolOutcome | None = None
+        handled = 0
         while True:
             try:
                 event: RuntimeEvent = await stream.asend(reply)
@@ -137,9 +139,11 @@ class TurnRunner:
             if isinstance(event, Done | Failure):
                 return event
             reply = await self._handle(event)
-            # Yield to the loop between events: a runtime that never awaits would
-            # otherwise starve every other session's turns and sockets.
-            await asyncio.sleep(0)
+            handled += 1
+            if handled % YIELD_EVERY == 0:
+                # A runtime that never awaits would starve every other session; yielding
+                # every few events (not every one) also lets writers send frames in batches.
+                await asyncio.sleep(0)
 
     async def _handle(self, event: Chunk | MediaChunk | ToolCall) -> ToolOutcome | None:
         session_id, turn_id = self.turn.session_id, self.turn.id

@@ -37,6 +37,13 @@ class Store(Protocol):
 
     async def create_turn(self, turn: Turn) -> None: ...
 
+    async def begin_turn(self, turn: Turn, message: Message) -> Message:
+        """Atomically create `turn`, append its user `message` and touch the session.
+
+        Returns the stored message with its `global_offset`; the session must exist
+        (otherwise `StoreError`, and nothing is written).
+        """
+
     async def save_turn(self, turn: Turn) -> None:
         """Replace the stored turn with this one (same id)."""
 

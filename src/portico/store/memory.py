@@ -57,6 +57,12 @@ class MemoryStore:
     async def create_turn(self, turn: Turn) -> None:
         self._turns[turn.id] = turn
 
+    async def begin_turn(self, turn: Turn, message: Message) -> Message:
+        stored = await self.append_message(message)  # raises before any change
+        self._turns[turn.id] = turn
+        await self.touch_session(message.session_id, message.created_at)
+        return stored
+
     async def save_turn(self, turn: Turn) -> None:
         self._turns[turn.id] = turn
 

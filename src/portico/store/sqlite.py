@@ -144,6 +144,30 @@ def _turn_from_row(row: sqlite3.Row) -> Turn:
     return Turn(**data)
 
 
+def _insert_message(conn: sqlite3.Connection, *, message: Message) -> Message:
+    """Append `message` with the session's next global_offset (1, 2, ... without gaps)."""
+    (last,) = conn.execute(
+        "SELECT COALESCE(MAX(global_offset), 0) FROM messages WHERE session_id = ?",
+        (message.session_id,),
+    ).fetchone()
+    stored = msgspec.structs.replace(message, global_offset=last + 1)
+    row = {f: getattr(stored, f) for f in MESSAGE_COLUMNS}
+    row["parts"] = _json_encode(stored.parts)
+    row["metadata"] = _json_encode(stored.metadata)
+    columns = ", ".join(row)
+    conn.execute(
+        f"INSERT INTO messages ({columns}) VALUES ({', '.join('?' * len(row))})",
+        tuple(row.values()),
+    )
+    return stored
+
+
+def _turn_row(turn: Turn) -> dict[str, Any]:
+    row = msgspec.structs.asdict(turn)
+    row["state"] = turn.state.value
+    return row
+
+
 def _tool_call_row(call: ToolCallRecord) -> dict[str, Any]:
     row = msgspec.structs.asdict(call)
     row["state"] = call.state.value
@@ -305,23 +329,20 @@ class SqliteStore:
     # -- messages ---------------------------------------------------------------
 
     async def append_message(self, message: Message) -> Message:
-        def insert(conn: sqlite3.Connection) -> Message:
-            (last,) = conn.execute(
-                "SELECT COALESCE(MAX(global_offset), 0) FROM messages WHERE session_id = ?",
-                (message.session_id,),
-            ).fetchone()
-            stored = msgspec.structs.replace(message, global_offset=last + 1)
-            row = {f: getattr(stored, f) for f in MESSAGE_COLUMNS}
-            row["parts"] = _json_encode(stored.parts)
-            row["metadata"] = _json_encode(stored.metadata)
-            columns = ", ".join(row)
+        return await self._write(functools.partial(_insert_message, message=message))
+
+    async def begin_turn(self, turn: Turn, message: Message) -> Message:
+        def begin(conn: sqlite3.Connection) -> Message:
+            stored = _insert_message(conn, message=message)
+            _upsert("turns", _turn_row(turn))(conn)
             conn.execute(
-                f"INSERT INTO messages ({columns}) VALUES ({', '.join('?' * len(row))})",
-                tuple(row.values()),
+                "UPDATE sessions SET last_activity_at = ?, updated_at = ? WHERE id = ?",
+                (message.created_at, message.created_at, message.session_id),
             )
             return stored
 
-        return await self._write(insert)
+        # One write, one thread hop, and all or nothing (each write is a savepoint).
+        return await self._write(begin)
 
     async def list_messages(
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None
@@ -342,9 +363,7 @@ class SqliteStore:
         await self.save_turn(turn)
 
     async def save_turn(self, turn: Turn) -> None:
-        row = msgspec.structs.asdict(turn)
-        row["state"] = turn.state.value
-        await self._write(_upsert("turns", row))
+        await self._write(_upsert("turns", _turn_row(turn)))
 
     async def get_turn(self, turn_id: str) -> Turn | None:
         def select(conn: sqlite3.Connection) -> Turn | None:
