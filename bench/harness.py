@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from common import HOST, READY_LINE
+from common import HOST, READY_LINE, SESSION_PATH
 
 BENCH = Path(__file__).resolve().parent
 SCRIPT = BENCH / "script.yaml"
@@ -30,6 +30,13 @@ PORTICO_BENCH_ENV = {
     "PORTICO_MAX_CONNECTIONS": "100000",
 }
 SERVER_KINDS = ("portico", "aiohttp", "picows")
+# The session_resume server (bench/run.py) also holds whole `longN` replies for clients
+# that are away: a resend buffer and a resume window large enough for the biggest backlog.
+PORTICO_RESUME_ENV = {
+    "PORTICO_RESEND_BUFFER_MESSAGES": "20000",
+    "PORTICO_RESEND_BUFFER_BYTES": str(64 * 1024 * 1024),
+    "PORTICO_RESUME_WINDOW": "600",
+}
 
 
 def picows_available() -> bool:
@@ -122,12 +129,18 @@ class Server:
     """A server under test in its own process: Portico or a bare baseline."""
 
     def __init__(
-        self, kind: str, workdir: Path, log_level: str | None = None, store: str = "sqlite"
+        self,
+        kind: str,
+        workdir: Path,
+        log_level: str | None = None,
+        store: str = "sqlite",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.kind = kind
         self.workdir = workdir / f"{kind}-{time.monotonic_ns()}"
         self.log_level = log_level
         self.store = store
+        self.extra_env = env or {}  # Portico settings on top of PORTICO_BENCH_ENV
         self.process: subprocess.Popen[str] | None = None
         self.port = 0
 
@@ -139,6 +152,11 @@ class Server:
     @property
     def url(self) -> str:
         return f"ws://{HOST}:{self.port}/ws"
+
+    @property
+    def session_url(self) -> str:
+        """Portico's resumable-session endpoint (the bare servers have none)."""
+        return f"ws://{HOST}:{self.port}{SESSION_PATH}"
 
     def command(self) -> list[str]:
         if self.kind != "portico":
@@ -154,6 +172,7 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PORTICO_")}
         if self.kind == "portico":
             env.update(PORTICO_BENCH_ENV)
+            env.update(self.extra_env)
         return env
 
     def start(self) -> Server:

@@ -1,8 +1,11 @@
-"""The benchmark's load generator: one process, many `/ws` connections, one workload.
+"""The benchmark's load generator: one process, many WebSocket connections, one workload.
 
     python bench/loadgen.py stream  --url ws://127.0.0.1:PORT/ws [--clients 100] [--seconds 5]
     python bench/loadgen.py latency --url ... [--rate 200] [--pool 32] [--seconds 6]
     python bench/loadgen.py idle    --url ... --count 1000 [--hold 120]
+    python bench/loadgen.py session_stream --url ws://127.0.0.1:PORT/v1/session [--clients 100]
+    python bench/loadgen.py session_resume --url ws://.../v1/session --scenario long1000
+                                           --backlog 1000 [--samples 20] [--warm 1]
 
 Prints one JSON object per line on stdout; the last has `"event": "result"`. `idle` first
 prints `"event": "ready"` once every connection has its `connected`, then holds them until
@@ -20,6 +23,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import stat
 import sys
 import time
@@ -30,7 +34,18 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import uvloop
-from common import TERMINAL_KINDS, frame_kind, message_frame, raise_fd_limit
+from common import (
+    TERMINAL_KINDS,
+    ack_frame,
+    end_frame,
+    frame_kind,
+    hello_frame,
+    message_frame,
+    raise_fd_limit,
+    ready_session_id,
+    session_frame,
+    session_message_frame,
+)
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 DRAIN_TIMEOUT = 5.0  # seconds for in-flight turns to end once a workload stops sending
@@ -55,6 +70,8 @@ class Options:
     count: int
     hold: float
     warm: int
+    samples: int
+    backlog: int
     connect_concurrency: int
     client: str
 
@@ -96,6 +113,9 @@ class Connection(Protocol):
 
     def abort(self) -> None:
         """Drop the TCP connection now."""
+
+    def drop(self) -> None:
+        """Close TCP once what was sent is flushed, without a closing handshake."""
 
 
 class Dialer(Protocol):
@@ -159,6 +179,9 @@ class PicowsConnection:
     def abort(self) -> None:
         self._transport.disconnect(graceful=False)
 
+    def drop(self) -> None:
+        self._transport.disconnect(graceful=True)
+
 
 class AiohttpDialer:
     """The fallback where picows is absent (CI): slower per frame, fine for smoke runs."""
@@ -205,6 +228,9 @@ class AiohttpConnection:
     def abort(self) -> None:
         return None  # AiohttpDialer.aclose() closes the session, which drops every socket
 
+    def drop(self) -> None:
+        self.close()  # aiohttp has no FIN without a close frame; to the server, alike
+
 
 def resolve_client(kind: str) -> str:
     """`auto` is picows where it is installed, aiohttp otherwise."""
@@ -238,6 +264,10 @@ class Peer:
         if not self.connected.done():
             self.connected.set_exception(ConnectionError("closed before `connected`"))
 
+    def opened(self) -> None:
+        """The WebSocket is open: a protocol that speaks first (`hello`) does so here."""
+        return None
+
 
 async def open_all(dialer: Dialer, url: str, peers: Sequence[Peer], concurrency: int) -> int:
     """Connect every peer (at most `concurrency` handshakes at once); returns the failures."""
@@ -246,6 +276,7 @@ async def open_all(dialer: Dialer, url: str, peers: Sequence[Peer], concurrency:
     async def one(peer: Peer) -> None:
         async with gate:
             peer.conn = await dialer.connect(url, peer)
+            peer.opened()
             await peer.connected
 
     async with asyncio.timeout(CONNECT_TIMEOUT):
@@ -517,6 +548,353 @@ async def idle(options: Options) -> dict[str, Any]:
     return {"count": options.count, "connect_errors": connect_errors, "dropped": dropped}
 
 
+# -- session_stream: the stream workload on /v1/session ------------------------------------
+#
+# The client side of spec/sessions-protocol.md that a benchmark needs, and no more: `hello`
+# once per connection, numbered `message`s, and acknowledgements as the spec asks of every
+# client (after 16 unacknowledged server messages, or within 100 ms of the first of them),
+# plus one at each `done`, so the server's resend buffer stays small.
+
+ACK_EVERY = 16  # acknowledge after this many unacknowledged server messages...
+ACK_WITHIN = 0.1  # ...or within this many seconds of the first of them
+ACK_SWEEP = 0.02  # how often the 100 ms half of that rule is checked
+
+
+class SessionTally(StreamTally):
+    def __init__(self, scenario: str, max_turns: int) -> None:
+        super().__init__(b"", max_turns)
+        self.scenario = scenario
+        self.acks = 0
+        self.conn_errors = 0  # connection-level `error`s (each precedes a close)
+
+
+class SessionStreamPeer(Peer):
+    def __init__(self, tally: SessionTally) -> None:
+        super().__init__()
+        self.tally = tally
+        self.seq = 0  # our last numbered message
+        self.last = 0  # the last server seq handled
+        self.unacked = 0
+        self.unacked_since = 0.0
+
+    def opened(self) -> None:
+        assert self.conn is not None
+        self.conn.send(hello_frame())
+
+    def ack(self) -> None:
+        if self.conn is not None and not self.closed:
+            self.conn.send(ack_frame(self.last))
+            self.tally.acks += 1
+        self.unacked = 0
+
+    def on_frame(self, payload: bytes | str) -> None:
+        kind, seq = session_frame(payload)
+        tally = self.tally
+        if seq:  # numbered: chunk, done, a turn's error
+            if seq <= self.last:
+                return  # a duplicate (never on one connection; kept for the rule's sake)
+            self.last = seq
+            tally.frames += 1
+            if kind in TERMINAL_KINDS:
+                tally.turns += 1
+                tally.errors += kind == "error"
+                tally.busy -= 1
+                self.ack()
+                self.next_turn()
+                return
+            if not self.unacked:
+                self.unacked_since = time.perf_counter()
+            self.unacked += 1
+            if self.unacked >= ACK_EVERY:
+                self.ack()
+        elif kind == "ready":
+            if not self.connected.done():
+                self.connected.set_result(None)
+        elif kind == "error":  # connection-level: the server closes next
+            tally.conn_errors += 1
+        # `ack` (the server's for our messages) and `pong` need nothing.
+
+    def next_turn(self) -> None:
+        tally = self.tally
+        if tally.sending and tally.sent < tally.max_turns and self.conn is not None:
+            tally.sent += 1
+            tally.busy += 1
+            self.seq += 1
+            self.conn.send(session_message_frame(self.seq, "bench", tally.scenario))
+
+    def end(self) -> None:
+        """Close the session on purpose (`end`): the server frees it and closes with 1000."""
+        if self.conn is not None and not self.closed:
+            self.seq += 1
+            self.conn.send(end_frame(self.seq))
+
+
+async def ack_timer(peers: Sequence[SessionStreamPeer]) -> None:
+    """Acknowledge within ACK_WITHIN of the first unacknowledged message (until cancelled)."""
+    due = ACK_WITHIN - ACK_SWEEP  # a sweep may come ACK_SWEEP late
+    while True:
+        await asyncio.sleep(ACK_SWEEP)
+        now = time.perf_counter()
+        for peer in peers:
+            if peer.unacked and now - peer.unacked_since >= due:
+                peer.ack()
+
+
+async def end_all(peers: Sequence[SessionStreamPeer]) -> None:
+    """`end` every session, then close what the server has not closed within CLOSE_TIMEOUT."""
+    for peer in peers:
+        peer.end()
+    await until(lambda: all(p.closed or p.conn is None for p in peers), CLOSE_TIMEOUT)
+    await close_all(peers)
+
+
+@workload("session_stream")
+async def session_stream(options: Options) -> dict[str, Any]:
+    """`stream` on `/v1/session`: N sessions, each: message, read to `done`, ack, repeat."""
+    tally = SessionTally(options.scenario, options.max_turns)
+    peers = [SessionStreamPeer(tally) for _ in range(options.clients)]
+    dialer = make_dialer(options.client)
+    connect_errors = await open_all(dialer, options.url, peers, options.connect_concurrency)
+    timer = asyncio.create_task(ack_timer(peers))
+    await sleep_until(options.start_at)
+    tally.sending = True
+    for peer in peers:
+        peer.next_turn()
+    await asyncio.sleep(options.warmup)
+    frames0, turns0, errors0, acks0, t0, cpu0 = (
+        tally.frames,
+        tally.turns,
+        tally.errors,
+        tally.acks,
+        time.perf_counter(),
+        time.process_time(),
+    )
+    await asyncio.sleep(options.seconds)
+    frames1, turns1, errors1, acks1, t1, cpu1 = (
+        tally.frames,
+        tally.turns,
+        tally.errors,
+        tally.acks,
+        time.perf_counter(),
+        time.process_time(),
+    )
+    tally.sending = False
+    drained = await until(lambda: tally.busy <= 0, DRAIN_TIMEOUT)
+    timer.cancel()
+    await end_all(peers)
+    await dialer.aclose()
+    elapsed = t1 - t0
+    return {
+        "clients": options.clients,
+        "connect_errors": connect_errors,
+        "window_s": elapsed,
+        "frames_per_s": (frames1 - frames0) / elapsed,
+        "turns_per_s": (turns1 - turns0) / elapsed,
+        "acks_per_turn": (acks1 - acks0) / max(1, turns1 - turns0),
+        "errors": errors1 - errors0 + tally.conn_errors,
+        "drained": drained,
+        "client_cpu_pct": 100 * (cpu1 - cpu0) / elapsed,
+    }
+
+
+# -- session_resume: how long a resume with a large backlog takes ---------------------------
+#
+# Per sample: open a session, send a message whose reply is `--backlog` numbered messages
+# (a `longN` scenario), drop the connection at once (TCP FIN, no closing handshake, nothing
+# read or acknowledged), wait until the server has ended the turn (so every message waits
+# in its resend buffer), then on a fresh socket `hello` with the session id and
+# `last_seq` 0, and time: reconnect start -> `ready`, and -> the backlog's `done`.
+
+TURN_POLL = 0.01  # seconds between reads of the server's turn counter
+COMPLETED_TURNS = re.compile(rb'^portico_turns_total\{state="completed"\} (\S+)$', re.MULTILINE)
+
+
+def turn_wait_bound(backlog: int) -> float:
+    """The longest a `longN` turn may take with nobody connected: generous, but bounded."""
+    return 10.0 + 0.005 * backlog
+
+
+def sample_bound(backlog: int) -> float:
+    """The longest one resume sample may take: its turn, two handshakes, the backlog."""
+    return 2 * turn_wait_bound(backlog) + 2 * CLOSE_TIMEOUT
+
+
+class ResumePeer(Peer):
+    """One `/v1/session` connection: `hello`, then numbered messages up to a `done`."""
+
+    def __init__(self, hello: bytes, *, acking: bool = True) -> None:
+        super().__init__()
+        self.hello = hello
+        self.acking = acking  # False: acknowledge nothing (the connection about to drop)
+        self.session_id = ""
+        self.ready_at = 0.0
+        self.done_at = 0.0
+        self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        # The dropped connection's `done` fails unawaited by design: nothing to report.
+        self.done.add_done_callback(lambda future: future.cancelled() or future.exception())
+        self.received = 0
+        self.last = 0
+        self.unacked = 0
+
+    def opened(self) -> None:
+        assert self.conn is not None
+        self.conn.send(self.hello)
+
+    def on_frame(self, payload: bytes | str) -> None:
+        kind, seq = session_frame(payload)
+        if seq:
+            if seq <= self.last:
+                return
+            self.received += 1
+            self.last = seq
+            self.unacked += 1
+            if kind in TERMINAL_KINDS:
+                self.done_at = time.perf_counter()
+                self._ack()
+                if not self.done.done():
+                    self.done.set_result(kind)
+            elif self.unacked >= ACK_EVERY:
+                self._ack()
+        elif kind == "ready":
+            self.ready_at = time.perf_counter()
+            self.session_id = ready_session_id(payload)
+            if not self.connected.done():
+                self.connected.set_result(None)
+        elif kind == "error":
+            failure = ConnectionError(f"server error: {bytes(payload)[:200]!r}")
+            for future in (self.connected, self.done):
+                if not future.done():
+                    future.set_exception(failure)
+
+    def _ack(self) -> None:
+        assert self.conn is not None
+        if self.acking:
+            self.conn.send(ack_frame(self.last))
+        self.unacked = 0
+
+    def on_closed(self) -> None:
+        super().on_closed()
+        if not self.done.done():
+            self.done.set_exception(ConnectionError("closed before `done`"))
+
+
+class TurnCounter:
+    """The server's count of completed turns, read from its /metrics over HTTP."""
+
+    def __init__(self, ws_url: str) -> None:
+        import aiohttp
+
+        parts = urlsplit(ws_url)
+        self.url = f"http://{parts.hostname}:{parts.port}/metrics"
+        self._session = aiohttp.ClientSession()
+
+    async def read(self) -> float | None:
+        async with self._session.get(self.url) as response:
+            match = COMPLETED_TURNS.search(await response.read())
+        return None if match is None else float(match[1])
+
+    async def wait_above(self, count: float | None, within: float) -> bool:
+        """Poll until the count passes `count`, at most `within` seconds."""
+        deadline = time.perf_counter() + within
+        while time.perf_counter() < deadline:
+            now = await self.read()
+            if count is None or now is None:
+                # No counter (first read or metrics changed): a bounded fixed wait instead.
+                await asyncio.sleep(within)
+                return False
+            if now > count:
+                return True
+            await asyncio.sleep(TURN_POLL)
+        return False
+
+    async def aclose(self) -> None:
+        await self._session.close()
+
+
+async def open_peer(dialer: Dialer, url: str, peer: Peer) -> None:
+    peer.conn = await dialer.connect(url, peer)
+    peer.opened()
+    await peer.connected
+
+
+async def finish(peer: ResumePeer, seq: int) -> None:
+    """`end` the session (its backlog is acknowledged already) and wait for the close."""
+    if peer.conn is not None and not peer.closed:
+        peer.conn.send(end_frame(seq))
+        if not await until(lambda: peer.closed, CLOSE_TIMEOUT):
+            peer.conn.abort()
+
+
+async def resume_sample(
+    dialer: Dialer, url: str, counter: TurnCounter, options: Options
+) -> dict[str, float]:
+    # 1. A session with one long turn in flight and nobody connected.
+    first = ResumePeer(hello_frame(), acking=False)
+    await open_peer(dialer, url, first)
+    assert first.conn is not None
+    before = await counter.read()
+    first.conn.send(session_message_frame(1, "bench", options.scenario))
+    first.conn.drop()
+    await until(lambda: first.closed, CLOSE_TIMEOUT)
+    dropped = time.perf_counter()
+    # 2. The turn ends while the session is detached: its messages wait in the buffer.
+    counted = await counter.wait_above(before, turn_wait_bound(options.backlog))
+    waited = time.perf_counter() - dropped
+    # 3. Resume from seq 0 on a fresh socket: everything is resent.
+    peer = ResumePeer(hello_frame(first.session_id, last_seq=0))
+    start = time.perf_counter()
+    await open_peer(dialer, url, peer)
+    kind = await peer.done
+    sample = {
+        "ready_s": peer.ready_at - start,
+        "done_s": peer.done_at - start,
+        "received": peer.received,
+        "last_seq": peer.last,
+        "turn_wait_s": waited,
+        "counted": counted,
+        "error": kind == "error" or peer.last != options.backlog,
+    }
+    await finish(peer, seq=2)
+    return sample
+
+
+@workload("session_resume")
+async def session_resume(options: Options) -> dict[str, Any]:
+    """`--samples` resumes (after `--warm` unmeasured ones), one session at a time."""
+    dialer = make_dialer(options.client)
+    counter = TurnCounter(options.url)
+    samples: list[dict[str, float]] = []
+    errors = 0
+    try:
+        for index in range(options.warm + options.samples):
+            try:
+                async with asyncio.timeout(sample_bound(options.backlog)):
+                    sample = await resume_sample(dialer, options.url, counter, options)
+            except (TimeoutError, ConnectionError, OSError) as exc:
+                emit("sample_failed", index=index, reason=repr(exc)[:300])
+                errors += 1
+                continue
+            errors += bool(sample["error"])
+            if index >= options.warm:
+                samples.append(sample)
+    finally:
+        await counter.aclose()
+        await dialer.aclose()
+    good = [s for s in samples if not s["error"]]
+    return {
+        "scenario": options.scenario,
+        "backlog": options.backlog,
+        "samples": len(good),
+        "warm": options.warm,
+        "errors": errors,
+        "received_min": min((s["received"] for s in samples), default=0),
+        "fixed_wait": sum(not s["counted"] for s in samples),
+        "turn_wait_p50_ms": 1000 * percentile(sorted(s["turn_wait_s"] for s in samples), 0.5),
+        **summarize_ms([s["ready_s"] for s in good], "ready"),
+        **summarize_ms([s["done_s"] for s in good], "done"),
+    }
+
+
 # -- command line --------------------------------------------------------------------------
 
 
@@ -534,7 +912,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[str, Options]:
     parser.add_argument("--pool", type=int, default=32, help="latency: connections")
     parser.add_argument("--count", type=int, default=1000, help="idle: connections")
     parser.add_argument("--hold", type=float, default=120.0, help="idle: longest hold, seconds")
-    parser.add_argument("--warm", type=int, default=0, help="idle: connections to cycle first")
+    parser.add_argument(
+        "--warm",
+        type=int,
+        default=0,
+        help="idle: connections to cycle first; session_resume: unmeasured samples first",
+    )
+    parser.add_argument("--samples", type=int, default=20, help="session_resume: resumes timed")
+    parser.add_argument(
+        "--backlog", type=int, default=1000, help="session_resume: messages the scenario sends"
+    )
     parser.add_argument("--connect-concurrency", type=int, default=64)
     parser.add_argument("--client", choices=["auto", "picows", "aiohttp"], default="auto")
     args = parser.parse_args(argv)
@@ -562,7 +949,10 @@ def time_bound(options: Options) -> float:
 async def main(argv: Sequence[str] | None = None) -> None:
     name, options = parse_args(argv)
     raise_fd_limit()
-    async with asyncio.timeout(time_bound(options)):
+    bound = time_bound(options)
+    if name == "session_resume":
+        bound += (options.warm + options.samples) * sample_bound(options.backlog)
+    async with asyncio.timeout(bound):
         result = await WORKLOADS[name](options)
     emit("result", workload=name, client=options.client, **result)
 

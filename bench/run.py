@@ -8,6 +8,11 @@ Each server runs in its own process, each load generator in its own (bench/loadg
 on 127.0.0.1. Every figure is measured `--repeat` times, servers interleaved so background
 noise hits them alike; the report gives the median, the min-max spread and Portico's ratio
 to each bare server (bench/baseline.py).
+
+Portico's resumable sessions (`/v1/session`) are measured too: the stream workload on them,
+right after Portico's `/ws` stream in each repeat (the report divides the two), and the
+time a resume with 1,000 and 10,000 buffered messages takes (`--resume`), on a Portico of
+its own whose resend buffer holds the largest backlog.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from common import raise_fd_limit
 from harness import (
     BENCH,
     PORTICO_BENCH_ENV,
+    PORTICO_RESUME_ENV,
     SERVER_KINDS,
     CpuSnapshot,
     Loadgen,
@@ -73,6 +79,12 @@ class Plan:
     idle_per_process: int = 5000
     kinds: tuple[str, ...] = SERVER_KINDS
     log_level: str | None = None  # None: Portico's default (INFO, one line per turn)
+    # /v1/session stream beside Portico's /ws stream (1 client process) in every repeat.
+    session_stream: bool = True
+    # session_resume: (buffered messages, timed resumes); each backlog is a `long<N>`
+    # scenario of bench/script.yaml. The timed resumes are pooled for p50/p99.
+    resume: tuple[tuple[int, int], ...] = ((1000, 100), (10000, 20))
+    resume_warm: int = 1  # unmeasured resumes first, per backlog
 
 
 QUICK = Plan(
@@ -84,6 +96,7 @@ QUICK = Plan(
     latency_seconds=0.8,
     rates=(200.0,),
     idle_counts=(500,),
+    resume=((1000, 10), (10000, 3)),
 )
 
 
@@ -117,7 +130,8 @@ def loadgens(workload: str, url: str, shares: Sequence[Sequence[str]]) -> Iterat
 # -- one measurement each ----------------------------------------------------------------
 
 
-def measure_stream(server: Server, plan: Plan, procs: int) -> Sample:
+def measure_stream(server: Server, plan: Plan, procs: int, workload: str = "stream") -> Sample:
+    """`stream` on /ws, or `session_stream` on Portico's /v1/session."""
     start_at = time.time() + plan.launch
     window = ["--warmup", str(plan.warmup), "--seconds", str(plan.seconds)]
     shares = [
@@ -125,17 +139,21 @@ def measure_stream(server: Server, plan: Plan, procs: int) -> Sample:
         for n in split(plan.clients, procs)
     ]
     bound = plan.launch + plan.warmup + plan.seconds + RESULT_SLACK
-    with loadgens("stream", server.url, shares) as gens:
+    url = server.session_url if workload == "session_stream" else server.url
+    with loadgens(workload, url, shares) as gens:
         pids = [gen.pid for gen in gens]
         sleep_until(start_at + plan.warmup)
         before = CpuSnapshot.take(server.pid, pids)
         time.sleep(plan.seconds)
         after = CpuSnapshot.take(server.pid, pids)
         results = [gen.result(bound) for gen in gens]
+    turns = sum(r["turns_per_s"] for r in results)
+    acks = sum(r.get("acks_per_turn", 0.0) * r["turns_per_s"] for r in results)
     return {
         "frames_per_s": sum(r["frames_per_s"] for r in results),
-        "turns_per_s": sum(r["turns_per_s"] for r in results),
+        "turns_per_s": turns,
         "errors": sum(r["errors"] + r["connect_errors"] for r in results),
+        **({"acks_per_turn": acks / turns if turns else 0.0} if workload != "stream" else {}),
         **cpu_percentages(before, after),
     }
 
@@ -154,6 +172,24 @@ def measure_latency(server: Server, plan: Plan, rate: float) -> Sample:
         "samples": result["samples"],
         "missed": result["missed"],
         "errors": errors,
+    }
+
+
+def measure_resume(server: Server, plan: Plan, backlog: int, samples: int) -> Sample:
+    """`samples` resumes of a session with `backlog` buffered messages (one at a time)."""
+    args = ["--scenario", f"long{backlog}", "--backlog", str(backlog)]
+    args += ["--samples", str(samples), "--warm", str(plan.resume_warm)]
+    # A bound for a failure only: a resume of 10,000 messages takes well under a second.
+    bound = RESULT_SLACK + (samples + plan.resume_warm) * (5.0 + 0.002 * backlog)
+    with loadgens("session_resume", server.session_url, [args]) as (gen,):
+        result = gen.result(bound)
+    figures = {key: float(value) for key, value in result.items() if key.endswith("_ms")}
+    return {
+        **figures,
+        "samples": result["samples"],
+        "received_min": result["received_min"],
+        "fixed_wait": result["fixed_wait"],
+        "errors": result["errors"],
     }
 
 
@@ -236,6 +272,17 @@ def run_streams_and_latency(plan: Plan, workdir: Path, results: Results) -> None
                         f"{sample['frames_per_s']:9.0f} frames/s, server CPU "
                         f"{sample['server_cpu']:.0f}%, client CPU {sample['client_cpu']:.0f}%"
                     )
+                    if kind == "portico" and procs == 1 and plan.session_stream:
+                        # Right after /ws stream on the same server and client count, so
+                        # the ratio of the two sees the same machine.
+                        sample = measure_stream(server, plan, 1, "session_stream")
+                        results[("session_stream1", kind)].append(sample)
+                        log(
+                            f"session rep {rep + 1} {kind:8} 1 proc: "
+                            f"{sample['frames_per_s']:9.0f} frames/s, server CPU "
+                            f"{sample['server_cpu']:.0f}%, client CPU "
+                            f"{sample['client_cpu']:.0f}%"
+                        )
         for rep in range(plan.repeat):
             for rate in plan.rates:
                 for kind, server in servers.items():
@@ -248,6 +295,23 @@ def run_streams_and_latency(plan: Plan, workdir: Path, results: Results) -> None
                     )
     finally:
         stop_all(list(servers.values()))
+
+
+def run_resume(plan: Plan, workdir: Path, results: Results) -> None:
+    """Resume latency on a Portico of its own (a resend buffer for the largest backlog)."""
+    server = Server("portico", workdir, plan.log_level, env=PORTICO_RESUME_ENV)
+    try:
+        server.start()
+        for backlog, samples in plan.resume:
+            sample = measure_resume(server, plan, backlog, samples)
+            results[(f"resume{backlog}", "portico")].append(sample)
+            log(
+                f"resume  {backlog:6} buffered, {sample['samples']:.0f} resumes: ready p50 "
+                f"{sample['ready_p50_ms']:.1f} ms, done p50 {sample['done_p50_ms']:.1f} ms "
+                f"p99 {sample['done_p99_ms']:.1f} ms, errors {sample['errors']:.0f}"
+            )
+    finally:
+        server.stop()
 
 
 def run_idle_all(plan: Plan, workdir: Path, results: Results) -> None:
@@ -274,6 +338,8 @@ def run_idle_all(plan: Plan, workdir: Path, results: Results) -> None:
 def run(plan: Plan, workdir: Path) -> Results:
     results: Results = defaultdict(list)
     run_streams_and_latency(plan, workdir, results)
+    if plan.resume:
+        run_resume(plan, workdir, results)
     if plan.idle_counts:
         run_idle_all(plan, workdir, results)
     return results
@@ -413,6 +479,10 @@ def targets_table(results: Results, plan: Plan) -> list[str]:
     portico_p99 = median_of(results, target_rate, "first_p99_ms", "portico")
     bare_p99 = median_of(results, target_rate, "first_p99_ms", "aiohttp")
     added = None if portico_p99 is None or bare_p99 is None else portico_p99 - bare_p99
+    session = median_of(results, "session_stream1", "frames_per_s", "portico")
+    ws = median_of(results, "stream1", "frames_per_s", "portico")
+    session_ratio = None if session is None or not ws else session / ws
+    resume_p99 = median_of(results, "resume1000", "done_p99_ms", "portico")
     largest = max(plan.idle_counts, default=0)
     per_conn = median_of(results, f"idle{largest}", "kib_per_conn", "portico")
     idle_errors = sum(s["errors"] for s in results.get(("idle10000", "portico"), []))
@@ -427,7 +497,75 @@ def targets_table(results: Results, plan: Plan) -> list[str]:
         verdict(
             held, lambda v: v == 0, "10,000 idle connections held, errors", lambda v: f"{v:.0f}"
         ),
+        verdict(
+            session_ratio, lambda v: v >= 0.70, "/v1/session stream frames/s ≥ 0.70 × /ws stream"
+        ),
+        verdict(
+            resume_p99,
+            lambda v: v <= 50,
+            "resume of 1,000 buffered messages, p99 reconnect → last message ≤ 50 ms",
+        ),
     ]
+
+
+def session_tables(results: Results, plan: Plan) -> list[str]:
+    """/v1/session beside /ws on Portico, and resume latency; empty if neither ran."""
+    lines: list[str] = []
+    if ("session_stream1", "portico") in results:
+        lines += [
+            f"Stream, {plan.clients} clients, 1 client process, both on Portico in the same "
+            "run (each repeat measures one right after the other).",
+            "",
+            "| Figure | /v1/session | /ws | /v1/session ÷ /ws |",
+            "|---|---:|---:|---:|",
+        ]
+        figures = (
+            ("frames_per_s", "frames/s"),
+            ("turns_per_s", "turns/s"),
+            ("server_cpu", "server CPU, % of a core"),
+            ("client_cpu", "client CPU, % of a core"),
+            ("other_cpu", "other processes' CPU, % of a core"),
+        )
+        for figure, label in figures:
+            session = stats(results, "session_stream1", figure, "portico")
+            ws = stats(results, "stream1", figure, "portico")
+            lines.append(
+                f"| {label} | {cell(session)} | {cell(ws)} | {ratio_cell(session, ws, '')} |"
+            )
+        acks = stats(results, "session_stream1", "acks_per_turn", "portico")
+        lines += [f"| client acks per turn | {cell(acks)} | — | — |", ""]
+    resumes = [(b, n) for b, n in plan.resume if (f"resume{b}", "portico") in results]
+    if resumes:
+        lines += [
+            "Resume: open a session, send a message whose reply is N numbered messages "
+            "(scenario `long<N>`), drop the connection at once (nothing read or acknowledged), "
+            "wait until the server ends the turn, then reconnect and `hello` with the "
+            "session id and `last_seq` 0. Times from the start of the reconnect (TCP "
+            f"connect, upgrade, `hello`); one session at a time, {plan.resume_warm} "
+            "unmeasured resume(s) first; percentiles are nearest-rank over one run's resumes "
+            "(with fewer than 100, p99 is the slowest).",
+            "",
+            "| Buffered messages | Resumes timed | reconnect → `ready` p50 / p99, ms "
+            "| reconnect → last backlog message (`done`) p50 / p99, ms "
+            "| per buffered message at p50, µs | errors |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for backlog, _ in resumes:
+            key = f"resume{backlog}"
+
+            def med(figure: str, key: str = key) -> float:
+                value = median_of(results, key, figure, "portico")
+                return math.nan if value is None else value
+
+            per_message = 1000 * med("done_p50_ms") / backlog
+            lines.append(
+                f"| {backlog:,} | {med('samples'):.0f} "
+                f"| {fmt(med('ready_p50_ms'))} / {fmt(med('ready_p99_ms'))} "
+                f"| {fmt(med('done_p50_ms'))} / {fmt(med('done_p99_ms'))} "
+                f"| {fmt(per_message)} | {med('errors'):.0f} |"
+            )
+        lines.append("")
+    return lines
 
 
 def versions() -> str:
@@ -496,11 +634,22 @@ def report(results: Results, plan: Plan, started: float, elapsed: float, backgro
         f"counted), {plan.latency_seconds:g} s after {plan.latency_warmup:g} s warm-up; "
         "percentiles are nearest-rank. idle: server VmRSS growth "
         f"over its RSS after {IDLE_WARMUP} connections opened and closed.",
+        "- session stream: the stream workload on `/v1/session`: `hello` once per client, "
+        "then numbered `message`s; the client acknowledges every 16 server messages, within "
+        "100 ms of the first unacknowledged one, and at each `done`, and counts `chunk` and "
+        "`done` frames as /ws stream does. session resume: on a Portico of its own with "
+        + ", ".join(f"`{k}={v}`" for k, v in PORTICO_RESUME_ENV.items())
+        + " (a resend buffer for the largest backlog); it waits for a turn's end by polling "
+        "the server's `portico_turns_total{state=\"completed\"}` (/metrics, every 10 ms, "
+        "bounded).",
         "",
         "## Results",
         "",
         *results_table(results, plan),
         "",
+        "## Resumable sessions (/v1/session, Portico only)",
+        "",
+        *session_tables(results, plan),
         "## Targets",
         "",
         *targets_table(results, plan),
@@ -529,6 +678,11 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
     parser.add_argument("--warmup", type=float, help="seconds before each window")
     parser.add_argument("--rates", help="latency: messages/s, comma-separated (default 200,50)")
     parser.add_argument("--idle", help="idle: connection counts, comma-separated; 0 skips")
+    parser.add_argument(
+        "--resume",
+        help="session_resume: BACKLOG:RESUMES pairs, comma-separated (default "
+        "1000:100,10000:20); each BACKLOG needs a long<BACKLOG> scenario; 0 skips",
+    )
     parser.add_argument("--log-level", help="Portico's log level (default: its own, INFO)")
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "latest.md")
     args = parser.parse_args(argv)
@@ -542,6 +696,10 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
         plan = replace(plan, idle_counts=counts)
     overrides = {"repeat": args.repeat, "clients": args.clients}
     overrides["log_level"] = args.log_level
+    if args.resume is not None:
+        pairs = [item.split(":") for item in args.resume.split(",") if item not in ("", "0")]
+        resume = tuple((int(backlog), int(count)) for backlog, count in pairs)
+        plan = replace(plan, resume=resume)
     if args.rates is not None:
         plan = replace(plan, rates=tuple(float(r) for r in args.rates.split(",") if r))
     plan = replace(plan, **{k: v for k, v in overrides.items() if v is not None})

@@ -143,6 +143,8 @@ def load_script(path: str | Path) -> dict[str, tuple[Step, ...]]:
 
 def render_placeholders(text: str, outcome: ToolOutcome | None) -> str:
     """Fill `{tool.status}`, `{tool.result}`, `{tool.error}` from the latest tool call."""
+    if "{tool." not in text:
+        return text  # the common case, per chunk: skip the regex and the JSON
     if outcome is None:
         values = {"status": "", "result": "", "error": ""}
     else:
