@@ -1,0 +1,82 @@
+"""50 SDK clients chat through the fault proxy while it cuts connections at random.
+
+Seeded and bounded in time and count; every reply must arrive exactly once,
+byte-exact, and the archive must hold each message and reply exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from portico.client import ReconnectPolicy, SessionClient
+from support.archive import open_archive
+from support.faultproxy import FaultProxy
+from support.server import SCRIPT, ServerProcess
+
+CLIENTS = 50
+MESSAGES = 4  # per client
+CUTS = 40  # connections the chaos task cuts, at most
+SEED = 20261130
+DEADLINE = 90.0  # seconds for the whole conversation, a bound, not a measure
+
+
+@pytest.fixture(scope="module")
+def stress_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = ServerProcess(
+        tmp_path_factory.mktemp("portico-stress"),
+        args=("--runtime", "scripted", "--script", str(SCRIPT)),
+        env={
+            "PORTICO_RESUME_WINDOW": "60",
+            "PORTICO_RATE_LIMIT_MESSAGES": "1000",
+            "PORTICO_RATE_LIMIT_BURST": "1000",
+        },
+    ).start()
+    yield process
+    process.stop()
+
+
+async def chat(proxy: FaultProxy, index: int) -> tuple[str, list[str]]:
+    policy = ReconnectPolicy(initial=0.02, maximum=0.2, give_up_after=60.0)
+    async with SessionClient(proxy.url("/v1/session"), reconnect=policy) as client:
+        replies = []
+        for n in range(MESSAGES):
+            text = f"client {index} message {n} says hello"
+            reply = await client.ask(text, metadata={"mock_scenario": "echo"})
+            replies.append(reply.text)
+        return client.session_id or "", replies
+
+
+async def chaos(proxy: FaultProxy, rng: random.Random, stop: asyncio.Event) -> int:
+    cuts = 0
+    while cuts < CUTS and not stop.is_set():
+        await asyncio.sleep(rng.uniform(0.02, 0.15))
+        open_connections = [c for c in proxy.connections if c.open]
+        if open_connections:
+            await rng.choice(open_connections).cut()
+            cuts += 1
+    return cuts
+
+
+async def test_fifty_clients_with_random_drops_get_every_reply_exactly_once(
+    stress_server: ServerProcess,
+) -> None:
+    rng = random.Random(SEED)
+    async with FaultProxy(stress_server.http_url) as proxy:
+        stop = asyncio.Event()
+        cutter = asyncio.create_task(chaos(proxy, rng, stop))
+        async with asyncio.timeout(DEADLINE):
+            results = await asyncio.gather(*(chat(proxy, i) for i in range(CLIENTS)))
+        stop.set()
+        cuts = await cutter
+    assert cuts > 0
+    async with open_archive(stress_server.archive_path) as store:
+        for index, (session_id, replies) in enumerate(results):
+            expected = [f"client {index} message {n} says hello" for n in range(MESSAGES)]
+            assert replies == expected
+            messages = await store.list_messages(session_id)
+            assert [m.content for m in messages] == [t for text in expected for t in (text, text)]
+            assert [m.global_offset for m in messages] == list(range(1, 2 * MESSAGES + 1))
