@@ -33,7 +33,8 @@ def text_frame_header(length: int) -> bytes:
 
 
 class FramedCore(Protocol):
-    overflowed: bool
+    @property
+    def overflowed(self) -> bool: ...
 
     def next_frame(self) -> bytes | None: ...
 

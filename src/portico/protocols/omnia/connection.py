@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import re
-from collections import deque
 from enum import Enum
 from typing import Any
 
@@ -38,6 +37,7 @@ from portico.errors import (
 )
 from portico.protocols.omnia import frames as f
 from portico.protocols.omnia.binary import decode_frame
+from portico.protocols.outbox import Outbox
 
 PROTOCOL_VERSION = 1
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
@@ -110,10 +110,7 @@ class OmniaConnection:
         self._limits = limits
         self._last_received = now
         self._next_ping = now + limits.ping_interval
-        self._outbox: deque[bytes] = deque()
-        self._outbox_bytes = 0
-        # Set when the client stopped reading and the send queue overflowed.
-        self.overflowed = False
+        self._outbox = Outbox(limits.max_send_queue_bytes)
         self._told_no_audio = False
         self._messages = TokenBucket(
             rate=limits.messages_per_second, burst=limits.message_burst, now=now
@@ -139,30 +136,20 @@ class OmniaConnection:
     # -- output -----------------------------------------------------------------
 
     def _queue(self, frame: f.ServerFrame) -> None:
-        if self.overflowed:
-            return
-        data = _encode(frame)
-        if self._outbox_bytes + len(data) > self._limits.max_send_queue_bytes:
-            # Never buffer without limit for a client that does not read.
-            self.overflowed = True
-            return
-        self._outbox.append(data)
-        self._outbox_bytes += len(data)
+        self._outbox.put(_encode(frame))
+
+    @property
+    def overflowed(self) -> bool:
+        """The client stopped reading and its send queue filled."""
+        return self._outbox.overflowed
 
     def next_frame(self) -> bytes | None:
         """The next encoded text frame to write, or None when the outbox is empty."""
-        if not self._outbox:
-            return None
-        data = self._outbox.popleft()
-        self._outbox_bytes -= len(data)
-        return data
+        return self._outbox.pop()
 
     def data_to_send(self) -> list[bytes]:
         """Every queued text frame, in order; draining empties the outbox."""
-        out = list(self._outbox)
-        self._outbox.clear()
-        self._outbox_bytes = 0
-        return out
+        return self._outbox.drain()
 
     def send_error(self, error: PorticoError, session_id: str | None = None) -> None:
         info = f.ErrorInfo(code=error.code, message=error.message, details=error.details)

@@ -14,12 +14,12 @@ comes back as `ReadyReceived` and the client's backlog is resent.
 from __future__ import annotations
 
 import math
-from collections import deque
 from enum import Enum
 
 import msgspec
 
 from portico.errors import BufferOverflow, PorticoError, ProtocolViolation
+from portico.protocols.outbox import Outbox
 from portico.protocols.session import frames as f
 from portico.protocols.session.channel import Channel, Numbered
 
@@ -85,11 +85,9 @@ class SessionConnection:
         self.state = State.AWAIT_HELLO if role is Role.SERVER else State.CLOSED
         self.channel: Channel | None = None
         self.close_request: tuple[int, str] | None = None
-        self.overflowed = False
         self._timing = timing
         self._decoder = _DECODERS[role]
-        self._outbox: deque[bytes] = deque()
-        self._outbox_bytes = 0
+        self._outbox = Outbox(timing.max_send_queue_bytes)
         self._last_received = now
         self._next_ping = now + timing.heartbeat_interval
         self._unacked = 0  # handled peer messages not yet acknowledged
@@ -97,30 +95,22 @@ class SessionConnection:
 
     # -- output ---------------------------------------------------------------------------
 
+    @property
+    def overflowed(self) -> bool:
+        """The peer stopped reading and its send queue filled."""
+        return self._outbox.overflowed
+
     def next_frame(self) -> bytes | None:
-        if not self._outbox:
-            return None
-        data = self._outbox.popleft()
-        self._outbox_bytes -= len(data)
-        return data
+        return self._outbox.pop()
 
     def data_to_send(self) -> list[bytes]:
-        out = list(self._outbox)
-        self._outbox.clear()
-        self._outbox_bytes = 0
-        return out
+        return self._outbox.drain()
 
     def _write(self, data: bytes, *, bounded: bool = True) -> None:
         """Queue a frame; live frames count against the send-queue bound."""
-        if self.overflowed:
-            return
-        if bounded and self._outbox_bytes + len(data) > self._timing.max_send_queue_bytes:
+        if not self._outbox.put(data, bounded=bounded) and self.close_request is None:
             # The client stopped reading; it resumes and gets the backlog again.
-            self.overflowed = True
             self._request_close(CLOSE_SLOW_CONSUMER, "slow consumer")
-            return
-        self._outbox.append(data)
-        self._outbox_bytes += len(data)
 
     def _write_frame(self, frame: f.ClientFrame | f.ServerFrame) -> None:
         self._write(f.encode(frame))

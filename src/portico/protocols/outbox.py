@@ -1,0 +1,43 @@
+"""The bounded queue of encoded frames every protocol core writes into."""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class Outbox:
+    """Frames waiting for the socket, bounded in bytes.
+
+    A client that stops reading fills it; past `max_bytes` it refuses frames and
+    stays `overflowed`, and the core closes the connection. Never unbounded.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._frames: deque[bytes] = deque()
+        self._bytes = 0
+        self.overflowed = False
+
+    def put(self, data: bytes, *, bounded: bool = True) -> bool:
+        """Queue `data`; False (and overflowed from now on) when it does not fit."""
+        if self.overflowed:
+            return False
+        if bounded and self._bytes + len(data) > self._max_bytes:
+            self.overflowed = True
+            return False
+        self._frames.append(data)
+        self._bytes += len(data)
+        return True
+
+    def pop(self) -> bytes | None:
+        if not self._frames:
+            return None
+        data = self._frames.popleft()
+        self._bytes -= len(data)
+        return data
+
+    def drain(self) -> list[bytes]:
+        out = list(self._frames)
+        self._frames.clear()
+        self._bytes = 0
+        return out
