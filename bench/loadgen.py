@@ -706,12 +706,18 @@ async def session_stream(options: Options) -> dict[str, Any]:
 # `last_seq` 0, and time: reconnect start -> `ready`, and -> the backlog's `done`.
 
 TURN_POLL = 0.01  # seconds between reads of the server's turn counter
+TURNS_FAMILY = b"# TYPE portico_turns_total counter"
 COMPLETED_TURNS = re.compile(rb'^portico_turns_total\{state="completed"\} (\S+)$', re.MULTILINE)
 
 
 def turn_wait_bound(backlog: int) -> float:
     """The longest a `longN` turn may take with nobody connected: generous, but bounded."""
     return 10.0 + 0.005 * backlog
+
+
+def fixed_turn_wait(backlog: int) -> float:
+    """The wait when the server has no turn counter: about 3x a `longN` turn on 2 busy cores."""
+    return 0.2 + 0.00005 * backlog
 
 
 def sample_bound(backlog: int) -> float:
@@ -732,6 +738,7 @@ class ResumePeer(Peer):
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         # The dropped connection's `done` fails unawaited by design: nothing to report.
         self.done.add_done_callback(lambda future: future.cancelled() or future.exception())
+        self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.received = 0
         self.last = 0
         self.unacked = 0
@@ -761,7 +768,7 @@ class ResumePeer(Peer):
             if not self.connected.done():
                 self.connected.set_result(None)
         elif kind == "error":
-            failure = ConnectionError(f"server error: {bytes(payload)[:200]!r}")
+            failure = ConnectionError(f"server error: {payload[:200]!r}")
             for future in (self.connected, self.done):
                 if not future.done():
                     future.set_exception(failure)
@@ -776,6 +783,15 @@ class ResumePeer(Peer):
         super().on_closed()
         if not self.done.done():
             self.done.set_exception(ConnectionError("closed before `done`"))
+        if not self.gone.done():
+            self.gone.set_result(None)
+
+    async def wait_closed(self, within: float) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.shield(self.gone), within)
+        except TimeoutError:
+            return False
+        return True
 
 
 class TurnCounter:
@@ -789,20 +805,26 @@ class TurnCounter:
         self._session = aiohttp.ClientSession()
 
     async def read(self) -> float | None:
+        """Turns completed so far; None when the server exports no such counter."""
         async with self._session.get(self.url) as response:
-            match = COMPLETED_TURNS.search(await response.read())
-        return None if match is None else float(match[1])
+            text = await response.read()
+        match = COMPLETED_TURNS.search(text)
+        if match is not None:
+            return float(match[1])
+        return 0.0 if TURNS_FAMILY in text else None  # no turn completed yet, or no counter
 
-    async def wait_above(self, count: float | None, within: float) -> bool:
-        """Poll until the count passes `count`, at most `within` seconds."""
+    async def wait_above(self, count: float | None, within: float, fixed: float) -> bool:
+        """Poll until the count passes `count`, at most `within` seconds; True if it did.
+
+        Without a counter (`count` None), sleep `fixed` seconds instead and return False.
+        """
+        if count is None:
+            await asyncio.sleep(fixed)
+            return False
         deadline = time.perf_counter() + within
         while time.perf_counter() < deadline:
             now = await self.read()
-            if count is None or now is None:
-                # No counter (first read or metrics changed): a bounded fixed wait instead.
-                await asyncio.sleep(within)
-                return False
-            if now > count:
+            if now is not None and now > count:
                 return True
             await asyncio.sleep(TURN_POLL)
         return False
@@ -821,7 +843,7 @@ async def finish(peer: ResumePeer, seq: int) -> None:
     """`end` the session (its backlog is acknowledged already) and wait for the close."""
     if peer.conn is not None and not peer.closed:
         peer.conn.send(end_frame(seq))
-        if not await until(lambda: peer.closed, CLOSE_TIMEOUT):
+        if not await peer.wait_closed(CLOSE_TIMEOUT):
             peer.conn.abort()
 
 
@@ -835,10 +857,11 @@ async def resume_sample(
     before = await counter.read()
     first.conn.send(session_message_frame(1, "bench", options.scenario))
     first.conn.drop()
-    await until(lambda: first.closed, CLOSE_TIMEOUT)
+    await first.wait_closed(CLOSE_TIMEOUT)
     dropped = time.perf_counter()
     # 2. The turn ends while the session is detached: its messages wait in the buffer.
-    counted = await counter.wait_above(before, turn_wait_bound(options.backlog))
+    bound, fixed = turn_wait_bound(options.backlog), fixed_turn_wait(options.backlog)
+    counted = await counter.wait_above(before, bound, fixed)
     waited = time.perf_counter() - dropped
     # 3. Resume from seq 0 on a fresh socket: everything is resent.
     peer = ResumePeer(hello_frame(first.session_id, last_seq=0))

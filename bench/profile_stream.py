@@ -1,6 +1,7 @@
 """Profile Portico's `stream` path with py-spy while bench/loadgen.py drives it.
 
     python bench/profile_stream.py [--seconds 8] [--clients 100] [--store sqlite] [--out FILE]
+    python bench/profile_stream.py --workload session_stream   # the same on /v1/session
 
 Starts Portico as bench/run.py does, runs the `stream` workload against it, samples the
 server with `py-spy record` (pip install py-spy; needs ptrace rights, e.g. root) and prints
@@ -35,8 +36,10 @@ AREAS: tuple[tuple[str, str], ...] = (
     ("portico/core/turns.py", "turn runner"),
     ("portico/core/engine.py", "engine"),
     ("portico/runtime/", "scripted runtime"),
+    ("portico/protocols/session/", "session core (frames, channel, acks)"),
     ("portico/protocols/", "Omnia core (frames, encode, queue)"),
     ("portico/server/websocket.py", "/ws adapter (read and write loops)"),
+    ("portico/server/session_ws.py", "/v1/session adapter"),
     ("prometheus_client/", "Prometheus metrics"),
     ("logging/", "logging"),
     ("asyncio/", "asyncio machinery (Event, sleep, futures)"),
@@ -149,7 +152,8 @@ def profile_stream(args: argparse.Namespace, workdir: Path) -> tuple[Profile, li
     server = Server(args.server, workdir, store=args.store).start()
     try:
         window = ["--warmup", "1", "--seconds", str(args.seconds + 2)]
-        gen = Loadgen("stream", server.url, ["--clients", str(args.clients), *window])
+        url = server.session_url if args.workload == "session_stream" else server.url
+        gen = Loadgen(args.workload, url, ["--clients", str(args.clients), *window])
         try:
             time.sleep(1.5)  # connected and warmed up before sampling starts
             before = CpuSnapshot.take(server.pid, [gen.pid])
@@ -165,7 +169,7 @@ def profile_stream(args: argparse.Namespace, workdir: Path) -> tuple[Profile, li
     finally:
         server.stop()
     header = [
-        f"# `stream` profile of {args.server} (py-spy)",
+        f"# `{args.workload}` profile of {args.server} (py-spy)",
         "",
         f"`python bench/profile_stream.py {' '.join(sys.argv[1:])}`: {args.clients} clients, "
         f"scenario `stream50`, store {args.store}, py-spy at {args.rate} Hz for {args.seconds:g} s "
@@ -187,9 +191,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--server", choices=SERVER_KINDS, default="portico", help="or a bare one, to compare"
     )
     parser.add_argument("--top", type=int, default=25, help="rows per table")
+    parser.add_argument(
+        "--workload",
+        choices=["stream", "session_stream"],
+        default="stream",
+        help="session_stream: the same load on Portico's /v1/session",
+    )
     parser.add_argument("--raw", type=Path, help="also keep py-spy's collapsed stacks here")
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "profile.md")
     args = parser.parse_args(argv)
+    if args.workload == "session_stream" and args.server != "portico":
+        parser.error("only Portico serves /v1/session")
     raise_fd_limit()
     with tempfile.TemporaryDirectory(prefix="portico-profile-") as workdir:
         profile, header = profile_stream(args, Path(workdir))

@@ -19,14 +19,22 @@ HAS_PICOWS = importlib.util.find_spec("picows") is not None
 def run_quick(out: Path) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, str(BENCH / "run.py"), "--quick", "--out", str(out)]
     command += ["--clients", "2", "--seconds", "0.5", "--idle", "20", "--repeat", "1"]
+    command += ["--resume", "1000:2,10000:1"]
     return subprocess.run(command, capture_output=True, text=True, timeout=100, check=False)
 
 
 def table_rows(report: str, heading: str) -> list[list[str]]:
-    """The cells of each data row of the table under `## heading`."""
+    """The cells of each data row of the table(s) under `## heading`."""
     section = report.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ")]
-    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[1:]]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    cells = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+    # Drop each table's header row and the separator row under it.
+    return [
+        row
+        for index, row in enumerate(cells)
+        if not set("".join(row)) <= set("-:")
+        and not (index + 1 < len(cells) and set("".join(cells[index + 1])) <= set("-:"))
+    ]
 
 
 def test_quick_run_reports_every_workload_for_every_server(tmp_path: Path) -> None:
@@ -55,6 +63,21 @@ def test_quick_run_reports_every_workload_for_every_server(tmp_path: Path) -> No
     assert set(diagnostics) == servers
     assert all(row[-1] == "0" for row in diagnostics.values()), diagnostics  # no errors
 
-    targets = [row[0] for row in table_rows(report, "Targets")]
+    # /v1/session: stream beside /ws, and resumes of both backlogs, all without errors.
+    sessions = table_rows(report, "Resumable sessions (/v1/session, Portico only)")
+    by_first = {row[0]: row for row in sessions}
+    frames = by_first["frames/s"]
+    assert "—" not in frames
+    assert float(frames[3]) > 0  # /v1/session ÷ /ws
+    for backlog in ("1,000", "10,000"):
+        resume = by_first[backlog]
+        assert resume[1] == str(2 if backlog == "1,000" else 1)  # resumes timed
+        assert "n/a" not in resume  # every figure measured
+        assert resume[-1] == "0"  # no errors
+
+    targets = {row[0]: row[1] for row in table_rows(report, "Targets")}
     assert any("0.80 × bare aiohttp" in target for target in targets)
+    session_targets = [t for t in targets if "/v1/session" in t or "resume of 1,000" in t]
+    assert len(session_targets) == 2
+    assert all(targets[t] != "not measured" for t in session_targets)
     assert "PORTICO_RATE_LIMIT_MESSAGES" in report  # the lifted limits are disclosed
