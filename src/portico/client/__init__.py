@@ -1,37 +1,6 @@
 """Python clients of Portico's protocols."""
 
-from portico.client.session import (
-    AuthenticationError,
-    ConnectError,
-    ConnectionLostError,
-    ConnectionStatus,
-    ProtocolError,
-    ReconnectPolicy,
-    Reply,
-    ResumeFailedError,
-    SendBufferFullError,
-    ServerMessage,
-    SessionClient,
-    SessionClosedError,
-    SessionError,
-    SessionReplacedError,
-    Turn,
-)
+from portico.client import session
+from portico.client.session import *  # noqa: F403 (the public names are session.__all__)
 
-__all__ = [
-    "AuthenticationError",
-    "ConnectError",
-    "ConnectionLostError",
-    "ConnectionStatus",
-    "ProtocolError",
-    "ReconnectPolicy",
-    "Reply",
-    "ResumeFailedError",
-    "SendBufferFullError",
-    "ServerMessage",
-    "SessionClient",
-    "SessionClosedError",
-    "SessionError",
-    "SessionReplacedError",
-    "Turn",
-]
+__all__ = list(session.__all__)
