@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
+from contextlib import AsyncExitStack
 
 import pytest
 
@@ -39,15 +40,13 @@ def stress_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     process.stop()
 
 
-async def chat(proxy: FaultProxy, index: int) -> tuple[str, list[str]]:
-    policy = ReconnectPolicy(initial=0.02, maximum=0.2, give_up_after=60.0)
-    async with SessionClient(proxy.url("/v1/session"), reconnect=policy) as client:
-        replies = []
-        for n in range(MESSAGES):
-            text = f"client {index} message {n} says hello"
-            reply = await client.ask(text, metadata={"mock_scenario": "echo"})
-            replies.append(reply.text)
-        return client.session_id or "", replies
+async def chat(client: SessionClient, index: int) -> tuple[str, list[str]]:
+    replies = []
+    for n in range(MESSAGES):
+        text = f"client {index} message {n} says hello"
+        reply = await client.ask(text, metadata={"mock_scenario": "echo"})
+        replies.append(reply.text)
+    return client.session_id or "", replies
 
 
 async def chaos(proxy: FaultProxy, rng: random.Random, stop: asyncio.Event) -> int:
@@ -65,11 +64,20 @@ async def test_fifty_clients_with_random_drops_get_every_reply_exactly_once(
     stress_server: ServerProcess,
 ) -> None:
     rng = random.Random(SEED)
-    async with FaultProxy(stress_server.http_url) as proxy:
+    policy = ReconnectPolicy(initial=0.02, maximum=0.2, give_up_after=60.0)
+    async with FaultProxy(stress_server.http_url) as proxy, AsyncExitStack() as stack:
+        # Every session opens before the chaos starts: a first connect that fails is
+        # reported, not retried (there is no session to resume yet).
+        clients = [
+            await stack.enter_async_context(
+                SessionClient(proxy.url("/v1/session"), reconnect=policy)
+            )
+            for _ in range(CLIENTS)
+        ]
         stop = asyncio.Event()
         cutter = asyncio.create_task(chaos(proxy, rng, stop))
         async with asyncio.timeout(DEADLINE):
-            results = await asyncio.gather(*(chat(proxy, i) for i in range(CLIENTS)))
+            results = await asyncio.gather(*(chat(c, i) for i, c in enumerate(clients)))
         stop.set()
         cuts = await cutter
     assert cuts > 0
