@@ -18,7 +18,7 @@ HAS_PICOWS = importlib.util.find_spec("picows") is not None
 
 def run_quick(out: Path) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, str(BENCH / "run.py"), "--quick", "--out", str(out)]
-    command += ["--clients", "2", "--seconds", "0.5", "--idle", "20", "--repeat", "1"]
+    command += ["--clients", "2", "--seconds", "0.5", "--idle", "200", "--repeat", "1"]
     command += ["--resume", "1000:2,10000:1"]
     return subprocess.run(command, capture_output=True, text=True, timeout=100, check=False)
 
@@ -51,11 +51,14 @@ def test_quick_run_reports_every_workload_for_every_server(tmp_path: Path) -> No
         ("latency, 200 msg/s over 32 connections", "msg/s achieved"),
         ("latency, 200 msg/s over 32 connections", "send → first chunk p99, ms"),
         ("latency, 200 msg/s over 32 connections", "send → done p999, ms"),
-        ("idle, 20 connections", "server RSS per connection, KiB"),
+        ("idle, 200 connections", "server RSS per connection, KiB"),
     ]
     assert set(expected) <= set(results)
     for portico, aiohttp, picows, *ratios in results.values():
-        assert "—" not in (portico, aiohttp, ratios[0])
+        assert "—" not in (portico, aiohttp)
+        # A ratio is left out only when the bare figure is zero: RSS may not grow at all
+        # for a few hundred connections when the allocator reuses freed pages.
+        assert ratios[0] != "—" or float(aiohttp.split()[0].replace(",", "")) == 0
         assert (picows != "—") is HAS_PICOWS
 
     diagnostics = {row[0]: row for row in table_rows(report, "Is the client the bottleneck?")}
