@@ -231,7 +231,7 @@ async def test_runtime_gets_history_of_earlier_turns() -> None:
     await run_turn(engine, user_message(content="second"))
     second = runtime.inputs[1]
     assert second.message.content == "second"
-    assert [(m.role, m.content) for m in second.history] == [
+    assert [(m.role, m.content) for m in await second.history()] == [
         ("user", "first"),
         ("assistant", "reply"),
     ]

@@ -80,13 +80,17 @@ def turn_input(
         updated_at=1.0,
     )
     directives = {} if scenario is None else {"mock_scenario": scenario}
+
+    async def read_history(before: Message) -> tuple[Message, ...]:
+        return history
+
     return TurnInput(
         session_id="s1",
         turn_id="t1",
         agent="default",
         owner="local",
         message=message,
-        history=history,
+        history_reader=read_history,
         directives=directives,
     )
 

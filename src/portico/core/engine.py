@@ -250,14 +250,13 @@ class Engine:
                 turn_offset=1,
             ),
         )
-        history = await self._history_before(stored)
         turn_input = TurnInput(
             session_id=session.id,
             turn_id=turn.id,
             agent=session.agent,
             owner=session.owner,
             message=stored,
-            history=history,
+            history_reader=self._history_before,
             directives=message.directives,
             declare=session.declare,
             media=self._media,
@@ -266,14 +265,14 @@ class Engine:
         )
         return turn, turn_input
 
-    async def _history_before(self, message: Message) -> tuple[Message, ...]:
-        """At most HISTORY_LIMIT messages before `message`, read in one query."""
-        earlier = message.global_offset - 1
+    async def _history_before(self, before: Message) -> tuple[Message, ...]:
+        """At most HISTORY_LIMIT messages before `before`, read in one query."""
+        earlier = before.global_offset - 1
         if not earlier:
             return ()
         start = max(0, earlier - HISTORY_LIMIT)
         found = await self.store.list_messages(
-            message.session_id, after_offset=start, limit=earlier - start
+            before.session_id, after_offset=start, limit=earlier - start
         )
         return tuple(found)
 

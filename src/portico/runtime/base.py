@@ -80,13 +80,20 @@ class MediaAccess(Protocol):
         """The bytes of a vetted part (stored upload, inline data or URL)."""
 
 
+class HistoryReader(Protocol):
+    async def __call__(self, before: Message) -> tuple[Message, ...]:
+        """The session's most recent messages before `before`, oldest first."""
+
+
 class TurnInput(msgspec.Struct, frozen=True, kw_only=True):
     session_id: str
     turn_id: str
     agent: str
     owner: str  # the principal the session belongs to
     message: Message
-    history: tuple[Message, ...]
+    # Read on demand: a runtime that never looks at the history (echo, scripted) must
+    # not pay an archive query per turn, which under load competes with the event loop.
+    history_reader: HistoryReader | None = None
     # Reserved metadata keys (`mock_scenario`, `content_type`, `omnia.*`): for the runtime only.
     directives: dict[str, str] = msgspec.field(default_factory=dict)
     declare: dict[str, Any] | None = None
@@ -95,6 +102,12 @@ class TurnInput(msgspec.Struct, frozen=True, kw_only=True):
     # server code and tool arguments, never instructions to the model.
     client_tools: tuple[ClientTool, ...] = ()
     context: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    async def history(self) -> tuple[Message, ...]:
+        """The session's messages before this turn's (the most recent few), oldest first."""
+        if self.history_reader is None:
+            return ()
+        return await self.history_reader(self.message)
 
     async def read_media(self, media: MediaContent) -> bytes:
         """The bytes of one of this turn's media parts."""

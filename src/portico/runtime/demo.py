@@ -27,7 +27,7 @@ HELP = (
 SLOW_TEXT = " ".join(f"step {n} of 40," for n in range(1, 41)) + " done."
 
 
-def _reply_for(text: str, turn: TurnInput) -> tuple[str, float]:
+async def _reply_for(text: str, turn: TurnInput) -> tuple[str, float]:
     """The reply and the delay factor for one user message."""
     lowered = text.strip().lower()
     if lowered in {"", "hi", "hello", "hey"} or re.fullmatch(r"(hi|hello|hey)\W*", lowered):
@@ -37,7 +37,7 @@ def _reply_for(text: str, turn: TurnInput) -> tuple[str, float]:
     if lowered.startswith("echo "):
         return text.strip()[5:], 1.0
     if lowered == "history":
-        earlier = len(turn.history)
+        earlier = len(await turn.history())
         return f"This session's archive holds {earlier} earlier messages before this one.", 1.0
     if lowered == "slow":
         return SLOW_TEXT, 5.0
@@ -55,7 +55,7 @@ class DemoRuntime:
         self._word_delay = word_delay
 
     async def run(self, turn: TurnInput) -> TurnStream:
-        reply, slowness = _reply_for(message_text(turn.message), turn)
+        reply, slowness = await _reply_for(message_text(turn.message), turn)
         words = reply.split(" ")
         for index, word in enumerate(words):
             yield Chunk(word if index == len(words) - 1 else word + " ")
