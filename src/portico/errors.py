@@ -246,3 +246,87 @@ class BufferOverflow(ResumeFailed):
 
     def __init__(self) -> None:
         super().__init__("the resend buffer overflowed", reason="buffer_overflow")
+
+
+# -- /v1/rpc (rpc-protocol.md section 6: lower-case codes, `details` per error) ----------
+
+
+class RpcError(PorticoError):
+    code = "internal"
+
+
+class InvalidRequest(RpcError):
+    """Bad params or frame; `details` names the field (`{"field": "params.limit"}`)."""
+
+    code = "invalid_request"
+    http_status = 400
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message, details=None if field is None else {"field": field})
+
+
+class MethodNotFound(RpcError):
+    code = "method_not_found"
+
+
+class RpcUnauthenticated(Unauthenticated):
+    code = "unauthenticated"
+    close_code = 4401
+
+
+class RpcNotFound(RpcError):
+    """Another user's entity is reported exactly like a missing one."""
+
+    entity: ClassVar[str] = "entity"
+
+    def __init__(self, entity_id: str) -> None:
+        super().__init__(f"{self.entity} {entity_id} not found")
+
+
+class SessionNotFound(RpcNotFound):
+    code = "session.not_found"
+    entity = "session"
+
+
+class MessageNotFound(RpcNotFound):
+    code = "message.not_found"
+    entity = "message"
+
+
+class TurnNotFound(RpcNotFound):
+    code = "turn.not_found"
+    entity = "turn"
+
+
+class RtcNotFound(RpcNotFound):
+    code = "rtc.not_found"
+    entity = "rtc"
+
+
+class SessionClosed(RpcError):
+    code = "session.closed"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id} is closed; open it before sending")
+
+
+class RtcInvalidTransition(RpcError):
+    code = "rtc.invalid_transition"
+
+
+class ClientIdConflict(RpcError):
+    """A repeated `client_id`; `details` holds the ids the first request created."""
+
+    code = "client_id_conflict"
+
+    def __init__(self, client_id: str, *, session_id: str, message_id: str) -> None:
+        super().__init__(
+            f"client_id {client_id} was already used",
+            details={"session_id": session_id, "message_id": message_id},
+        )
+
+
+class Forbidden(RpcError):
+    """The entity is the caller's, but another client (`client_id`) owns this step of it."""
+
+    code = "forbidden"

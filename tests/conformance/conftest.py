@@ -21,6 +21,7 @@ SHORT_PONG_TIMEOUT = 0.8
 SMALL_MAX_PAYLOAD = 65536
 SHORT_TOOL_ACK_TIMEOUT = 1.0
 SHORT_CLIENT_TOOL_TIMEOUT = 2.0
+RPC_USERS = 400
 
 Connect = Callable[..., Awaitable[OmniaClient]]
 
@@ -68,6 +69,26 @@ def short_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     ).start()
     yield process
     process.stop()
+
+
+def start_rpc_server(
+    tmp_path_factory: pytest.TempPathFactory, name: str, env: dict[str, str] | None = None
+) -> ServerProcess:
+    """A scripted server whose API keys `key-N` belong to `user-N`: a test takes users
+    of its own, so its update log holds exactly what it did."""
+    data_dir = tmp_path_factory.mktemp(name)
+    config = data_dir / "portico.yaml"
+    keys = {f"key-{n}": f"user-{n}" for n in range(RPC_USERS)}
+    config.write_text(
+        yaml.safe_dump(
+            {"auth": "apikey", "api_keys": keys, "runtime": "scripted", "script": str(SCRIPT)}
+        )
+    )
+    return ServerProcess(data_dir, args=("--config", str(config)), env=env).start()
+
+
+def rpc_url(server: ServerProcess) -> str:
+    return f"ws://127.0.0.1:{server.port}/v1/rpc"
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from portico.core.states import TurnState
-from support.archive import open_archive, wait_for_messages
+from support.archive import open_archive, wait_for_messages, wait_for_streaming_reply
 from support.omnia import OmniaClient, scenario
 from support.server import SCRIPT, ServerProcess
 
@@ -65,7 +65,7 @@ async def test_turns_left_running_by_a_killed_server_are_interrupted_at_start(
     session_id = (await client.connected())["session_id"]
     await client.send({"type": "message", "content": "slow", **scenario("slow")})
     await client.recv()
-    await wait_for_messages(server.archive_path, session_id, 1)
+    await wait_for_streaming_reply(server.archive_path, session_id)
     server.stop(signal.SIGKILL)
     server.start()
     try:
@@ -77,8 +77,10 @@ async def test_turns_left_running_by_a_killed_server_are_interrupted_at_start(
         await resumed.connected()
         frames = await resumed.ask("again", session_id=session_id)
         assert {f["session_id"] for f in frames} == {session_id}
-        messages = await wait_for_messages(server.archive_path, session_id, 3)
-        assert [m.global_offset for m in messages] == [1, 2, 3]
+        messages = await wait_for_messages(server.archive_path, session_id, 4)
+        assert [m.global_offset for m in messages] == [1, 2, 3, 4]
+        # The reply the kill cut short is marked failed, not left streaming forever.
+        assert (messages[1].role, messages[1].status) == ("assistant", "failed")
     finally:
         server.stop()
 

@@ -238,8 +238,16 @@ async def test_disconnect_during_a_tool_call_still_ends_the_turn(
     client = await connect_short()
     session_id, _ = await start_tool_turn(client)
     await client.ws.close()
-    messages = await wait_for_messages(short_archive_path, session_id, 2)
+    messages = await wait_for_messages(short_archive_path, session_id, 4)
     async with open_archive(short_archive_path) as store:
         (record,) = await store.list_tool_calls(session_id)
     assert record.outcome == "denied"
+    # The call and its outcome are archived as messages of the turn, before the reply.
+    assert [(m.role, m.content_type, m.turn_offset) for m in messages] == [
+        ("user", "text", 1),
+        ("assistant", "toolcall_input", 2),
+        ("tool", "toolcall_output", 3),
+        ("assistant", "markdown", 4),
+    ]
+    assert record.message_id == messages[1].id
     assert messages[-1].content.startswith("status=denied")

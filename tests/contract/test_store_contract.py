@@ -7,17 +7,31 @@ unopened store for a test's temporary directory.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from portico.core.model import ContentPart, MediaContent, Message, Session, ToolCallRecord, Turn
+from portico.core.model import (
+    ENTITY_KINDS,
+    ContentPart,
+    MediaContent,
+    Message,
+    MessageStatus,
+    Session,
+    ToolCallRecord,
+    Turn,
+    Update,
+    UpdateLog,
+)
 from portico.core.states import ToolCallState, TurnState
 from portico.errors import StoreError
-from portico.store.base import Store
+from portico.store import sqlite as sqlite_backend
+from portico.store.base import Store, collecting_updates
 from portico.store.memory import MemoryStore
 from portico.store.sqlite import MIGRATIONS, SqliteStore
 
@@ -498,3 +512,674 @@ async def test_begin_turn_for_a_missing_session_writes_nothing(store: Store) -> 
         await store.begin_turn(make_turn("t1", session_id="missing"), make_message("missing"))
     assert await store.get_turn("t1") is None
     assert await store.list_messages("missing") == []
+
+
+# -- the update log: what each write logs -------------------------------------------
+
+Item = tuple[str, str, str]
+
+
+def items_of(update: Update) -> list[Item]:
+    return [(item.entity, item.action, item.entity_id) for item in update.items]
+
+
+def assert_well_formed(update: Update) -> None:
+    """One entity per item, of the item's kind and id."""
+    assert len(update.data_list) == len(update.items)
+    for item, entity in zip(update.items, update.data_list, strict=True):
+        assert (ENTITY_KINDS[type(entity)], entity.id) == (item.entity, item.entity_id)
+
+
+async def only_update(store: Store, write: Awaitable[object]) -> Update:
+    """The one update `write` logged, checked against what the log replays."""
+    with collecting_updates() as collected:
+        await write
+    assert len(collected) == 1
+    (update,) = collected
+    assert_well_formed(update)
+    replayed = await store.list_updates(update.owner, after_offset=update.offset - 1, limit=10)
+    assert replayed == [update]
+    return update
+
+
+async def no_update(store: Store, write: Awaitable[object], *, owner: str = "alice") -> None:
+    """`write` fails and logs nothing: no update collected, no offset taken."""
+    before = await store.update_log(owner)
+    with collecting_updates() as collected, pytest.raises(StoreError):
+        await write
+    assert collected == []
+    assert await store.update_log(owner) == before
+
+
+async def all_updates(store: Store, owner: str) -> list[Update]:
+    return await store.list_updates(owner, after_offset=0, limit=10_000)
+
+
+async def test_create_session_logs_session_created_once(store: Store) -> None:
+    session = make_session()
+    update = await only_update(store, store.create_session(session))
+    assert (update.owner, update.offset) == ("alice", 1)
+    assert items_of(update) == [("session", "created", "s1")]
+    assert update.data_list == (session,)
+    assert update.id
+    assert update.created_at == pytest.approx(time.time(), abs=60)
+
+    # An existing id changes nothing, so it logs nothing, for either owner.
+    with collecting_updates() as collected:
+        await store.create_session(make_session(owner="mallory"))
+    assert collected == []
+    assert (await store.update_log("alice")).last_offset == 1
+    assert (await store.update_log("mallory")).last_offset == 0
+
+
+async def test_touch_session_logs_session_updated(store: Store) -> None:
+    await store.create_session(make_session())
+    update = await only_update(store, store.touch_session("s1", 42.5))
+    assert items_of(update) == [("session", "updated", "s1")]
+    assert update.data_list == (await store.get_session("s1"),)
+    assert update.offset == 2
+
+    with collecting_updates() as collected:
+        await store.touch_session("ghost", 1.0)
+    assert collected == []
+
+
+async def test_update_session_replaces_and_logs(store: Store) -> None:
+    await store.create_session(make_session())
+    changed = msgspec.structs.replace(
+        make_session(), title="Renamed", status="closed", closed_at=7.0, updated_at=7.0
+    )
+    update = await only_update(store, store.update_session(changed))
+    assert items_of(update) == [("session", "updated", "s1")]
+    assert update.data_list == (changed,)
+    assert await store.get_session("s1") == changed
+    assert await store.update_session(changed) == changed
+
+
+async def test_update_missing_session_is_a_store_error(store: Store) -> None:
+    await store.create_session(make_session())
+    await no_update(store, store.update_session(make_session("ghost")))
+    assert await store.get_session("ghost") is None
+
+
+async def test_append_message_logs_message_created(store: Store) -> None:
+    await store.create_session(make_session())
+    update = await only_update(store, store.append_message(make_message(n=1)))
+    assert items_of(update) == [("message", "created", "s1-m1")]
+    assert update.data_list == tuple(await store.list_messages("s1"))
+    (message,) = update.data_list
+    assert isinstance(message, Message)
+    assert message.global_offset == 1
+
+
+async def test_begin_turn_logs_message_turn_and_session_in_one_update(store: Store) -> None:
+    await store.create_session(make_session())
+    turn = make_turn("t1")
+    message = msgspec.structs.replace(make_message(n=1), turn_id="t1", created_at=500.0)
+    update = await only_update(store, store.begin_turn(turn, message))
+    assert items_of(update) == [
+        ("message", "created", "s1-m1"),
+        ("turn", "created", "t1"),
+        ("session", "updated", "s1"),
+    ]
+    session = await store.get_session("s1")
+    assert session is not None
+    assert session.last_activity_at == 500.0
+    assert update.data_list == (*(await store.list_messages("s1")), turn, session)
+
+
+async def test_save_turn_logs_created_then_updated(store: Store) -> None:
+    await store.create_session(make_session())
+    turn = make_turn("t1")
+    created = await only_update(store, store.create_turn(turn))
+    assert items_of(created) == [("turn", "created", "t1")]
+    assert created.data_list == (turn,)
+
+    running = msgspec.structs.replace(turn, state=TurnState.RUNNING, started_at=2.0)
+    updated = await only_update(store, store.save_turn(running))
+    assert items_of(updated) == [("turn", "updated", "t1")]
+    assert updated.data_list == (running,)
+    assert (created.offset, updated.offset) == (2, 3)
+
+
+async def test_save_tool_call_logs_rtc_created_then_updated(store: Store) -> None:
+    await store.create_session(make_session())
+    call = make_tool_call("c1")
+    created = await only_update(store, store.save_tool_call(call))
+    assert items_of(created) == [("rtc", "created", "c1")]
+    assert created.data_list == (call,)
+
+    done = msgspec.structs.replace(
+        call, state=ToolCallState.COMPLETED, result={"city": "Oslo"}, updated_at=2.0
+    )
+    updated = await only_update(store, store.save_tool_call(done))
+    assert items_of(updated) == [("rtc", "updated", "c1")]
+    assert updated.data_list == (done,)
+
+
+def make_reply(session_id: str, n: int, status: MessageStatus) -> Message:
+    return msgspec.structs.replace(
+        make_message(session_id, n=n), role="assistant", content=f"partial {n}", status=status
+    )
+
+
+async def test_interrupt_logs_one_update_per_owner(store: Store) -> None:
+    await store.create_session(make_session("s1", owner="alice"))
+    await store.create_session(make_session("s2", owner="alice"))
+    await store.create_session(make_session("s3", owner="bob"))
+    await store.create_turn(make_turn("done", state=TurnState.COMPLETED, at=1.0))
+    await store.create_turn(make_turn("a1", at=2.0))
+    await store.create_turn(make_turn("a2", session_id="s2", state=TurnState.RUNNING, at=3.0))
+    await store.create_turn(make_turn("b1", session_id="s3", at=4.0))
+    cut = await store.append_message(make_reply("s2", 1, "streaming"))
+    finished = await store.append_message(make_reply("s1", 2, "completed"))
+    before = {owner: (await store.update_log(owner)).last_offset for owner in ("alice", "bob")}
+
+    with collecting_updates() as collected:
+        assert await store.interrupt_unfinished_turns(50.0) == 3
+
+    by_owner = {update.owner: update for update in collected}
+    assert len(collected) == len(by_owner) == 2
+    expected = {
+        "alice": [
+            ("message", "updated", cut.id),
+            ("turn", "updated", "a1"),
+            ("turn", "updated", "a2"),
+        ],
+        "bob": [("turn", "updated", "b1")],
+    }
+    for owner, owner_items in expected.items():
+        update = by_owner[owner]
+        assert_well_formed(update)
+        assert update.offset == before[owner] + 1
+        assert sorted(items_of(update)) == owner_items
+        assert (await all_updates(store, owner))[-1] == update
+        for entity in update.data_list:
+            if isinstance(entity, Turn):
+                assert entity.state is TurnState.INTERRUPTED
+                assert await store.get_turn(entity.id) == entity
+    # The reply cut short is failed and keeps its content; a finished one is untouched.
+    failed = msgspec.structs.replace(cut, status="failed", updated_at=50.0)
+    assert await store.get_message(cut.id) == failed
+    assert failed in by_owner["alice"].data_list
+    assert await store.get_message(finished.id) == finished
+
+    with collecting_updates() as collected:
+        assert await store.interrupt_unfinished_turns(60.0) == 0
+    assert collected == []
+
+
+# -- the update log: offsets, failures, collectors, listener -------------------------
+
+
+async def test_update_offsets_have_no_gaps_under_concurrent_writes(store: Store) -> None:
+    await store.create_session(make_session())
+
+    async def append_collecting(n: int) -> tuple[Message, list[Update]]:
+        with collecting_updates() as collected:
+            return await store.append_message(make_message(n=n)), collected
+
+    results = await asyncio.gather(*(append_collecting(n) for n in range(50)))
+    log = await all_updates(store, "alice")
+    assert [update.offset for update in log] == list(range(1, 52))
+    # Each concurrent writer collected exactly its own update.
+    for message, collected in results:
+        assert [items_of(update) for update in collected] == [[("message", "created", message.id)]]
+        assert collected[0] in log
+    assert await store.update_log("alice") == UpdateLog(
+        epoch=(await store.update_log("alice")).epoch, last_offset=51, first_offset=1
+    )
+
+
+async def test_update_offsets_are_per_owner(store: Store) -> None:
+    await store.create_session(make_session("s1", owner="alice"))
+    await store.create_session(make_session("s2", owner="bob"))
+    await asyncio.gather(
+        *(store.append_message(make_message(f"s{1 + n % 2}", n=n)) for n in range(30))
+    )
+    for owner, session_id in (("alice", "s1"), ("bob", "s2")):
+        log = await all_updates(store, owner)
+        assert [update.offset for update in log] == list(range(1, 17))
+        assert {update.owner for update in log} == {owner}
+        messages = [e for update in log[1:] for e in update.data_list]
+        assert messages == await store.list_messages(session_id)
+    assert await all_updates(store, "carol") == []
+
+
+async def test_failing_writes_log_nothing_and_take_no_offset(store: Store) -> None:
+    await store.create_session(make_session())
+    await store.append_message(make_message(n=1))
+    with collecting_updates() as collected:
+        results = await asyncio.gather(
+            store.append_message(make_message(n=2)),
+            store.append_message(make_message("no-such-session", n=3)),
+            store.begin_turn(make_turn("t9", session_id="missing"), make_message("missing")),
+            store.append_message(make_message(n=4)),
+            return_exceptions=True,
+        )
+    assert isinstance(results[1], StoreError)
+    assert isinstance(results[2], StoreError)
+    assert [update.offset for update in collected] == [3, 4]
+
+    await no_update(store, store.fork_session(make_session(), [make_message(n=5)]))
+    await no_update(store, store.update_message(make_message(n=99)))
+    assert [update.offset for update in await all_updates(store, "alice")] == [1, 2, 3, 4]
+    assert (await store.append_message(make_message(n=6))).global_offset == 4
+    assert (await store.update_log("alice")).last_offset == 5
+
+
+async def test_collecting_updates_gets_only_the_writes_awaited_inside(store: Store) -> None:
+    await store.create_session(make_session("s1", owner="alice"))
+    await store.create_session(make_session("s2", owner="bob"))
+    # Started outside the block: its context has no collector, wherever it is awaited.
+    outside = asyncio.create_task(store.append_message(make_message("s2", n=1)))
+    with collecting_updates() as collected:
+        await store.append_message(make_message("s1", n=1))
+        await asyncio.gather(
+            store.touch_session("s1", 5.0), store.append_message(make_message("s2", n=2))
+        )
+        await outside
+    await store.append_message(make_message("s1", n=3))
+
+    assert sorted((u.owner, items_of(u)[0]) for u in collected) == [
+        ("alice", ("message", "created", "s1-m1")),
+        ("alice", ("session", "updated", "s1")),
+        ("bob", ("message", "created", "s2-m2")),
+    ]
+    logged = [*await all_updates(store, "alice"), *await all_updates(store, "bob")]
+    assert all(update in logged for update in collected)
+
+
+async def test_nested_collectors_each_see_their_own_writes(store: Store) -> None:
+    await store.create_session(make_session())
+    with collecting_updates() as outer:
+        await store.append_message(make_message(n=1))
+        with collecting_updates() as inner:
+            await store.append_message(make_message(n=2))
+        await store.append_message(make_message(n=3))
+    assert [items_of(u)[0][2] for u in inner] == ["s1-m2"]
+    assert [items_of(u)[0][2] for u in outer] == ["s1-m1", "s1-m3"]
+
+
+async def test_listener_receives_every_update_in_order(store: Store) -> None:
+    received: list[Update] = []
+    store.set_update_listener(received.append)
+    await store.create_session(make_session("s1", owner="alice"))
+    await store.create_session(make_session("s2", owner="bob"))
+    await asyncio.gather(
+        *(store.append_message(make_message(f"s{1 + n % 2}", n=n)) for n in range(20)),
+        store.begin_turn(make_turn("t1"), make_message(n=100)),
+        store.save_tool_call(make_tool_call("c1")),
+    )
+    await store.interrupt_unfinished_turns(9.0)
+    for owner in ("alice", "bob"):
+        mine = [update for update in received if update.owner == owner]
+        assert mine == await all_updates(store, owner)
+    assert len(received) == 25
+
+    store.set_update_listener(None)
+    await store.touch_session("s1", 10.0)
+    assert len(received) == 25
+
+
+async def test_a_failing_listener_is_logged_and_breaks_nothing(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(update: Update) -> None:
+        raise RuntimeError("listener bug")
+
+    store.set_update_listener(broken)
+    with caplog.at_level(logging.WARNING), collecting_updates() as collected:
+        await store.create_session(make_session())
+        stored = await store.append_message(make_message(n=1))
+    assert stored.global_offset == 1
+    assert [update.offset for update in collected] == [1, 2]
+    assert any(record.levelno >= logging.WARNING for record in caplog.records)
+    assert await store.get_session("s1") is not None
+
+
+# -- the update log: log position, replay, pruning, epoch ----------------------------
+
+
+async def test_update_log_of_an_owner_without_updates(store: Store) -> None:
+    log = await store.update_log("nobody")
+    assert log.epoch
+    assert (log.last_offset, log.first_offset) == (0, 1)
+    assert await all_updates(store, "nobody") == []
+
+
+async def test_list_updates_after_offset_and_limit(store: Store) -> None:
+    await store.create_session(make_session())
+    await append_many(store, "s1", 4)
+    log = await all_updates(store, "alice")
+    assert [update.offset for update in log] == [1, 2, 3, 4, 5]
+    assert await store.list_updates("alice", after_offset=2, limit=2) == log[2:4]
+    assert await store.list_updates("alice", after_offset=5, limit=10) == []
+    assert await store.list_updates("alice", after_offset=0, limit=0) == []
+    assert await store.list_updates("bob", after_offset=0, limit=10) == []
+
+
+async def test_prune_updates_keeps_the_last_offset(store: Store) -> None:
+    await store.create_session(make_session("s1", owner="alice"))
+    await store.append_message(make_message(n=1))
+    await store.create_session(make_session("s2", owner="bob"))
+    await asyncio.sleep(0.01)
+    cutoff = time.time()
+    await asyncio.sleep(0.01)
+    await store.append_message(make_message(n=2))
+    await store.append_message(make_message(n=3))
+
+    assert await store.prune_updates(cutoff) == 3
+    alice = await store.update_log("alice")
+    assert (alice.last_offset, alice.first_offset) == (4, 3)
+    assert [u.offset for u in await all_updates(store, "alice")] == [3, 4]
+    bob = await store.update_log("bob")
+    assert (bob.last_offset, bob.first_offset) == (1, 2)
+
+    assert await store.prune_updates(time.time() + 60) == 2
+    alice = await store.update_log("alice")
+    assert (alice.last_offset, alice.first_offset) == (4, 5)
+    assert await all_updates(store, "alice") == []
+    # Offsets go on from where they were, never reused.
+    update = await only_update(store, store.touch_session("s1", 1.0))
+    assert update.offset == 5
+    assert await store.prune_updates(0.0) == 0
+
+
+@pytest.mark.parametrize("factory", BACKENDS)
+async def test_a_fresh_store_has_a_fresh_epoch(factory: StoreFactory, tmp_path: Path) -> None:
+    epochs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        backend = await factory(tmp_path / name)
+        await backend.open()
+        try:
+            epochs.append((await backend.update_log("alice")).epoch)
+            await backend.create_session(make_session())
+            assert (await backend.update_log("alice")).epoch == epochs[-1]
+        finally:
+            await backend.close()
+    assert all(epochs)
+    assert epochs[0] != epochs[1]
+
+
+# -- sessions: paging, replace, fork --------------------------------------------------
+
+
+def ids(entities: list[Session] | list[Turn] | list[ToolCallRecord]) -> list[str]:
+    return [entity.id for entity in entities]
+
+
+async def test_list_sessions_pages_with_a_cursor(store: Store) -> None:
+    for session_id, created_at in (("a1", 1.0), ("a2", 2.0), ("a3", 2.0), ("a4", 3.0)):
+        await store.create_session(make_session(session_id, owner="alice", created_at=created_at))
+    await store.create_session(make_session("a5", owner="alice", created_at=4.0))
+    await store.create_session(make_session("b1", owner="bob", created_at=2.5))
+
+    assert ids(await store.list_sessions("alice", limit=2)) == ["a5", "a4"]
+    # Equal created_at: the greater id first.
+    assert ids(await store.list_sessions("alice", limit=2, cursor="a4")) == ["a3", "a2"]
+    assert ids(await store.list_sessions("alice", limit=2, cursor="a2")) == ["a1"]
+    assert await store.list_sessions("alice", limit=2, cursor="a1") == []
+    assert await store.list_sessions("alice", limit=2, cursor="unknown") == []
+    assert ids(await store.list_sessions("bob", limit=5)) == ["b1"]
+
+
+async def test_list_sessions_can_hide_deleted_sessions(store: Store) -> None:
+    for n in range(1, 5):
+        await store.create_session(make_session(f"a{n}", created_at=float(n)))
+    deleted = await store.update_session(
+        msgspec.structs.replace(make_session("a3", created_at=3.0), deleted_at=9.0)
+    )
+    assert deleted.deleted_at == 9.0
+
+    assert ids(await store.list_sessions("alice", limit=10)) == ["a4", "a3", "a2", "a1"]
+    visible = await store.list_sessions("alice", limit=2, include_deleted=False)
+    assert ids(visible) == ["a4", "a2"]
+    rest = await store.list_sessions("alice", limit=2, cursor="a2", include_deleted=False)
+    assert ids(rest) == ["a1"]
+
+
+async def test_fork_session_creates_and_appends_in_one_update(store: Store) -> None:
+    await store.create_session(make_session("s1"))
+    await append_many(store, "s1", 3)
+    fork = msgspec.structs.replace(
+        make_session("s2", created_at=300.0), parent_session_id="s1", root_session_id="s1"
+    )
+    copies = [make_message("s2", n=n) for n in range(2)]
+
+    with collecting_updates() as collected:
+        stored = await store.fork_session(fork, copies)
+
+    assert stored == [
+        msgspec.structs.replace(message, global_offset=n + 1) for n, message in enumerate(copies)
+    ]
+    assert await store.get_session("s2") == fork
+    assert await store.list_messages("s2") == stored
+    assert len(collected) == 1
+    (update,) = collected
+    assert items_of(update) == [
+        ("session", "created", "s2"),
+        ("message", "created", "s2-m0"),
+        ("message", "created", "s2-m1"),
+    ]
+    assert update.data_list == (fork, *stored)
+    assert await store.list_updates("alice", after_offset=update.offset - 1, limit=5) == [update]
+    assert (await store.append_message(make_message("s2", n=7))).global_offset == 3
+
+
+async def test_fork_onto_an_existing_id_writes_nothing(store: Store) -> None:
+    original = await store.create_session(make_session("s1"))
+    await append_many(store, "s1", 2)
+    clash = msgspec.structs.replace(make_session("s1"), title="fork")
+    await no_update(store, store.fork_session(clash, [make_message("s1", n=5)]))
+    assert await store.get_session("s1") == original
+    assert offsets(await store.list_messages("s1")) == [1, 2]
+
+
+async def test_fork_without_messages(store: Store) -> None:
+    assert await store.fork_session(make_session("s2"), []) == []
+    (update,) = await all_updates(store, "alice")
+    assert items_of(update) == [("session", "created", "s2")]
+
+
+# -- messages: update, get, find by client id ----------------------------------------
+
+
+async def test_update_message_replaces_content_and_keeps_offsets(store: Store) -> None:
+    await store.create_session(make_session())
+    await append_many(store, "s1", 2)
+    original = await store.append_message(
+        msgspec.structs.replace(
+            make_message(n=5), role="assistant", status="streaming", turn_id="t1", turn_offset=2
+        )
+    )
+    change = msgspec.structs.replace(
+        original,
+        content="final answer",
+        parts=(ContentPart(type="text", text="final answer"),),
+        status="completed",
+        metadata={"finish": "stop"},
+        updated_at=999.0,
+        global_offset=0,
+        turn_offset=0,
+    )
+    update = await only_update(store, store.update_message(change))
+    expected = msgspec.structs.replace(change, global_offset=3, turn_offset=2)
+    assert items_of(update) == [("message", "updated", original.id)]
+    assert update.data_list == (expected,)
+    assert await store.get_message(original.id) == expected
+    assert (await store.list_messages("s1"))[-1] == expected
+    assert await store.update_message(change) == expected
+
+
+async def test_update_missing_message_is_a_store_error(store: Store) -> None:
+    await store.create_session(make_session())
+    await no_update(store, store.update_message(make_message(n=1)))
+    assert await store.get_message("s1-m1") is None
+
+
+async def test_get_message(store: Store) -> None:
+    await store.create_session(make_session())
+    stored = await append_many(store, "s1", 2)
+    assert await store.get_message("s1-m1") == stored[1]
+    assert await store.get_message("nope") is None
+
+
+async def test_find_message_by_client_id_is_scoped_by_owner(store: Store) -> None:
+    await store.create_session(make_session("s1", owner="alice"))
+    await store.create_session(make_session("s2", owner="bob"))
+    await store.append_message(make_message("s1", n=0))  # no client id
+    mine = await store.append_message(
+        msgspec.structs.replace(make_message("s1", n=1), client_id="c-1")
+    )
+    theirs = await store.append_message(
+        msgspec.structs.replace(make_message("s2", n=1), client_id="c-2")
+    )
+    assert await store.find_message_by_client_id("alice", "c-1") == mine
+    assert await store.find_message_by_client_id("bob", "c-2") == theirs
+    assert await store.find_message_by_client_id("bob", "c-1") is None
+    assert await store.find_message_by_client_id("alice", "c-2") is None
+    assert await store.find_message_by_client_id("alice", "") is None
+    assert await store.find_message_by_client_id("alice", "unknown") is None
+
+
+# -- turns and tool calls: newest-first pages -----------------------------------------
+
+
+async def test_page_turns_newest_first_with_a_cursor(store: Store) -> None:
+    for session_id in ("s1", "s2"):
+        await store.create_session(make_session(session_id))
+    for turn_id, at in (("t1", 1.0), ("t2", 2.0), ("t3", 2.0), ("t4", 3.0)):
+        await store.create_turn(make_turn(turn_id, at=at))
+    await store.create_turn(make_turn("other", session_id="s2", at=2.5))
+    # Saving again keeps the creation order among equal timestamps.
+    await store.save_turn(make_turn("t2", state=TurnState.RUNNING, at=2.0))
+
+    assert ids(await store.page_turns("s1", limit=2)) == ["t4", "t3"]
+    assert ids(await store.page_turns("s1", limit=2, cursor="t3")) == ["t2", "t1"]
+    assert await store.page_turns("s1", limit=2, cursor="t1") == []
+    assert await store.page_turns("s1", limit=2, cursor="unknown") == []
+    assert ids(await store.page_turns("s1", limit=10)) == ["t4", "t3", "t2", "t1"]
+    assert ids(await store.page_turns("s2", limit=10)) == ["other"]
+    assert await store.page_turns("s3", limit=10) == []
+    running = await store.page_turns("s1", limit=1, cursor="t3")
+    assert running == [make_turn("t2", state=TurnState.RUNNING, at=2.0)]
+
+
+async def test_page_tool_calls_newest_first_with_a_cursor(store: Store) -> None:
+    for session_id in ("s1", "s2"):
+        await store.create_session(make_session(session_id))
+    for call_id, at in (("c1", 1.0), ("c2", 2.0), ("c3", 2.0), ("c4", 3.0)):
+        await store.save_tool_call(make_tool_call(call_id, at=at))
+    await store.save_tool_call(make_tool_call("other", "s2", at=2.5))
+    done = msgspec.structs.replace(make_tool_call("c2", at=2.0), state=ToolCallState.COMPLETED)
+    await store.save_tool_call(done)
+
+    assert ids(await store.page_tool_calls("s1", limit=2)) == ["c4", "c3"]
+    assert await store.page_tool_calls("s1", limit=2, cursor="c3") == [
+        done,
+        make_tool_call("c1", at=1.0),
+    ]
+    assert await store.page_tool_calls("s1", limit=2, cursor="c1") == []
+    assert await store.page_tool_calls("s1", limit=2, cursor="unknown") == []
+    assert ids(await store.page_tool_calls("s2", limit=10)) == ["other"]
+
+
+# -- the update log, SQLite only ------------------------------------------------------
+
+
+async def test_sqlite_epoch_and_log_survive_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "archive.db"
+    first = await open_sqlite(path)
+    await first.create_session(make_session())
+    await append_many(first, "s1", 2)
+    log = await first.update_log("alice")
+    updates = await all_updates(first, "alice")
+    await first.close()
+
+    second = await open_sqlite(path)
+    try:
+        assert await second.update_log("alice") == log
+        assert await all_updates(second, "alice") == updates
+        update = await only_update(second, second.touch_session("s1", 5.0))
+        assert update.offset == log.last_offset + 1
+    finally:
+        await second.close()
+
+
+async def test_sqlite_pruned_log_keeps_its_last_offset_across_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "archive.db"
+    first = await open_sqlite(path)
+    await first.create_session(make_session())
+    await append_many(first, "s1", 2)
+    assert await first.prune_updates(time.time() + 60) == 3
+    await first.close()
+
+    second = await open_sqlite(path)
+    try:
+        log = await second.update_log("alice")
+        assert (log.last_offset, log.first_offset) == (3, 4)
+        update = await only_update(second, second.append_message(make_message(n=5)))
+        assert update.offset == 4
+        assert (await second.update_log("alice")).first_offset == 4
+    finally:
+        await second.close()
+
+
+async def test_sqlite_migrates_a_database_of_the_previous_schema(tmp_path: Path) -> None:
+    path = tmp_path / "archive.db"
+    conn = sqlite3.connect(path)
+    try:
+        # Version 2 is the schema before the update log.
+        for version, script in enumerate(MIGRATIONS[:2], start=1):
+            conn.executescript(f"BEGIN; {script}; PRAGMA user_version = {version}; COMMIT;")
+        placeholders = ", ".join("?" * 6)
+        conn.execute(
+            "INSERT INTO sessions (id, owner, agent, created_at, updated_at, last_activity_at) "
+            f"VALUES ({placeholders})",
+            ("s1", "alice", "default", 100.0, 100.0, 100.0),
+        )
+        conn.commit()
+    finally:
+        conn.close()
+
+    store = await open_sqlite(path)
+    try:
+        assert user_version(path) == len(MIGRATIONS)
+        assert await store.get_session("s1") == make_session()
+        log = await store.update_log("alice")
+        assert log.epoch
+        assert (log.last_offset, log.first_offset) == (0, 1)
+        update = await only_update(store, store.append_message(make_message(n=1)))
+        assert update.offset == 1
+    finally:
+        await store.close()
+
+
+def _append_then_fail(conn: sqlite3.Connection, out: list[Update]) -> None:
+    sqlite_backend._append_message(conn, out, make_message(n=50))
+    raise RuntimeError("fails after its update was logged")
+
+
+async def test_sqlite_write_failing_after_logging_rolls_its_update_back(tmp_path: Path) -> None:
+    store = await open_sqlite(tmp_path / "archive.db")
+    received: list[Update] = []
+    store.set_update_listener(received.append)
+    try:
+        await store.create_session(make_session())
+        with collecting_updates() as collected:
+            # Queued in one loop iteration, so they share one group-commit transaction.
+            results = await asyncio.gather(
+                store.append_message(make_message(n=1)),
+                store._write(_append_then_fail),
+                store.append_message(make_message(n=2)),
+                return_exceptions=True,
+            )
+        assert isinstance(results[1], StoreError)
+        assert [update.offset for update in collected] == [2, 3]
+        assert [update.offset for update in received] == [1, 2, 3]
+        assert [update.offset for update in await all_updates(store, "alice")] == [1, 2, 3]
+        assert offsets(await store.list_messages("s1")) == [1, 2]
+    finally:
+        await store.close()

@@ -25,11 +25,27 @@ async def open_archive(path: Path) -> AsyncIterator[SqliteStore]:
 async def wait_for_messages(
     path: Path, session_id: str, count: int, within: float = 10.0
 ) -> list[Message]:
-    """Poll until the session holds `count` messages (the server writes asynchronously)."""
+    """Poll until the session holds `count` messages, none of them still streaming
+    (the server writes asynchronously)."""
     deadline = time.monotonic() + within
     while True:
         async with open_archive(path) as store:
             messages = await store.list_messages(session_id)
-        if len(messages) >= count or time.monotonic() > deadline:
+        settled = all(m.status != "streaming" for m in messages)
+        if (len(messages) >= count and settled) or time.monotonic() > deadline:
             return messages
+        await asyncio.sleep(0.05)
+
+
+async def wait_for_streaming_reply(path: Path, session_id: str, within: float = 10.0) -> Message:
+    """Poll until the session's reply in progress is archived as `streaming`."""
+    deadline = time.monotonic() + within
+    while True:
+        async with open_archive(path) as store:
+            messages = await store.list_messages(session_id)
+        streaming = [m for m in messages if m.status == "streaming"]
+        if streaming:
+            return streaming[0]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no streaming reply in {session_id}: {messages}")
         await asyncio.sleep(0.05)

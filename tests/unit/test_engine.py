@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import pytest
 
 from portico.config import AgentSettings
 from portico.core.engine import Engine, UserMessage
 from portico.core.events import TERMINAL_EVENTS, TurnChunk, TurnCompleted, TurnEvent, TurnFailed
-from portico.core.model import Turn
+from portico.core.model import Message, Turn
 from portico.core.states import TurnState
 from portico.errors import (
     SessionDeclarationRefused,
@@ -58,8 +59,10 @@ class GatedRuntime:
     def __init__(self) -> None:
         self.streaming = asyncio.Event()
         self.release = asyncio.Event()
+        self.inputs: list[TurnInput] = []
 
     async def run(self, turn: TurnInput) -> TurnStream:
+        self.inputs.append(turn)
         yield Chunk("partial ")
         self.streaming.set()
         await self.release.wait()
@@ -171,11 +174,14 @@ async def wait_for(event: asyncio.Event) -> None:
 async def test_listener_gets_chunks_then_one_terminal_event() -> None:
     engine = make_engine(ListRuntime(Chunk("Hello "), Chunk("world"), Done()))
     turn, recorder = await run_turn(engine, user_message())
+    reply = (await engine.store.list_messages("s1"))[-1]
     assert recorder.events == [
-        TurnChunk("s1", turn.id, "Hello "),
-        TurnChunk("s1", turn.id, "world"),
+        TurnChunk("s1", turn.id, "Hello ", reply.id, 0),
+        TurnChunk("s1", turn.id, "world", reply.id, 1),
         TurnCompleted("s1", turn.id, "Hello world"),
     ]
+    # The chunks name the archived reply, opened while streaming and completed at the end.
+    assert (reply.role, reply.content, reply.status) == ("assistant", "Hello world", "completed")
 
 
 async def test_messages_are_archived_with_offsets_one_and_two() -> None:
@@ -272,7 +278,8 @@ async def test_second_submit_while_running_is_refused_and_archives_nothing() -> 
     await wait_for(runtime.streaming)
     with pytest.raises(TurnInProgress):
         await engine.submit(user_message(content="second"), Recorder())
-    assert [m.content for m in await engine.store.list_messages("s1")] == ["first"]
+    messages = await engine.store.list_messages("s1")
+    assert [m.content for m in messages if m.role == "user"] == ["first"]
     assert len(await engine.store.list_turns("s1")) == 1
     runtime.release.set()
     assert await engine.wait_idle(WAIT)
@@ -349,9 +356,9 @@ async def test_turn_finishes_and_is_archived_after_its_listener_detaches() -> No
     engine.detach("s1", recorder)
     runtime.release.set()
     assert await engine.wait_idle(WAIT)
-    assert recorder.events == [TurnChunk("s1", turn.id, "partial ")]
-    assert await stored_state(engine, turn) is TurnState.COMPLETED
     reply = (await engine.store.list_messages("s1"))[-1]
+    assert recorder.events == [TurnChunk("s1", turn.id, "partial ", reply.id, 0)]
+    assert await stored_state(engine, turn) is TurnState.COMPLETED
     assert (reply.global_offset, reply.content) == (2, "partial rest")
 
 
@@ -403,6 +410,7 @@ async def test_shutdown_interrupts_running_turns() -> None:
 
 async def test_start_interrupts_turns_left_unfinished_in_the_archive() -> None:
     engine = make_engine(ListRuntime(Done()))
+    await engine.open_session(principal="alice", agent="default", session_id="s0")
     turn = Turn(id="old", session_id="s0", state=TurnState.RUNNING, created_at=1.0)
     await engine.store.create_turn(turn)
     await engine.start()
@@ -519,3 +527,68 @@ async def test_tool_call_is_denied_by_the_default_broker() -> None:
     assert runtime.outcome is not None
     assert runtime.outcome.status == "denied"
     assert recorder.terminals() == [TurnCompleted("s1", turn.id, "tool denied")]
+
+
+# -- compaction and the RPC backlog ------------------------------------------------------------
+
+
+async def summary_of(engine: Engine, session_id: str, nth: int = 1) -> Message:
+    """The session's `nth` summary, once the compaction has written it."""
+    async with asyncio.timeout(WAIT):
+        while True:
+            messages = await engine.store.list_messages(session_id)
+            summaries = [m for m in messages if m.content_type == "summary"]
+            if len(summaries) >= nth:
+                return summaries[nth - 1]
+            await asyncio.sleep(0.01)
+
+
+async def test_history_after_a_compaction_starts_at_the_summary() -> None:
+    runtime = ListRuntime(Chunk("reply"), Done())
+    engine = make_engine(runtime)
+    await run_turn(engine, user_message(content="first"))
+    session = await engine.store.get_session("s1")
+    assert session is not None
+    assert engine.compact(session, "") is True
+    summary = await summary_of(engine, "s1")
+    assert msgspec.json.decode(summary.content) == [
+        {"role": "user", "text": "first"},
+        {"role": "assistant", "text": "reply"},
+    ]
+    await run_turn(engine, user_message(content="second"))
+    history = await runtime.inputs[-1].history()
+    assert [m.content_type for m in history] == ["summary"]
+    # A second compaction folds the first summary's items into the new one.
+    assert engine.compact(session, "keep it short") is True
+    newer = await summary_of(engine, "s1", nth=2)
+    items = msgspec.json.decode(newer.content)
+    assert items[0] == {"role": "instruction", "text": "keep it short"}
+    assert items[1:3] == [{"role": "user", "text": "first"}, {"role": "assistant", "text": "reply"}]
+    assert items[-2:] == [
+        {"role": "user", "text": "second"},
+        {"role": "assistant", "text": "reply"},
+    ]
+
+
+async def test_enqueued_messages_wait_for_the_running_turn_and_merge() -> None:
+    runtime = GatedRuntime()
+    engine = make_engine(runtime)
+    session = await engine.open_session(principal="alice", agent="default", session_id="s1")
+    await engine.enqueue(session, user_message(content="one"))
+    await wait_for(runtime.streaming)
+    second = await engine.enqueue(session, user_message(content="two"))
+    third = await engine.enqueue(session, user_message(content="three"))
+    runtime.release.set()
+    while engine.is_busy("s1"):  # the first turn, then the one the others joined
+        assert await engine.wait_idle(WAIT)
+    turns = {t.id: t for t in await engine.store.list_turns("s1")}
+    merged = [t for t in turns.values() if t.state is TurnState.MERGED]
+    assert len(merged) == 1
+    assert merged[0].id == third.turn_id
+    assert merged[0].merged_into == second.turn_id
+    assert turns[second.turn_id].state is TurnState.COMPLETED
+    # The turn that ran answered the newest message; the others are in its history.
+    answered = runtime.inputs[-1]
+    assert (answered.turn_id, answered.message.content) == (second.turn_id, "three")
+    history = [m.content for m in await answered.history() if m.role == "user"]
+    assert history == ["one", "two"]

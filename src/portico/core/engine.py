@@ -11,14 +11,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from portico.config import AgentSettings
+from portico.core.compaction import since_latest_summary, summarize
 from portico.core.events import Listener
 from portico.core.model import ContentPart, Message, Session, Turn, new_id
-from portico.core.states import TurnState, TurnTrigger
+from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.core.tools import NoClientTools, ToolBroker
 from portico.core.turns import TurnRunner
@@ -31,7 +32,7 @@ from portico.errors import (
     UnknownAgent,
 )
 from portico.runtime.base import ClientTool, MediaAccess, Runtime, TurnInput
-from portico.store.base import Store
+from portico.store.base import Background, Store, detached
 
 log = logging.getLogger("portico.engine")
 
@@ -95,6 +96,12 @@ def check_declaration(declare: dict[str, Any], agent: AgentSettings) -> None:
                 )
 
 
+class Queued(NamedTuple):
+    session: Session
+    turn: Turn
+    turn_input: TurnInput
+
+
 class Engine:
     def __init__(
         self,
@@ -121,6 +128,12 @@ class Engine:
         self._running: dict[str, TurnRunner | None] = {}
         self._tasks: dict[str, asyncio.Task[Turn]] = {}
         self._listeners: dict[str, list[Listener]] = {}
+        self._owner_listeners: dict[str, list[Listener]] = {}
+        # RPC messages waiting for the session's running turn to end, oldest first.
+        self._backlog: dict[str, list[Queued]] = {}
+        self._background = Background("archiving in the background")
+        self._stopping = False  # shutting down: waiting turns stay pending
+        self._compacting: set[str] = set()  # sessions with a compaction queued
 
     async def start(self) -> None:
         interrupted = await self.store.interrupt_unfinished_turns(self._clock())
@@ -136,16 +149,21 @@ class Engine:
     # -- listeners ----------------------------------------------------------------
 
     def attach(self, session_id: str, listener: Listener) -> None:
-        listeners = self._listeners.setdefault(session_id, [])
-        if listener not in listeners:
-            listeners.append(listener)
+        """`listener` gets the events of the session's turns."""
+        _add_listener(self._listeners, session_id, listener)
 
     def detach(self, session_id: str, listener: Listener) -> None:
-        listeners = self._listeners.get(session_id)
-        if listeners and listener in listeners:
-            listeners.remove(listener)
-            if not listeners:
-                del self._listeners[session_id]
+        _remove_listener(self._listeners, session_id, listener)
+
+    def attach_owner(self, principal: str, listener: Listener) -> None:
+        """`listener` gets the events of every turn of the principal's sessions (RPC)."""
+        _add_listener(self._owner_listeners, principal, listener)
+
+    def detach_owner(self, principal: str, listener: Listener) -> None:
+        _remove_listener(self._owner_listeners, principal, listener)
+
+    def _listeners_of(self, session_id: str, owner: str) -> list[Listener]:
+        return [*self._listeners.get(session_id, ()), *self._owner_listeners.get(owner, ())]
 
     # -- turns --------------------------------------------------------------------
 
@@ -166,6 +184,89 @@ class Engine:
             self.attach(session.id, listener)
         self._start_runner(session, turn, turn_input)
         return turn
+
+    async def enqueue(self, session: Session, message: UserMessage) -> Message:
+        """RPC: archive the message with a pending turn that runs once the session is free.
+
+        Messages that arrive while a turn runs wait; when it ends, the oldest waiting
+        turn runs, answering the newest message (the others are in its history), and
+        absorbs the rest, which end `merged` into it. The caller checked ownership.
+        """
+        await self._check_media(message)
+        turn, turn_input = await self._archive_user_message(session, message)
+        self._backlog.setdefault(session.id, []).append(Queued(session, turn, turn_input))
+        self._start_waiting(session.id)
+        return turn_input.message
+
+    def _start_waiting(self, session_id: str) -> None:
+        if session_id in self._running or self._stopping:
+            return
+        waiting = self._backlog.pop(session_id, None)
+        if not waiting:
+            return
+        first, latest = waiting[0], waiting[-1]
+        for absorbed in waiting[1:]:
+            self._end_waiting(absorbed.turn, TurnTrigger.MERGE, merged_into=first.turn.id)
+        turn_input = msgspec.structs.replace(latest.turn_input, turn_id=first.turn.id)
+        self._start_runner(first.session, first.turn, turn_input)
+
+    def _end_waiting(self, turn: Turn, trigger: TurnTrigger, *, merged_into: str = "") -> None:
+        ended = msgspec.structs.replace(
+            turn,
+            state=next_turn_state(turn.state, trigger),
+            merged_into=merged_into,
+            ended_at=self._clock(),
+        )
+        # Not awaited: the caller is starting or stopping a turn right now; the write is
+        # queued behind the turn's own and tracked so it is neither lost nor unlogged.
+        self._background.spawn(self.store.save_turn(ended))
+
+    def compact(self, session: Session, instruction: str) -> bool:
+        """Queue a compaction of the session's history; False when one is queued already
+        (it is absorbed). It runs when no turn runs, so it summarises a settled history."""
+        if session.id in self._compacting:
+            return False
+        self._compacting.add(session.id)
+        self._background.spawn(self._compact(session, instruction))
+        return True
+
+    async def _compact(self, session: Session, instruction: str) -> None:
+        try:
+            await self._until_free(session.id)
+            recent = await self.store.list_messages(session.id)
+            history = since_latest_summary(recent[-HISTORY_LIMIT:])
+            if not history:
+                return
+            items = summarize(history, instruction)
+            now = self._clock()
+            await self.store.append_message(
+                Message(
+                    id=new_id("msg"),
+                    session_id=session.id,
+                    role="system",
+                    content=msgspec.json.encode(items).decode(),
+                    content_type="summary",
+                    created_at=now,
+                    updated_at=now,
+                )
+            )
+        finally:
+            self._compacting.discard(session.id)
+
+    async def _until_free(self, session_id: str) -> None:
+        while session_id in self._running or session_id in self._backlog:
+            task = self._tasks.get(session_id)
+            if task is None:
+                await asyncio.sleep(0.01)  # a turn is being archived; it starts next
+            else:
+                await asyncio.wait({task})
+
+    async def stop(self, session_id: str) -> bool:
+        """RPC `turn.stop`: cancel the running turn and every waiting one; False if none."""
+        waiting = self._backlog.pop(session_id, [])
+        for queued in waiting:
+            self._end_waiting(queued.turn, TurnTrigger.CANCEL)
+        return await self.cancel(session_id) or bool(waiting)
 
     async def _check_media(self, message: UserMessage) -> None:
         """Refuse media the runtime could not read, before anything is stored."""
@@ -266,7 +367,7 @@ class Engine:
         return turn, turn_input
 
     async def _history_before(self, before: Message) -> tuple[Message, ...]:
-        """At most HISTORY_LIMIT messages before `before`, read in one query."""
+        """At most HISTORY_LIMIT messages before `before`, from the latest summary on."""
         earlier = before.global_offset - 1
         if not earlier:
             return ()
@@ -274,7 +375,7 @@ class Engine:
         found = await self.store.list_messages(
             before.session_id, after_offset=start, limit=earlier - start
         )
-        return tuple(found)
+        return tuple(since_latest_summary(found))
 
     def _start_runner(self, session: Session, turn: Turn, turn_input: TurnInput) -> None:
         runner = TurnRunner(
@@ -283,12 +384,12 @@ class Engine:
             runtime=self._runtimes[session.agent],
             store=self.store,
             tools=self._tools,
-            listeners=lambda: list(self._listeners.get(session.id, ())),
+            listeners=lambda: self._listeners_of(session.id, session.owner),
             clock=self._clock,
             telemetry=self._telemetry,
         )
         self._running[session.id] = runner
-        task = asyncio.create_task(self._run_turn(session.id, runner), name=f"turn-{turn.id}")
+        task = detached(self._run_turn(session.id, runner), name=f"turn-{turn.id}")
         self._tasks[session.id] = task
         task.add_done_callback(lambda _: self._turn_done(session.id, runner))
 
@@ -304,6 +405,7 @@ class Engine:
         if self._running.get(session_id) is runner:
             del self._running[session_id]
             self._tasks.pop(session_id, None)
+            self._start_waiting(session_id)
 
     async def cancel(self, session_id: str) -> bool:
         """Stop the session's running turn (a user's stop); False when none runs."""
@@ -327,6 +429,22 @@ class Engine:
 
     async def shutdown(self) -> None:
         """Interrupt every running turn; each still archives what it had."""
+        self._stopping = True
         await asyncio.gather(
             *(self._stop(session_id, TurnTrigger.INTERRUPT) for session_id in list(self._tasks))
         )
+        await self._background.drain()
+
+
+def _add_listener(table: dict[str, list[Listener]], key: str, listener: Listener) -> None:
+    listeners = table.setdefault(key, [])
+    if listener not in listeners:
+        listeners.append(listener)
+
+
+def _remove_listener(table: dict[str, list[Listener]], key: str, listener: Listener) -> None:
+    listeners = table.get(key)
+    if listeners and listener in listeners:
+        listeners.remove(listener)
+        if not listeners:
+            del table[key]

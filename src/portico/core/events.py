@@ -14,6 +14,8 @@ class TurnChunk(msgspec.Struct, frozen=True):
     session_id: str
     turn_id: str
     text: str
+    message_id: str = ""  # the assistant message the chunk belongs to
+    index: int = 0  # the chunk's position in that message, from 0
 
 
 class TurnMediaChunk(msgspec.Struct, frozen=True):

@@ -134,3 +134,44 @@ _OUTCOMES: dict[ToolCallState, Literal["completed", "error", "denied"]] = {
 def message_text(message: Message) -> str:
     """What a runtime reads: the text parts when any carry text, else `content`."""
     return text_of_parts(message.parts) or message.content
+
+
+# -- the per-user update log (RPC `update` frames) ------------------------------------
+
+EntityKind = Literal["session", "turn", "message", "rtc"]
+Entity = Session | Message | Turn | ToolCallRecord
+ENTITY_KINDS: dict[type[Any], EntityKind] = {
+    Session: "session",
+    Message: "message",
+    Turn: "turn",
+    ToolCallRecord: "rtc",
+}
+
+
+class UpdateItem(msgspec.Struct, frozen=True):
+    entity: EntityKind
+    action: Literal["created", "updated"]
+    entity_id: str
+
+
+class Update(msgspec.Struct, frozen=True, kw_only=True):
+    """One archived change of a user's data, numbered per user (`offset` 1, 2, ...).
+
+    Written in the same transaction as the change, so a client that replays the
+    log from its last offset sees exactly what the archive holds.
+    """
+
+    id: str
+    owner: str
+    offset: int
+    items: tuple[UpdateItem, ...]
+    data_list: tuple[Entity, ...]  # the entities as stored, one per item
+    created_at: float
+
+
+class UpdateLog(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a user's update log stands."""
+
+    epoch: str  # changes when the log is reset; offsets of another epoch mean nothing
+    last_offset: int  # 0 before the first update
+    first_offset: int  # the oldest retained update; last_offset + 1 when none is retained

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -17,11 +18,11 @@ from portico.core.events import (
     TurnFailed,
     TurnMediaChunk,
 )
-from portico.core.model import ContentPart, Message, Turn, new_id
+from portico.core.model import ContentPart, Message, MessageStatus, Turn, new_id
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import Telemetry
 from portico.core.tools import ToolBroker
-from portico.errors import GENERIC_INTERNAL_MESSAGE, InternalError, RuntimeFailure
+from portico.errors import GENERIC_INTERNAL_MESSAGE, InternalError, RuntimeFailure, StoreError
 from portico.runtime.base import (
     Chunk,
     Done,
@@ -67,6 +68,13 @@ class TurnRunner:
         self._clock = clock
         self._text: list[str] = []
         self._chunks = 0
+        # The reply is archived as a `streaming` message at its first chunk (readers
+        # and RPC clients see it while it grows) and completed at the end.
+        self.reply_id = new_id("msg")
+        # The turn's messages are numbered from 1 (the user's); tool calls take numbers too.
+        self._offsets = itertools.count(2)
+        self._reply_offset: int | None = None
+        self._reply_opened: asyncio.Future[Message] | None = None
         # Why a cancellation arrived: a user's stop, or the server shutting down.
         self.stop_trigger = TurnTrigger.INTERRUPT
         self._stop_requested = False
@@ -149,15 +157,21 @@ class TurnRunner:
         session_id, turn_id = self.turn.session_id, self.turn.id
         if isinstance(event, Chunk):
             self._text.append(event.text)
-            self._chunks += 1
             if self._first_chunk is None:
                 self._first_chunk = time.perf_counter() - self._created
-            self.emit(TurnChunk(session_id, turn_id, event.text))
+                self._open_reply()
+            self.emit(TurnChunk(session_id, turn_id, event.text, self.reply_id, self._chunks))
+            self._chunks += 1
             return None
         if isinstance(event, MediaChunk):
             self.emit(TurnMediaChunk(session_id, turn_id, event))
             return None
-        return await self._tools.call(self._input.owner, session_id, turn_id, event, self.emit)
+        return await self._tools.call(
+            self._input.owner, session_id, turn_id, event, self.emit, self._next_offset
+        )
+
+    def _next_offset(self) -> int:
+        return next(self._offsets)
 
     async def _finish(self, terminal: Done | Failure | None) -> None:
         """Archive the reply, record the turn's end, then send the one terminal event."""
@@ -167,7 +181,7 @@ class TurnRunner:
             content = content if terminal.content is None else terminal.content
             parts = terminal.parts
         trigger = self._trigger_for(terminal)
-        if content or parts:
+        if content or parts or self._reply_opened is not None:
             failed = trigger in (TurnTrigger.FAIL, TurnTrigger.INTERRUPT)
             await self._archive_reply(content, parts or (), failed=failed)
         event = self._terminal_event(terminal, content, parts)
@@ -196,25 +210,47 @@ class TurnRunner:
         code, message = RuntimeFailure(terminal.code, terminal.message).client_view()
         return TurnFailed(session_id, turn_id, code, message)
 
+    def _reply(
+        self, content: str, parts: tuple[ContentPart, ...], status: MessageStatus
+    ) -> Message:
+        if self._reply_offset is None:
+            self._reply_offset = self._next_offset()
+        offset, now = self._reply_offset, self._clock()
+        return Message(
+            id=self.reply_id,
+            session_id=self.turn.session_id,
+            turn_id=self.turn.id,
+            role="assistant",
+            content=content,
+            content_type="markdown",
+            parts=parts,
+            status=status,
+            created_at=now,
+            updated_at=now,
+            turn_offset=offset,
+        )
+
+    def _open_reply(self) -> None:
+        # Not awaited: the first chunk must not wait for the archive. The writes are
+        # queued in order, so the final update still lands after this insert.
+        self._reply_opened = asyncio.ensure_future(
+            self._store.append_message(self._reply("", (), "streaming"))
+        )
+
     async def _archive_reply(
         self, content: str, parts: tuple[ContentPart, ...], *, failed: bool
     ) -> None:
-        now = self._clock()
-        await self._store.append_message(
-            Message(
-                id=new_id("msg"),
-                session_id=self.turn.session_id,
-                turn_id=self.turn.id,
-                role="assistant",
-                content=content,
-                content_type="markdown",
-                parts=parts,
-                status="failed" if failed else "completed",
-                created_at=now,
-                updated_at=now,
-                turn_offset=2,
-            )
-        )
+        final = self._reply(content, parts, "failed" if failed else "completed")
+        opened = self._reply_opened
+        if opened is not None:
+            try:
+                await opened
+            except StoreError:
+                log.exception("archiving the streaming reply failed turn=%s", self.turn.id)
+            else:
+                await self._store.update_message(final)
+                return
+        await self._store.append_message(final)
 
     async def _transition(self, trigger: TurnTrigger) -> None:
         now = self._clock()

@@ -41,3 +41,7 @@ class Outbox:
         self._frames.clear()
         self._bytes = 0
         return out
+
+    def has_room(self, size: int) -> bool:
+        """Whether `size` more bytes fit, without marking the queue overflowed."""
+        return not self.overflowed and self._bytes + size <= self._max_bytes

@@ -12,6 +12,7 @@ from aiohttp import web
 from portico.bus.memory import InProcessTransportStates
 from portico.config import Settings
 from portico.server import media_routes, observability
+from portico.server.rpc_ws import rpc_handler
 from portico.server.services import SERVICES, Services
 from portico.server.session_ws import TRANSPORTS, LiveSession, session_handler
 from portico.server.websocket import omnia_handler
@@ -70,6 +71,7 @@ def create_app(settings: Settings) -> web.Application:
     app[TRANSPORTS] = transports
     app.router.add_get("/ws", omnia_handler)
     app.router.add_get("/v1/session", session_handler)
+    app.router.add_get("/v1/rpc", rpc_handler)
     observability.add_routes(app)
     media_routes.add_routes(app)
     app.on_startup.append(_open)

@@ -12,7 +12,9 @@ from aiohttp import web
 from portico.auth.apikey import ApiKeyAuth
 from portico.auth.base import Authenticator, bearer_token
 from portico.auth.none import NoAuth
-from portico.config import AgentSettings, Settings
+from portico.bus.updates import InProcessUpdates
+from portico.config import DEFAULT_AGENT, AgentSettings, Settings
+from portico.core.conversations import Conversations
 from portico.core.engine import Engine
 from portico.core.tools import ClientToolBroker
 from portico.errors import Unauthenticated
@@ -64,6 +66,9 @@ class Services:
             agents=resolved,
             context_ttl=settings.context_ttl,
         )
+        self.updates = InProcessUpdates()
+        self.store.set_update_listener(self.updates.publish)
+        self.conversations = Conversations(self.engine, self.tools, default_agent=DEFAULT_AGENT)
         self.ready = False
         # Set on SIGTERM: no new upgrades or turns; running turns may finish.
         self.draining = False

@@ -1,10 +1,68 @@
-"""The Store port. Every backend passes tests/contract/test_store_contract.py."""
+"""The Store port. Every backend passes tests/contract/test_store_contract.py.
+
+Every write also appends to its owner's update log (see `Update`), in the same
+transaction, so the RPC protocol can push and replay changes. Which writes log
+what:
+
+| write                        | update items                                          |
+|------------------------------|-------------------------------------------------------|
+| create_session (new id only) | session created                                       |
+| touch_session                | session updated                                       |
+| update_session               | session updated                                       |
+| append_message               | message created                                       |
+| update_message               | message updated                                       |
+| begin_turn                   | message created, turn created, session updated (one) |
+| create_turn / save_turn      | turn created (new id) or turn updated                 |
+| save_tool_call               | rtc created (new id) or rtc updated                   |
+| fork_session                 | session created, then message created per message     |
+| interrupt_unfinished_turns   | turn updated per turn, message updated per reply left |
+|                              | streaming (one update per owner)                      |
+
+The owner of an update is the owner of the session its entities belong to.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+import asyncio
+import contextvars
+import logging
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Protocol, TypeVar
 
-from portico.core.model import Message, Session, ToolCallRecord, Turn
+from portico.core.model import Message, Session, ToolCallRecord, Turn, Update, UpdateLog
+
+log = logging.getLogger("portico.store")
+UpdateListener = Callable[[Update], None]
+T = TypeVar("T")
+
+# An RPC action replies with the updates its own writes produced. They are gathered
+# through the context rather than returned by every engine call, which would spread
+# one protocol's concern over every caller; turn tasks start in a fresh context.
+_collector: ContextVar[list[Update] | None] = ContextVar("portico_updates", default=None)
+
+
+@contextmanager
+def collecting_updates() -> Iterator[list[Update]]:
+    """Gather the updates of every archive write awaited inside the block."""
+    collected: list[Update] = []
+    token = _collector.set(collected)
+    try:
+        yield collected
+    finally:
+        _collector.reset(token)
+
+
+def detached(coro: Coroutine[Any, Any, T], *, name: str | None = None) -> asyncio.Task[T]:
+    """A task in a fresh context: what it writes is not reported as the updates of
+    the request that happened to start it (a turn, a background write)."""
+    return asyncio.create_task(coro, name=name, context=contextvars.Context())
+
+
+def current_collector() -> list[Update] | None:
+    """The list a write made now should report its updates to, if any (read at enqueue)."""
+    return _collector.get()
 
 
 class Store(Protocol):
@@ -13,16 +71,37 @@ class Store(Protocol):
 
     async def close(self) -> None: ...
 
+    def set_update_listener(self, listener: UpdateListener | None) -> None:
+        """Call `listener` on the event loop with each update once it has committed,
+        in offset order per owner."""
+
+    # -- sessions -------------------------------------------------------------------
+
     async def create_session(self, session: Session) -> Session:
         """Insert unless the id exists; return what is stored under that id either way."""
 
     async def get_session(self, session_id: str) -> Session | None: ...
 
-    async def list_sessions(self, owner: str, *, limit: int) -> list[Session]:
-        """The owner's sessions, newest first."""
+    async def list_sessions(
+        self, owner: str, *, limit: int, cursor: str = "", include_deleted: bool = True
+    ) -> list[Session]:
+        """The owner's sessions, newest first by `created_at` (ties: greater id first).
+
+        `cursor` is the id of the last session of the previous page: only sessions
+        after it in that order are returned (an unknown cursor gives an empty page).
+        """
 
     async def touch_session(self, session_id: str, now: float) -> None:
         """Record activity: sets `last_activity_at` and `updated_at`."""
+
+    async def update_session(self, session: Session) -> Session:
+        """Replace the stored session with this one (same id); `StoreError` when missing."""
+
+    async def fork_session(self, session: Session, messages: Sequence[Message]) -> list[Message]:
+        """Create `session` and append `messages` to it in order (offsets 1, 2, ...),
+        all or nothing. Returns the stored messages."""
+
+    # -- messages -------------------------------------------------------------------
 
     async def append_message(self, message: Message) -> Message:
         """Store a message, assigning the session's next `global_offset` (1, 2, ...).
@@ -30,10 +109,22 @@ class Store(Protocol):
         The session must exist; otherwise `StoreError`.
         """
 
+    async def update_message(self, message: Message) -> Message:
+        """Replace a stored message's content, parts, status, metadata and `updated_at`
+        (same id; its offsets are kept). Returns the stored message; `StoreError` when
+        missing."""
+
+    async def get_message(self, message_id: str) -> Message | None: ...
+
+    async def find_message_by_client_id(self, owner: str, client_id: str) -> Message | None:
+        """The owner's message stored with this non-empty `client_id`, if any."""
+
     async def list_messages(
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None
     ) -> list[Message]:
         """Messages with `global_offset` above `after_offset`, oldest first."""
+
+    # -- turns ----------------------------------------------------------------------
 
     async def create_turn(self, turn: Turn) -> None: ...
 
@@ -52,6 +143,11 @@ class Store(Protocol):
     async def list_turns(self, session_id: str) -> list[Turn]:
         """A session's turns, oldest first."""
 
+    async def page_turns(self, session_id: str, *, limit: int, cursor: str = "") -> list[Turn]:
+        """A session's turns newest first (ties: created later first), after `cursor`."""
+
+    # -- tool calls -----------------------------------------------------------------
+
     async def save_tool_call(self, call: ToolCallRecord) -> None:
         """Insert or replace the stored call with this one (same id)."""
 
@@ -60,5 +156,46 @@ class Store(Protocol):
     async def list_tool_calls(self, session_id: str) -> list[ToolCallRecord]:
         """A session's tool calls, oldest first."""
 
+    async def page_tool_calls(
+        self, session_id: str, *, limit: int, cursor: str = ""
+    ) -> list[ToolCallRecord]:
+        """A session's tool calls newest first (ties: created later first), after `cursor`."""
+
     async def interrupt_unfinished_turns(self, now: float) -> int:
-        """Mark turns left pending or running by a stopped server `interrupted`."""
+        """Mark turns left pending or running by a stopped server `interrupted`, and
+        replies it left `streaming` `failed` (keeping their content). Returns the number
+        of turns."""
+
+    # -- the update log -------------------------------------------------------------
+
+    async def update_log(self, owner: str) -> UpdateLog:
+        """The epoch, the owner's last offset and the oldest retained offset."""
+
+    async def list_updates(self, owner: str, *, after_offset: int, limit: int) -> list[Update]:
+        """The owner's retained updates with an offset above `after_offset`, in order."""
+
+    async def prune_updates(self, older_than: float) -> int:
+        """Drop updates created before `older_than` (seconds since the epoch)."""
+
+
+class Background:
+    """Writes started without waiting for them: each is kept until it ends (so it is
+    not collected mid-flight), runs detached from the request's updates, and a
+    failure is logged rather than lost."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = detached(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s failed", self._what, exc_info=task.exception())
+
+    async def drain(self) -> None:
+        await asyncio.gather(*self._tasks, return_exceptions=True)

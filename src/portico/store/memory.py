@@ -2,19 +2,46 @@
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Sequence
+from typing import Literal, TypeVar
+
 import msgspec
 
-from portico.core.model import Message, Session, ToolCallRecord, Turn
+from portico.core.model import (
+    ENTITY_KINDS,
+    Entity,
+    Message,
+    Session,
+    ToolCallRecord,
+    Turn,
+    Update,
+    UpdateItem,
+    UpdateLog,
+    new_id,
+)
 from portico.core.states import TERMINAL_TURN_STATES, TurnState
 from portico.errors import StoreError
+from portico.store.base import UpdateListener, current_collector
+
+log = logging.getLogger("portico.store")
+Change = tuple[Literal["created", "updated"], Entity]
+T = TypeVar("T", Turn, ToolCallRecord)
+P = TypeVar("P", Session, Turn, ToolCallRecord)
 
 
 class MemoryStore:
     def __init__(self) -> None:
         self._sessions: dict[str, Session] = {}
         self._messages: dict[str, list[Message]] = {}
+        self._message_index: dict[str, Message] = {}
         self._turns: dict[str, Turn] = {}
         self._tool_calls: dict[str, ToolCallRecord] = {}
+        self._epoch = new_id("epoch")
+        self._updates: dict[str, list[Update]] = {}
+        self._heads: dict[str, int] = {}
+        self._listener: UpdateListener | None = None
 
     async def open(self) -> None:
         return None
@@ -22,31 +49,126 @@ class MemoryStore:
     async def close(self) -> None:
         return None
 
+    def set_update_listener(self, listener: UpdateListener | None) -> None:
+        self._listener = listener
+
+    def _log(self, session_id: str, *changes: Change) -> None:
+        """Append one update to the log of the session's owner and announce it."""
+        owner = self._sessions[session_id].owner
+        offset = self._heads.get(owner, 0) + 1
+        self._heads[owner] = offset
+        update = Update(
+            id=new_id("upd"),
+            owner=owner,
+            offset=offset,
+            items=tuple(UpdateItem(ENTITY_KINDS[type(e)], a, e.id) for a, e in changes),
+            data_list=tuple(entity for _, entity in changes),
+            created_at=time.time(),
+        )
+        self._updates.setdefault(owner, []).append(update)
+        collector = current_collector()
+        if collector is not None:
+            collector.append(update)
+        if self._listener is not None:
+            try:
+                self._listener(update)
+            except Exception:
+                log.exception("update listener failed")
+
+    # -- sessions -----------------------------------------------------------------
+
     async def create_session(self, session: Session) -> Session:
-        return self._sessions.setdefault(session.id, session)
+        if session.id in self._sessions:
+            return self._sessions[session.id]
+        self._sessions[session.id] = session
+        self._log(session.id, ("created", session))
+        return session
 
     async def get_session(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 
-    async def list_sessions(self, owner: str, *, limit: int) -> list[Session]:
-        owned = [s for s in self._sessions.values() if s.owner == owner]
+    async def list_sessions(
+        self, owner: str, *, limit: int, cursor: str = "", include_deleted: bool = True
+    ) -> list[Session]:
+        owned = [
+            s
+            for s in self._sessions.values()
+            if s.owner == owner and (include_deleted or s.deleted_at is None)
+        ]
         owned.sort(key=lambda s: (s.created_at, s.id), reverse=True)
-        return owned[:limit]
+        return _page(owned, cursor, limit)
 
     async def touch_session(self, session_id: str, now: float) -> None:
         session = self._sessions.get(session_id)
         if session is not None:
-            self._sessions[session_id] = msgspec.structs.replace(
-                session, last_activity_at=now, updated_at=now
-            )
+            touched = msgspec.structs.replace(session, last_activity_at=now, updated_at=now)
+            self._sessions[session_id] = touched
+            self._log(session_id, ("updated", touched))
 
-    async def append_message(self, message: Message) -> Message:
+    async def update_session(self, session: Session) -> Session:
+        if session.id not in self._sessions:
+            raise StoreError(f"no session {session.id}")
+        self._sessions[session.id] = session
+        self._log(session.id, ("updated", session))
+        return session
+
+    async def fork_session(self, session: Session, messages: Sequence[Message]) -> list[Message]:
+        if session.id in self._sessions:
+            raise StoreError(f"session {session.id} exists")
+        if any(m.session_id != session.id for m in messages):
+            raise StoreError("a forked message belongs to another session")
+        self._sessions[session.id] = session
+        stored = [self._append(m) for m in messages]
+        self._log(session.id, ("created", session), *(("created", m) for m in stored))
+        return stored
+
+    # -- messages -----------------------------------------------------------------
+
+    def _append(self, message: Message) -> Message:
         if message.session_id not in self._sessions:
             raise StoreError(f"no session {message.session_id}")
         messages = self._messages.setdefault(message.session_id, [])
         stored = msgspec.structs.replace(message, global_offset=len(messages) + 1)
         messages.append(stored)
+        self._message_index[stored.id] = stored
         return stored
+
+    async def append_message(self, message: Message) -> Message:
+        stored = self._append(message)
+        self._log(stored.session_id, ("created", stored))
+        return stored
+
+    async def update_message(self, message: Message) -> Message:
+        old = self._message_index.get(message.id)
+        if old is None:
+            raise StoreError(f"no message {message.id}")
+        stored = msgspec.structs.replace(
+            old,
+            content=message.content,
+            parts=message.parts,
+            status=message.status,
+            metadata=message.metadata,
+            updated_at=message.updated_at,
+        )
+        self._replace_message(stored)
+        self._log(stored.session_id, ("updated", stored))
+        return stored
+
+    def _replace_message(self, message: Message) -> None:
+        self._message_index[message.id] = message
+        self._messages[message.session_id][message.global_offset - 1] = message
+
+    async def get_message(self, message_id: str) -> Message | None:
+        return self._message_index.get(message_id)
+
+    async def find_message_by_client_id(self, owner: str, client_id: str) -> Message | None:
+        if not client_id:
+            return None
+        for message in self._message_index.values():
+            session = self._sessions[message.session_id]
+            if message.client_id == client_id and session.owner == owner:
+                return message
+        return None
 
     async def list_messages(
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None
@@ -54,17 +176,32 @@ class MemoryStore:
         selected = self._messages.get(session_id, [])[after_offset:]
         return selected if limit is None else selected[:limit]
 
+    # -- turns --------------------------------------------------------------------
+
     async def create_turn(self, turn: Turn) -> None:
-        self._turns[turn.id] = turn
+        await self.save_turn(turn)
 
     async def begin_turn(self, turn: Turn, message: Message) -> Message:
-        stored = await self.append_message(message)  # raises before any change
+        stored = self._append(message)  # raises before any change
         self._turns[turn.id] = turn
-        await self.touch_session(message.session_id, message.created_at)
+        session = msgspec.structs.replace(
+            self._sessions[message.session_id],
+            last_activity_at=message.created_at,
+            updated_at=message.created_at,
+        )
+        self._sessions[session.id] = session
+        self._log(session.id, ("created", stored), ("created", turn), ("updated", session))
         return stored
 
     async def save_turn(self, turn: Turn) -> None:
-        self._turns[turn.id] = turn
+        self._save(self._turns, turn)
+
+    def _save(self, table: dict[str, T], entity: T) -> None:
+        if entity.session_id not in self._sessions:
+            raise StoreError(f"no session {entity.session_id}")
+        action: Literal["created", "updated"] = "updated" if entity.id in table else "created"
+        table[entity.id] = entity
+        self._log(entity.session_id, (action, entity))
 
     async def get_turn(self, turn_id: str) -> Turn | None:
         return self._turns.get(turn_id)
@@ -73,8 +210,13 @@ class MemoryStore:
         turns = [t for t in self._turns.values() if t.session_id == session_id]
         return sorted(turns, key=lambda t: t.created_at)
 
+    async def page_turns(self, session_id: str, *, limit: int, cursor: str = "") -> list[Turn]:
+        return _newest_page(self._turns, session_id, limit, cursor)
+
+    # -- tool calls ---------------------------------------------------------------
+
     async def save_tool_call(self, call: ToolCallRecord) -> None:
-        self._tool_calls[call.id] = call
+        self._save(self._tool_calls, call)
 
     async def get_tool_call(self, call_id: str) -> ToolCallRecord | None:
         return self._tool_calls.get(call_id)
@@ -82,10 +224,62 @@ class MemoryStore:
     async def list_tool_calls(self, session_id: str) -> list[ToolCallRecord]:
         return [c for c in self._tool_calls.values() if c.session_id == session_id]
 
+    async def page_tool_calls(
+        self, session_id: str, *, limit: int, cursor: str = ""
+    ) -> list[ToolCallRecord]:
+        return _newest_page(self._tool_calls, session_id, limit, cursor)
+
     async def interrupt_unfinished_turns(self, now: float) -> int:
         unfinished = [t for t in self._turns.values() if t.state not in TERMINAL_TURN_STATES]
+        changes: dict[str, list[Change]] = {}
         for turn in unfinished:
-            self._turns[turn.id] = msgspec.structs.replace(
-                turn, state=TurnState.INTERRUPTED, ended_at=now
-            )
+            ended = msgspec.structs.replace(turn, state=TurnState.INTERRUPTED, ended_at=now)
+            self._turns[turn.id] = ended
+            changes.setdefault(turn.session_id, []).append(("updated", ended))
+        for message in [m for m in self._message_index.values() if m.status == "streaming"]:
+            failed = msgspec.structs.replace(message, status="failed", updated_at=now)
+            self._replace_message(failed)
+            changes.setdefault(message.session_id, []).append(("updated", failed))
+        by_owner: dict[str, tuple[str, list[Change]]] = {}
+        for session_id, session_changes in changes.items():
+            owner = self._sessions[session_id].owner
+            by_owner.setdefault(owner, (session_id, []))[1].extend(session_changes)
+        for session_id, owner_changes in by_owner.values():
+            self._log(session_id, *owner_changes)
         return len(unfinished)
+
+    # -- the update log -----------------------------------------------------------
+
+    async def update_log(self, owner: str) -> UpdateLog:
+        last = self._heads.get(owner, 0)
+        retained = self._updates.get(owner, [])
+        first = retained[0].offset if retained else last + 1
+        return UpdateLog(epoch=self._epoch, last_offset=last, first_offset=first)
+
+    async def list_updates(self, owner: str, *, after_offset: int, limit: int) -> list[Update]:
+        return [u for u in self._updates.get(owner, []) if u.offset > after_offset][:limit]
+
+    async def prune_updates(self, older_than: float) -> int:
+        dropped = 0
+        for owner, updates in self._updates.items():
+            kept = [u for u in updates if u.created_at >= older_than]
+            dropped += len(updates) - len(kept)
+            self._updates[owner] = kept
+        return dropped
+
+
+def _page(ordered: list[P], cursor: str, limit: int) -> list[P]:
+    """At most `limit` items after the one whose id is `cursor` (none for an unknown one)."""
+    if cursor:
+        ids = [item.id for item in ordered]
+        ordered = ordered[ids.index(cursor) + 1 :] if cursor in ids else []
+    return ordered[:limit]
+
+
+def _newest_page(table: dict[str, T], session_id: str, limit: int, cursor: str) -> list[T]:
+    # Dicts keep insertion order, which stands in for SQLite's rowid on ties.
+    rows = [
+        (e.created_at, i, e) for i, e in enumerate(table.values()) if e.session_id == session_id
+    ]
+    rows.sort(key=lambda row: (row[0], row[1]), reverse=True)
+    return _page([e for _, _, e in rows], cursor, limit)

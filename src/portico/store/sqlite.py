@@ -6,26 +6,54 @@ while the previous batch was committing goes into the next single transaction
 one each. Each write runs inside its own SAVEPOINT, so one failing write fails
 alone. We use sqlite3 on a dedicated thread rather than aiosqlite because a
 batch must run many statements in one thread hop; aiosqlite hops per statement.
+
+Each write appends its updates to the owner's log inside its own savepoint, so
+a write that rolls back leaves no update and takes no offset. The updates are
+handed to the caller's collector and to the listener only after the commit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import sqlite3
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from portico.core.model import ContentPart, Message, Session, ToolCallRecord, Turn
+from portico.core.model import (
+    ENTITY_KINDS,
+    ContentPart,
+    Entity,
+    EntityKind,
+    Message,
+    Session,
+    ToolCallRecord,
+    Turn,
+    Update,
+    UpdateItem,
+    UpdateLog,
+    new_id,
+)
 from portico.core.states import TERMINAL_TURN_STATES, ToolCallState, TurnState
 from portico.errors import StoreError
+from portico.store.base import UpdateListener, current_collector
+
+log = logging.getLogger("portico.store")
 
 T = TypeVar("T")
-Operation = Callable[[sqlite3.Connection], Any]
+# A write runs on the store thread inside its savepoint; it appends the updates it
+# logged to the list it is given, which is published only once the batch commits.
+Operation = Callable[[sqlite3.Connection, list[Update]], Any]
+Pending = tuple[Operation, asyncio.Future[Any], list[Update] | None]
+# What a write returned (or the StoreError it failed with) and the updates it logged.
+Outcome = tuple[Any, list[Update]]
+Action = Literal["created", "updated"]
 
 # Each entry upgrades the schema by one version (PRAGMA user_version).
 MIGRATIONS: tuple[str, ...] = (
@@ -98,10 +126,45 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX tool_calls_session ON tool_calls (session_id, created_at);
     """,
+    # The per-owner update log. An owner's next offset is one past its newest update
+    # (a seek on the primary key, rolled back with its savepoint like any row);
+    # `update_heads` keeps the last offset of owners whose newest updates were pruned,
+    # so an offset is never handed out twice. The epoch is drawn once, here, and names
+    # this database's log for good.
+    """
+    CREATE TABLE meta (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        epoch TEXT NOT NULL
+    );
+    INSERT INTO meta (id, epoch) VALUES (1, 'epoch-' || lower(hex(randomblob(16))));
+    CREATE TABLE update_heads (
+        owner TEXT PRIMARY KEY,
+        last_offset INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    CREATE TABLE updates (
+        owner TEXT NOT NULL,
+        log_offset INTEGER NOT NULL,
+        id TEXT NOT NULL,
+        items TEXT NOT NULL,
+        data_list TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (owner, log_offset)
+    );
+    CREATE INDEX updates_created ON updates (created_at);
+    """,
+    # Partial indexes, small and cheap to keep: most messages (all assistant output)
+    # carry no client id, and only replies being written are `streaming` (found at
+    # start without scanning the archive).
+    """
+    CREATE INDEX messages_client_id ON messages (client_id) WHERE client_id != '';
+    CREATE INDEX messages_streaming ON messages (status) WHERE status = 'streaming';
+    """,
 )
 
 SESSION_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Session))
 MESSAGE_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Message))
+TURN_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Turn))
+TOOL_CALL_COLUMNS = tuple(field.name for field in msgspec.structs.fields(ToolCallRecord))
 _json_encode = msgspec.json.encode
 _parts_decoder = msgspec.json.Decoder(tuple[ContentPart, ...])
 _metadata_decoder = msgspec.json.Decoder(dict[str, str])
@@ -109,11 +172,93 @@ _declare_decoder = msgspec.json.Decoder(dict[str, Any] | None)
 _any_decoder = msgspec.json.Decoder()
 _JSON_TOOL_COLUMNS = ("arguments", "categories", "result")
 
+# Struct fields are bound positionally (astuple), in declaration order; these are the
+# positions that need encoding first.
+_MESSAGE_PARTS = MESSAGE_COLUMNS.index("parts")
+_MESSAGE_METADATA = MESSAGE_COLUMNS.index("metadata")
+_TURN_STATE = TURN_COLUMNS.index("state")
+_TOOL_STATE = TOOL_CALL_COLUMNS.index("state")
+_TOOL_JSON = tuple(TOOL_CALL_COLUMNS.index(column) for column in _JSON_TOOL_COLUMNS)
+
+
+def _insert_sql(table: str, columns: tuple[str, ...], verb: str = "INSERT") -> str:
+    return f"{verb} INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+
+
+def _replace_sql(table: str, columns: tuple[str, ...]) -> str:
+    """Every column but `id` (the first), bound in order, then the id."""
+    assignments = ", ".join(f"{column} = ?" for column in columns[1:])
+    return f"UPDATE {table} SET {assignments} WHERE id = ?"
+
+
+# Built once: sqlite3 caches compiled statements by their text.
+_INSERT_SESSION = _insert_sql("sessions", SESSION_COLUMNS)
+_INSERT_SESSION_IF_ABSENT = _insert_sql("sessions", SESSION_COLUMNS, "INSERT OR IGNORE")
+_REPLACE_SESSION = _replace_sql("sessions", SESSION_COLUMNS) + " RETURNING *"
+_SELECT_SESSION = "SELECT * FROM sessions WHERE id = ?"
+_TOUCH_SESSION = "UPDATE sessions SET last_activity_at = ?, updated_at = ? WHERE id = ? RETURNING *"
+_INSERT_MESSAGE = _insert_sql("messages", MESSAGE_COLUMNS)
+_LAST_MESSAGE_OFFSET = "SELECT COALESCE(MAX(global_offset), 0) FROM messages WHERE session_id = ?"
+_UPDATE_MESSAGE = (
+    "UPDATE messages SET content = ?, parts = ?, status = ?, metadata = ?, updated_at = ? "
+    "WHERE id = ? RETURNING *"
+)
+_INSERT_TURN = _insert_sql("turns", TURN_COLUMNS)
+_REPLACE_TURN = _replace_sql("turns", TURN_COLUMNS)
+_INSERT_TOOL_CALL = _insert_sql("tool_calls", TOOL_CALL_COLUMNS)
+_REPLACE_TOOL_CALL = _replace_sql("tool_calls", TOOL_CALL_COLUMNS)
+
+# An owner's last offset: its newest update, or the head prune left when it dropped
+# that one. A read, not a counter row written by every write: the log is hot.
+_LAST_OFFSET_OF = (
+    "MAX(COALESCE((SELECT MAX(log_offset) FROM updates WHERE owner = {0}), 0), "
+    "COALESCE((SELECT last_offset FROM update_heads WHERE owner = {0}), 0))"
+)
+# The owner's next offset, by owner or by session id (no row when the session is
+# missing). A separate read: an INSERT ... RETURNING buffers through a temporary
+# table and measured slower than the two statements.
+_NEXT_OFFSET = f"SELECT ?1, 1 + {_LAST_OFFSET_OF.format('?1')}"
+_NEXT_OFFSET_OF_SESSION = (
+    f"SELECT s.owner, 1 + {_LAST_OFFSET_OF.format('s.owner')} FROM sessions s WHERE s.id = ?"
+)
+_UPDATE_COLUMNS = ("owner", "log_offset", "id", "items", "data_list", "created_at")
+_INSERT_UPDATE = _insert_sql("updates", _UPDATE_COLUMNS)
+_SELECT_UPDATES = (
+    f"SELECT {', '.join(_UPDATE_COLUMNS)} FROM updates "
+    "WHERE owner = ? AND log_offset > ? ORDER BY log_offset LIMIT ?"
+)
+_UPDATE_LOG = (
+    f"SELECT {_LAST_OFFSET_OF.format('?1')}, (SELECT MIN(log_offset) FROM updates WHERE owner = ?1)"
+)
+# Before pruning, the owners losing updates record their last offset. The index
+# keeps this to the pruned range (the planner would scan every owner for DISTINCT);
+# the WHERE is what lets SQLite parse an upsert after a SELECT.
+_KEEP_HEADS = (
+    "INSERT INTO update_heads (owner, last_offset) "
+    "SELECT p.owner, (SELECT MAX(log_offset) FROM updates u WHERE u.owner = p.owner) "
+    "FROM (SELECT DISTINCT owner FROM updates INDEXED BY updates_created "
+    "WHERE created_at < ?) p WHERE true "
+    "ON CONFLICT (owner) DO UPDATE SET last_offset = excluded.last_offset"
+)
+
+_items_decoder = msgspec.json.Decoder(tuple[UpdateItem, ...])
+# data_list mixes entity types without a tag: each is decoded by its item's kind.
+_raw_list_decoder = msgspec.json.Decoder(tuple[msgspec.Raw, ...])
+_ENTITY_DECODERS: dict[EntityKind, msgspec.json.Decoder[Any]] = {
+    "session": msgspec.json.Decoder(Session),
+    "message": msgspec.json.Decoder(Message),
+    "turn": msgspec.json.Decoder(Turn),
+    "rtc": msgspec.json.Decoder(ToolCallRecord),
+}
+
 
 def _migrate(conn: sqlite3.Connection) -> None:
     version: int = conn.execute("PRAGMA user_version").fetchone()[0]
     for index, script in enumerate(MIGRATIONS[version:], start=version + 1):
         conn.executescript(f"BEGIN; {script}; PRAGMA user_version = {index}; COMMIT;")
+
+
+# -- rows -----------------------------------------------------------------------------
 
 
 def _session_row(session: Session) -> tuple[Any, ...]:
@@ -131,11 +276,27 @@ def _session_from_row(row: sqlite3.Row) -> Session:
     return Session(**data)
 
 
+def _message_row(message: Message) -> list[Any]:
+    row = list(msgspec.structs.astuple(message))
+    row[_MESSAGE_PARTS] = _json_encode(message.parts)
+    row[_MESSAGE_METADATA] = _json_encode(message.metadata)
+    return row
+
+
 def _message_from_row(row: sqlite3.Row) -> Message:
-    data = _row_dict(row)
+    return _message_from_data(_row_dict(row))
+
+
+def _message_from_data(data: dict[str, Any]) -> Message:
     data["parts"] = _parts_decoder.decode(data["parts"])
     data["metadata"] = _metadata_decoder.decode(data["metadata"])
     return Message(**data)
+
+
+def _turn_row(turn: Turn) -> list[Any]:
+    row = list(msgspec.structs.astuple(turn))
+    row[_TURN_STATE] = turn.state.value
+    return row
 
 
 def _turn_from_row(row: sqlite3.Row) -> Turn:
@@ -144,35 +305,11 @@ def _turn_from_row(row: sqlite3.Row) -> Turn:
     return Turn(**data)
 
 
-def _insert_message(conn: sqlite3.Connection, *, message: Message) -> Message:
-    """Append `message` with the session's next global_offset (1, 2, ... without gaps)."""
-    (last,) = conn.execute(
-        "SELECT COALESCE(MAX(global_offset), 0) FROM messages WHERE session_id = ?",
-        (message.session_id,),
-    ).fetchone()
-    stored = msgspec.structs.replace(message, global_offset=last + 1)
-    row = {f: getattr(stored, f) for f in MESSAGE_COLUMNS}
-    row["parts"] = _json_encode(stored.parts)
-    row["metadata"] = _json_encode(stored.metadata)
-    columns = ", ".join(row)
-    conn.execute(
-        f"INSERT INTO messages ({columns}) VALUES ({', '.join('?' * len(row))})",
-        tuple(row.values()),
-    )
-    return stored
-
-
-def _turn_row(turn: Turn) -> dict[str, Any]:
-    row = msgspec.structs.asdict(turn)
-    row["state"] = turn.state.value
-    return row
-
-
-def _tool_call_row(call: ToolCallRecord) -> dict[str, Any]:
-    row = msgspec.structs.asdict(call)
-    row["state"] = call.state.value
-    for column in _JSON_TOOL_COLUMNS:
-        row[column] = _json_encode(row[column])
+def _tool_call_row(call: ToolCallRecord) -> list[Any]:
+    row = list(msgspec.structs.astuple(call))
+    row[_TOOL_STATE] = call.state.value
+    for index in _TOOL_JSON:
+        row[index] = _json_encode(row[index])
     return row
 
 
@@ -185,13 +322,310 @@ def _tool_call_from_row(row: sqlite3.Row) -> ToolCallRecord:
     return ToolCallRecord(**data)
 
 
+def _update_from_row(row: sqlite3.Row) -> Update:
+    owner, offset, update_id, items_json, data_json, created_at = row
+    items = _items_decoder.decode(items_json)
+    raws = _raw_list_decoder.decode(data_json)
+    data_list = tuple(
+        _ENTITY_DECODERS[item.entity].decode(raw) for item, raw in zip(items, raws, strict=True)
+    )
+    return Update(
+        id=update_id,
+        owner=owner,
+        offset=offset,
+        items=items,
+        data_list=data_list,
+        created_at=created_at,
+    )
+
+
+# -- the update log (run inside a write's savepoint) ----------------------------------
+
+
+def _log(
+    conn: sqlite3.Connection,
+    out: list[Update],
+    head: sqlite3.Row | None,
+    items: tuple[UpdateItem, ...],
+    data_list: tuple[Entity, ...],
+) -> None:
+    """Store one update under the owner and offset `head` names, and report it."""
+    if head is None:  # no such session: no owner's data changed
+        return
+    owner, offset = head
+    update = Update(
+        id=new_id("upd"),
+        owner=owner,
+        offset=offset,
+        items=items,
+        data_list=data_list,
+        created_at=time.time(),
+    )
+    conn.execute(
+        _INSERT_UPDATE,
+        (owner, offset, update.id, _json_encode(items), _json_encode(data_list), update.created_at),
+    )
+    out.append(update)
+
+
+def _log_for_owner(
+    conn: sqlite3.Connection,
+    out: list[Update],
+    owner: str,
+    items: tuple[UpdateItem, ...],
+    data_list: tuple[Entity, ...],
+) -> None:
+    _log(conn, out, conn.execute(_NEXT_OFFSET, (owner,)).fetchone(), items, data_list)
+
+
+def _log_for_session(
+    conn: sqlite3.Connection,
+    out: list[Update],
+    session_id: str,
+    items: tuple[UpdateItem, ...],
+    data_list: tuple[Entity, ...],
+) -> None:
+    head = conn.execute(_NEXT_OFFSET_OF_SESSION, (session_id,)).fetchone()
+    _log(conn, out, head, items, data_list)
+
+
+# -- writes (run on the store thread) -------------------------------------------------
+
+
+def _insert_message(conn: sqlite3.Connection, message: Message) -> Message:
+    """Append `message` with the session's next global_offset (1, 2, ... without gaps)."""
+    (last,) = conn.execute(_LAST_MESSAGE_OFFSET, (message.session_id,)).fetchone()
+    stored = msgspec.structs.replace(message, global_offset=last + 1)
+    conn.execute(_INSERT_MESSAGE, _message_row(stored))
+    return stored
+
+
+def _append_message(conn: sqlite3.Connection, out: list[Update], message: Message) -> Message:
+    stored = _insert_message(conn, message)
+    item = UpdateItem("message", "created", stored.id)
+    _log_for_session(conn, out, stored.session_id, (item,), (stored,))
+    return stored
+
+
+def _save_turn(conn: sqlite3.Connection, turn: Turn) -> Action:
+    """Replace in place when known (keeping the rowid, so creation order holds)."""
+    row = _turn_row(turn)
+    if conn.execute(_REPLACE_TURN, (*row[1:], turn.id)).rowcount:
+        return "updated"
+    conn.execute(_INSERT_TURN, row)
+    return "created"
+
+
+def _create_turn(conn: sqlite3.Connection, turn: Turn) -> Action:
+    """Insert first: a turn being created is new, so this is one statement."""
+    row = _turn_row(turn)
+    try:
+        conn.execute(_INSERT_TURN, row)
+    except sqlite3.IntegrityError:
+        # A known id is replaced, as save_turn would; a missing session fails still.
+        if not conn.execute(_REPLACE_TURN, (*row[1:], turn.id)).rowcount:
+            raise
+        return "updated"
+    return "created"
+
+
+def _log_turn(
+    save: Callable[[sqlite3.Connection, Turn], Action],
+    conn: sqlite3.Connection,
+    out: list[Update],
+    turn: Turn,
+) -> None:
+    action = save(conn, turn)
+    _log_for_session(conn, out, turn.session_id, (UpdateItem("turn", action, turn.id),), (turn,))
+
+
+def _begin_turn(
+    conn: sqlite3.Connection, out: list[Update], turn: Turn, message: Message
+) -> Message:
+    stored = _insert_message(conn, message)  # fails first on a missing session
+    action = _create_turn(conn, turn)
+    at = message.created_at
+    session = _session_from_row(
+        conn.execute(_TOUCH_SESSION, (at, at, message.session_id)).fetchone()
+    )
+    items = (
+        UpdateItem("message", "created", stored.id),
+        UpdateItem("turn", action, turn.id),
+        UpdateItem("session", "updated", session.id),
+    )
+    _log_for_owner(conn, out, session.owner, items, (stored, turn, session))
+    return stored
+
+
+def _save_tool_call(conn: sqlite3.Connection, out: list[Update], call: ToolCallRecord) -> None:
+    row = _tool_call_row(call)
+    action: Action = "updated"
+    if not conn.execute(_REPLACE_TOOL_CALL, (*row[1:], call.id)).rowcount:
+        conn.execute(_INSERT_TOOL_CALL, row)
+        action = "created"
+    _log_for_session(conn, out, call.session_id, (UpdateItem("rtc", action, call.id),), (call,))
+
+
+def _update_message(conn: sqlite3.Connection, out: list[Update], message: Message) -> Message:
+    values = (
+        message.content,
+        _json_encode(message.parts),
+        message.status,
+        _json_encode(message.metadata),
+        message.updated_at,
+        message.id,
+    )
+    row = conn.execute(_UPDATE_MESSAGE, values).fetchone()
+    if row is None:
+        raise StoreError(f"no message {message.id}")
+    stored = _message_from_row(row)
+    item = UpdateItem("message", "updated", stored.id)
+    _log_for_session(conn, out, stored.session_id, (item,), (stored,))
+    return stored
+
+
+def _fork_session(
+    conn: sqlite3.Connection, out: list[Update], session: Session, messages: Sequence[Message]
+) -> list[Message]:
+    if any(message.session_id != session.id for message in messages):
+        raise StoreError(f"a forked message does not belong to session {session.id}")
+    conn.execute(_INSERT_SESSION, _session_row(session))  # an existing id fails here
+    created = _session_from_row(conn.execute(_SELECT_SESSION, (session.id,)).fetchone())
+    stored = [_insert_message(conn, message) for message in messages]
+    items = (
+        UpdateItem("session", "created", created.id),
+        *(UpdateItem("message", "created", message.id) for message in stored),
+    )
+    _log_for_owner(conn, out, created.owner, items, (created, *stored))
+    return stored
+
+
+_TERMINAL = tuple(state.value for state in TERMINAL_TURN_STATES)
+_UNFINISHED = f"state NOT IN ({', '.join('?' * len(_TERMINAL))})"
+# Each row leads with its session's owner (the update's owner).
+_UNFINISHED_TURNS = (
+    "SELECT s.owner AS owner, t.* FROM turns t JOIN sessions s ON s.id = t.session_id "
+    f"WHERE t.{_UNFINISHED} ORDER BY t.created_at, t.rowid"
+)
+_INTERRUPT_TURNS = f"UPDATE turns SET state = ?, ended_at = ? WHERE {_UNFINISHED}"
+_STREAMING_REPLIES = (
+    "SELECT s.owner AS owner, m.* FROM messages m JOIN sessions s ON s.id = m.session_id "
+    "WHERE m.status = 'streaming' ORDER BY m.rowid"
+)
+_FAIL_STREAMING = "UPDATE messages SET status = 'failed', updated_at = ? WHERE status = 'streaming'"
+
+
+def _owned(row: sqlite3.Row) -> tuple[str, dict[str, Any]]:
+    data = _row_dict(row)
+    return data.pop("owner"), data
+
+
+def _interrupt_unfinished_turns(conn: sqlite3.Connection, out: list[Update], now: float) -> int:
+    """Interrupt the turns and fail the replies a stopped server left; one update per owner."""
+    changed: dict[str, list[Entity]] = {}
+    turns = conn.execute(_UNFINISHED_TURNS, _TERMINAL).fetchall()
+    count = conn.execute(_INTERRUPT_TURNS, (TurnState.INTERRUPTED.value, now, *_TERMINAL)).rowcount
+    for row in turns:
+        owner, data = _owned(row)
+        # What the UPDATE stored, without reading every row back.
+        data.update(state=TurnState.INTERRUPTED, ended_at=now)
+        changed.setdefault(owner, []).append(Turn(**data))
+    replies = conn.execute(_STREAMING_REPLIES).fetchall()
+    conn.execute(_FAIL_STREAMING, (now,))
+    for row in replies:
+        owner, data = _owned(row)
+        message = _message_from_data(data)
+        failed = msgspec.structs.replace(message, status="failed", updated_at=now)
+        changed.setdefault(owner, []).append(failed)
+    for owner, entities in changed.items():
+        items = tuple(UpdateItem(ENTITY_KINDS[type(e)], "updated", e.id) for e in entities)
+        _log_for_owner(conn, out, owner, items, tuple(entities))
+    return count
+
+
+def _prune_updates(conn: sqlite3.Connection, out: list[Update], older_than: float) -> int:
+    conn.execute(_KEEP_HEADS, (older_than,))  # so offsets go on from where they were
+    return conn.execute("DELETE FROM updates WHERE created_at < ?", (older_than,)).rowcount
+
+
+def _run_batch(conn: sqlite3.Connection, operations: list[Operation]) -> list[Outcome]:
+    """Run every operation in its own savepoint inside one transaction."""
+    outcomes: list[Outcome] = []
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for operation in operations:
+            updates: list[Update] = []
+            conn.execute("SAVEPOINT op")
+            try:
+                result = operation(conn, updates)
+                conn.execute("RELEASE op")
+            # Any exception, not only sqlite3.Error: one escaping here would leave the
+            # transaction open and every future of the batch unresolved.
+            except Exception as exc:
+                conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+                outcomes.append((_write_error(exc), []))
+            else:
+                outcomes.append((result, updates))
+        conn.execute("COMMIT")
+    except BaseException:
+        # Left open, the transaction would make every later BEGIN fail.
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return outcomes
+
+
+def _write_error(exc: Exception) -> StoreError:
+    if isinstance(exc, StoreError):  # raised by the write itself, already explained
+        return exc
+    error = StoreError("archive write failed")
+    error.__cause__ = exc
+    return error
+
+
+@functools.cache
+def _list_sessions_sql(include_deleted: bool, after_cursor: bool) -> str:
+    deleted = "" if include_deleted else " AND deleted_at IS NULL"
+    # A cursor unknown to this owner compares as NULL: an empty page.
+    after = (
+        " AND (created_at, id) < (SELECT created_at, id FROM sessions WHERE id = ? AND owner = ?)"
+        if after_cursor
+        else ""
+    )
+    return (
+        f"SELECT * FROM sessions WHERE owner = ?{deleted}{after} "
+        "ORDER BY created_at DESC, id DESC LIMIT ?"
+    )
+
+
+@functools.cache
+def _page_sql(table: str, after_cursor: bool) -> str:
+    after = (
+        f" AND (created_at, rowid) < "
+        f"(SELECT created_at, rowid FROM {table} WHERE id = ? AND session_id = ?)"
+        if after_cursor
+        else ""
+    )
+    return (
+        f"SELECT * FROM {table} WHERE session_id = ?{after} "
+        "ORDER BY created_at DESC, rowid DESC LIMIT ?"
+    )
+
+
+def _page_args(session_id: str, cursor: str, limit: int) -> tuple[Any, ...]:
+    return (session_id, cursor, session_id, limit) if cursor else (session_id, limit)
+
+
 class SqliteStore:
     def __init__(self, path: str | Path) -> None:
         self._path = str(path)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portico-sqlite")
         self._conn: sqlite3.Connection | None = None
-        self._pending: list[tuple[Operation, asyncio.Future[Any]]] = []
+        self._epoch = ""
+        self._pending: list[Pending] = []
         self._committer: asyncio.Task[None] | None = None
+        self._listener: UpdateListener | None = None
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -218,10 +652,12 @@ class SqliteStore:
         except sqlite3.Error as exc:
             raise StoreError("archive read failed") from exc
 
-    async def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def _write(self, fn: Callable[[sqlite3.Connection, list[Update]], T]) -> T:
         self._connection()
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._pending.append((fn, future))
+        # The collector is read here, in the caller's context: the committer task
+        # runs in a context of its own.
+        self._pending.append((fn, future, current_collector()))
         if self._committer is None or self._committer.done():
             self._committer = asyncio.create_task(self._commit_pending())
         return await future
@@ -235,12 +671,16 @@ class SqliteStore:
         while self._pending:
             batch, self._pending = self._pending, []
             conn = self._connection()
+            operations = [operation for operation, _, _ in batch]
             try:
-                outcomes = await self._in_thread(functools.partial(self._run_batch, conn, batch))
+                outcomes = await self._in_thread(functools.partial(_run_batch, conn, operations))
             except sqlite3.Error as exc:
-                outcomes = [StoreError("archive write failed")] * len(batch)
-                outcomes[0].__cause__ = exc
-            for (_, future), outcome in zip(batch, outcomes, strict=True):
+                outcomes = [(_write_error(exc), [])] * len(batch)
+            for (_, future, collector), (outcome, updates) in zip(batch, outcomes, strict=True):
+                if updates:
+                    # Before the future resolves: the caller reads its collector
+                    # as soon as the write it awaited returns.
+                    self._publish(updates, collector)
                 if future.done():
                     continue
                 if isinstance(outcome, BaseException):
@@ -248,27 +688,21 @@ class SqliteStore:
                 else:
                     future.set_result(outcome)
 
-    @staticmethod
-    def _run_batch(
-        conn: sqlite3.Connection, batch: list[tuple[Operation, asyncio.Future[Any]]]
-    ) -> list[Any]:
-        outcomes: list[Any] = []
-        conn.execute("BEGIN IMMEDIATE")
-        for operation, _ in batch:
-            conn.execute("SAVEPOINT op")
+    def _publish(self, updates: list[Update], collector: list[Update] | None) -> None:
+        if collector is not None:
+            collector.extend(updates)
+        listener = self._listener
+        if listener is None:
+            return
+        for update in updates:
             try:
-                outcomes.append(operation(conn))
-                conn.execute("RELEASE op")
-            # Any exception, not only sqlite3.Error: one escaping here would leave the
-            # transaction open and every future of the batch unresolved.
-            except Exception as exc:
-                conn.execute("ROLLBACK TO op")
-                conn.execute("RELEASE op")
-                error = StoreError("archive write failed")
-                error.__cause__ = exc
-                outcomes.append(error)
-        conn.execute("COMMIT")
-        return outcomes
+                listener(update)
+            except Exception:
+                # The update has committed; a broken listener must not fail the write.
+                log.exception("update listener failed on update %s", update.id)
+
+    def set_update_listener(self, listener: UpdateListener | None) -> None:
+        self._listener = listener
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -277,6 +711,9 @@ class SqliteStore:
             self._conn = await self._in_thread(self._connect)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open the archive at {self._path}") from exc
+        self._epoch = await self._read(
+            lambda conn: str(conn.execute("SELECT epoch FROM meta").fetchone()[0])
+        )
 
     async def close(self) -> None:
         if self._committer is not None:
@@ -289,60 +726,96 @@ class SqliteStore:
     # -- sessions ---------------------------------------------------------------
 
     async def create_session(self, session: Session) -> Session:
-        placeholders = ", ".join("?" * len(SESSION_COLUMNS))
-
-        def insert_or_get(conn: sqlite3.Connection) -> Session:
-            conn.execute(
-                f"INSERT OR IGNORE INTO sessions VALUES ({placeholders})", _session_row(session)
-            )
-            row = conn.execute("SELECT * FROM sessions WHERE id = ?", (session.id,)).fetchone()
-            return _session_from_row(row)
+        def insert_or_get(conn: sqlite3.Connection, out: list[Update]) -> Session:
+            inserted = conn.execute(_INSERT_SESSION_IF_ABSENT, _session_row(session)).rowcount
+            stored = _session_from_row(conn.execute(_SELECT_SESSION, (session.id,)).fetchone())
+            if inserted:
+                item = UpdateItem("session", "created", stored.id)
+                _log_for_owner(conn, out, stored.owner, (item,), (stored,))
+            return stored
 
         return await self._write(insert_or_get)
 
     async def get_session(self, session_id: str) -> Session | None:
         def select(conn: sqlite3.Connection) -> Session | None:
-            row = conn.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            row = conn.execute(_SELECT_SESSION, (session_id,)).fetchone()
             return None if row is None else _session_from_row(row)
 
         return await self._read(select)
 
-    async def list_sessions(self, owner: str, *, limit: int) -> list[Session]:
+    async def list_sessions(
+        self, owner: str, *, limit: int, cursor: str = "", include_deleted: bool = True
+    ) -> list[Session]:
+        sql = _list_sessions_sql(include_deleted, bool(cursor))
+        args = (owner, cursor, owner, limit) if cursor else (owner, limit)
+
         def select(conn: sqlite3.Connection) -> list[Session]:
-            rows = conn.execute(
-                "SELECT * FROM sessions WHERE owner = ? ORDER BY created_at DESC, id DESC LIMIT ?",
-                (owner, limit),
-            ).fetchall()
-            return [_session_from_row(row) for row in rows]
+            return [_session_from_row(row) for row in conn.execute(sql, args).fetchall()]
 
         return await self._read(select)
 
     async def touch_session(self, session_id: str, now: float) -> None:
-        def update(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                "UPDATE sessions SET last_activity_at = ?, updated_at = ? WHERE id = ?",
-                (now, now, session_id),
-            )
+        def update(conn: sqlite3.Connection, out: list[Update]) -> None:
+            row = conn.execute(_TOUCH_SESSION, (now, now, session_id)).fetchone()
+            if row is not None:  # touching a missing session changes nothing
+                session = _session_from_row(row)
+                item = UpdateItem("session", "updated", session.id)
+                _log_for_owner(conn, out, session.owner, (item,), (session,))
 
         await self._write(update)
+
+    async def update_session(self, session: Session) -> Session:
+        def update(conn: sqlite3.Connection, out: list[Update]) -> Session:
+            values = (*_session_row(session)[1:], session.id)
+            row = conn.execute(_REPLACE_SESSION, values).fetchone()
+            if row is None:
+                raise StoreError(f"no session {session.id}")
+            stored = _session_from_row(row)
+            item = UpdateItem("session", "updated", stored.id)
+            _log_for_owner(conn, out, stored.owner, (item,), (stored,))
+            return stored
+
+        return await self._write(update)
+
+    async def fork_session(self, session: Session, messages: Sequence[Message]) -> list[Message]:
+        return await self._write(
+            functools.partial(_fork_session, session=session, messages=tuple(messages))
+        )
 
     # -- messages ---------------------------------------------------------------
 
     async def append_message(self, message: Message) -> Message:
-        return await self._write(functools.partial(_insert_message, message=message))
+        return await self._write(functools.partial(_append_message, message=message))
+
+    async def update_message(self, message: Message) -> Message:
+        return await self._write(functools.partial(_update_message, message=message))
+
+    async def get_message(self, message_id: str) -> Message | None:
+        def select(conn: sqlite3.Connection) -> Message | None:
+            row = conn.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
+            return None if row is None else _message_from_row(row)
+
+        return await self._read(select)
+
+    async def find_message_by_client_id(self, owner: str, client_id: str) -> Message | None:
+        if not client_id:
+            return None
+
+        def select(conn: sqlite3.Connection) -> Message | None:
+            # `client_id != ''` lets the planner use the partial index.
+            row = conn.execute(
+                "SELECT m.* FROM messages m JOIN sessions s ON s.id = m.session_id "
+                "WHERE m.client_id = ? AND m.client_id != '' AND s.owner = ? "
+                "ORDER BY m.rowid LIMIT 1",
+                (client_id, owner),
+            ).fetchone()
+            return None if row is None else _message_from_row(row)
+
+        return await self._read(select)
 
     async def begin_turn(self, turn: Turn, message: Message) -> Message:
-        def begin(conn: sqlite3.Connection) -> Message:
-            stored = _insert_message(conn, message=message)
-            _upsert("turns", _turn_row(turn))(conn)
-            conn.execute(
-                "UPDATE sessions SET last_activity_at = ?, updated_at = ? WHERE id = ?",
-                (message.created_at, message.created_at, message.session_id),
-            )
-            return stored
-
         # One write, one thread hop, and all or nothing (each write is a savepoint).
-        return await self._write(begin)
+        return await self._write(functools.partial(_begin_turn, turn=turn, message=message))
 
     async def list_messages(
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None
@@ -360,10 +833,10 @@ class SqliteStore:
     # -- turns ------------------------------------------------------------------
 
     async def create_turn(self, turn: Turn) -> None:
-        await self.save_turn(turn)
+        await self._write(functools.partial(_log_turn, _create_turn, turn=turn))
 
     async def save_turn(self, turn: Turn) -> None:
-        await self._write(_upsert("turns", _turn_row(turn)))
+        await self._write(functools.partial(_log_turn, _save_turn, turn=turn))
 
     async def get_turn(self, turn_id: str) -> Turn | None:
         def select(conn: sqlite3.Connection) -> Turn | None:
@@ -382,10 +855,19 @@ class SqliteStore:
 
         return await self._read(select)
 
+    async def page_turns(self, session_id: str, *, limit: int, cursor: str = "") -> list[Turn]:
+        sql = _page_sql("turns", bool(cursor))
+        args = _page_args(session_id, cursor, limit)
+
+        def select(conn: sqlite3.Connection) -> list[Turn]:
+            return [_turn_from_row(row) for row in conn.execute(sql, args).fetchall()]
+
+        return await self._read(select)
+
     # -- tool calls -------------------------------------------------------------
 
     async def save_tool_call(self, call: ToolCallRecord) -> None:
-        await self._write(_upsert("tool_calls", _tool_call_row(call)))
+        await self._write(functools.partial(_save_tool_call, call=call))
 
     async def get_tool_call(self, call_id: str) -> ToolCallRecord | None:
         def select(conn: sqlite3.Connection) -> ToolCallRecord | None:
@@ -404,31 +886,38 @@ class SqliteStore:
 
         return await self._read(select)
 
+    async def page_tool_calls(
+        self, session_id: str, *, limit: int, cursor: str = ""
+    ) -> list[ToolCallRecord]:
+        sql = _page_sql("tool_calls", bool(cursor))
+        args = _page_args(session_id, cursor, limit)
+
+        def select(conn: sqlite3.Connection) -> list[ToolCallRecord]:
+            return [_tool_call_from_row(row) for row in conn.execute(sql, args).fetchall()]
+
+        return await self._read(select)
+
     async def interrupt_unfinished_turns(self, now: float) -> int:
-        terminal = tuple(state.value for state in TERMINAL_TURN_STATES)
+        return await self._write(functools.partial(_interrupt_unfinished_turns, now=now))
 
-        def update(conn: sqlite3.Connection) -> int:
-            cursor = conn.execute(
-                f"UPDATE turns SET state = ?, ended_at = ? "
-                f"WHERE state NOT IN ({', '.join('?' * len(terminal))})",
-                (TurnState.INTERRUPTED.value, now, *terminal),
-            )
-            return cursor.rowcount
+    # -- the update log ---------------------------------------------------------
 
-        return await self._write(update)
+    async def update_log(self, owner: str) -> UpdateLog:
+        def select(conn: sqlite3.Connection) -> tuple[int, int | None]:
+            last, first = conn.execute(_UPDATE_LOG, (owner,)).fetchone()
+            return last, first
 
+        last, first = await self._read(select)
+        return UpdateLog(
+            epoch=self._epoch, last_offset=last, first_offset=last + 1 if first is None else first
+        )
 
-def _upsert(table: str, row: dict[str, Any]) -> Callable[[sqlite3.Connection], None]:
-    """An insert that updates in place on a known id (keeping the rowid, so order holds)."""
-    columns = ", ".join(row)
-    updates = ", ".join(f"{column} = excluded.{column}" for column in row if column != "id")
-    sql = (
-        f"INSERT INTO {table} ({columns}) VALUES ({', '.join('?' * len(row))}) "
-        f"ON CONFLICT (id) DO UPDATE SET {updates}"
-    )
-    values = tuple(row.values())
+    async def list_updates(self, owner: str, *, after_offset: int, limit: int) -> list[Update]:
+        def select(conn: sqlite3.Connection) -> list[Update]:
+            rows = conn.execute(_SELECT_UPDATES, (owner, after_offset, limit)).fetchall()
+            return [_update_from_row(row) for row in rows]
 
-    def upsert(conn: sqlite3.Connection) -> None:
-        conn.execute(sql, values)
+        return await self._read(select)
 
-    return upsert
+    async def prune_updates(self, older_than: float) -> int:
+        return await self._write(functools.partial(_prune_updates, older_than=older_than))

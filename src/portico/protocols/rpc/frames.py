@@ -1,0 +1,226 @@
+"""Every `/v1/rpc` frame and method parameter set as an immutable type (spec/rpc-protocol.md).
+
+Requests carry no `type` (they are `{"id", "method", "params"}`), so a client frame is
+first read into `ClientFrame` and then classified; each method's `params` are converted
+into that method's struct, which validates them in the same pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+# -- client frames ----------------------------------------------------------------------
+
+
+class ClientFrame(msgspec.Struct, frozen=True):
+    """Any client frame: `connect` has `type`; a request has `id` and `method`."""
+
+    type: str | None = None
+    id: Any = None
+    method: Any = None
+    params: Any = None
+    token: Any = None
+    offset: Any = None
+    epoch: Any = None
+
+
+class Connect(msgspec.Struct, frozen=True, kw_only=True):
+    token: str | None = None
+    offset: int | None = None
+    epoch: str | None = None
+
+
+class Request(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    method: str
+    params: msgspec.Struct
+
+
+# -- method parameters (websocket-rpc.md; limits are ours, see docs/rpc.md) --------------
+
+
+class _Params(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class SessionList(_Params, frozen=True, kw_only=True):
+    cursor: str = ""
+    limit: int = 20
+
+
+class SessionRef(_Params, frozen=True, kw_only=True):
+    session_id: str
+
+
+class SessionClose(SessionRef, frozen=True, kw_only=True):
+    client_id: str = ""  # accepted, not deduplicated (websocket-rpc.md)
+
+
+class SessionUpdate(SessionRef, frozen=True, kw_only=True):
+    title: str | msgspec.UnsetType = msgspec.UNSET
+    # Absent: unchanged; a time: soft-deleted; null: restored.
+    deleted_at: str | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class SessionFork(_Params, frozen=True, kw_only=True):
+    old_server_session_id: str
+    old_server_message_id: str
+    new_client_session_id: str = ""
+    new_client_message_id: str = ""
+    content_data: str
+    limit: int = 200
+
+
+class SessionCompact(SessionRef, frozen=True, kw_only=True):
+    custom_instruction: str = ""
+
+
+class MessageSend(_Params, frozen=True, kw_only=True):
+    content_data: str
+    client_id: str
+    client_session_id: str = ""
+    server_session_id: str = ""
+    agent_prompt: str = ""
+    agent: str = ""
+    metadata: dict[str, str] | None = None
+
+
+class MessageList(SessionRef, frozen=True, kw_only=True):
+    cursor: str | int = ""
+    limit: int = 50
+
+
+class MessageRef(_Params, frozen=True, kw_only=True):
+    message_id: str
+
+
+class TurnStop(SessionRef, frozen=True, kw_only=True):
+    client_id: str = ""  # accepted, not deduplicated
+
+
+class PagedBySession(SessionRef, frozen=True, kw_only=True):
+    cursor: str = ""
+    limit: int = 50
+
+
+class TurnRef(_Params, frozen=True, kw_only=True):
+    turn_id: str
+
+
+class RtcRef(_Params, frozen=True, kw_only=True):
+    rtc_id: str
+
+
+class RtcUpdateStatus(RtcRef, frozen=True, kw_only=True):
+    status: Literal["executing", "rejected"]
+    client_id: str = ""
+    reason: str = ""
+
+
+class RtcSubmitResult(RtcRef, frozen=True, kw_only=True):
+    success: bool
+    result: Any = None
+    error: str = ""
+    client_id: str = ""
+
+
+class Method(msgspec.Struct, frozen=True):
+    params: type[_Params]
+    action: bool  # Action methods reply with `updates`; queries without the key
+    max_limit: int | None = None  # `limit` above it is invalid_request
+    min_limit: int = 1  # a fork may copy nothing (0); a page holds at least one item
+
+
+METHODS: dict[str, Method] = {
+    "v1.session.list": Method(SessionList, action=False, max_limit=100),
+    "v1.session.get": Method(SessionRef, action=False),
+    "v1.session.close": Method(SessionClose, action=True),
+    "v1.session.open": Method(SessionRef, action=True),
+    "v1.session.update": Method(SessionUpdate, action=True),
+    "v1.session.fork": Method(SessionFork, action=True, max_limit=1000, min_limit=0),
+    "v1.session.compact": Method(SessionCompact, action=True),
+    "v1.message.send": Method(MessageSend, action=True),
+    "v1.message.list": Method(MessageList, action=False, max_limit=200),
+    "v1.message.get": Method(MessageRef, action=False),
+    "v1.turn.stop": Method(TurnStop, action=True),
+    "v1.turn.list": Method(PagedBySession, action=False, max_limit=200),
+    "v1.turn.get": Method(TurnRef, action=False),
+    "v1.rtc.update_status": Method(RtcUpdateStatus, action=True),
+    "v1.rtc.submit_result": Method(RtcSubmitResult, action=True),
+    "v1.rtc.list": Method(PagedBySession, action=False, max_limit=200),
+    "v1.rtc.get": Method(RtcRef, action=False),
+}
+
+
+# -- server frames ----------------------------------------------------------------------
+
+
+class ErrorBody(msgspec.Struct, frozen=True, omit_defaults=True):
+    code: str
+    message: str
+    details: Any = None
+
+
+class Connected(msgspec.Struct, frozen=True, tag_field="type", tag="connected"):
+    user_id: str
+    epoch: str
+    offset: int
+    recovered: bool
+
+
+class UpdateItemWire(msgspec.Struct, frozen=True):
+    entity: str
+    action: str
+    entity_id: str
+
+
+class UpdateWire(msgspec.Struct, frozen=True):
+    id: str
+    items: tuple[UpdateItemWire, ...]
+    data_list: tuple[Any, ...]  # the entities in their wire shapes
+    offset: int
+
+
+class UpdateFrame(msgspec.Struct, frozen=True, tag_field="type", tag="update"):
+    update: UpdateWire
+
+
+class GapFrame(msgspec.Struct, frozen=True, tag_field="type", tag="gap"):
+    offset: int
+
+
+class Live(msgspec.Struct, frozen=True):
+    session_id: str
+    turn_id: str
+    message_id: str
+    index: int
+    delta: str
+
+
+class LiveFrame(msgspec.Struct, frozen=True, tag_field="type", tag="live"):
+    live: Live
+
+
+class ErrorFrame(msgspec.Struct, frozen=True, tag_field="type", tag="error"):
+    """A frame-level error: no request id to answer (malformed frame, auth failure)."""
+
+    error: ErrorBody
+
+
+class Result(msgspec.Struct, frozen=True, omit_defaults=True):
+    id: str
+    result: Any
+    updates: tuple[UpdateWire, ...] | None = None
+
+
+class Failed(msgspec.Struct, frozen=True):
+    id: str
+    error: ErrorBody
+
+
+ServerFrame = Connected | UpdateFrame | GapFrame | LiveFrame | ErrorFrame | Result | Failed

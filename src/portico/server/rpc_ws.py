@@ -1,0 +1,358 @@
+"""The `/v1/rpc` adapter: authenticates `connect`, replays missed updates, runs requests
+concurrently against `Conversations`, and pushes updates and live chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from portico.core.conversations import ForkRequest, Page, SendRequest
+from portico.core.events import TurnChunk, TurnEvent
+from portico.core.model import Update
+from portico.errors import (
+    InternalError,
+    InvalidRequest,
+    PorticoError,
+    RateLimited,
+    RpcUnauthenticated,
+    Unauthenticated,
+)
+from portico.protocols.rpc import frames as f
+from portico.protocols.rpc.connection import (
+    CLOSE_SLOW_CONSUMER,
+    ConnectReceived,
+    Event,
+    RequestReceived,
+    RpcConnection,
+)
+from portico.protocols.rpc.entities import (
+    WireEntity,
+    entity_wire,
+    message_wire,
+    parse_rfc3339,
+    rtc_wire,
+    session_wire,
+    turn_wire,
+)
+from portico.server.admission import check_admission
+from portico.server.services import SERVICES, Services
+from portico.server.sockets import ServerSocket, run_socket
+from portico.store.base import Background, collecting_updates
+
+log = logging.getLogger("portico.rpc")
+PROTOCOL = "rpc"
+REPLAY_PAGE = 500  # updates read per archive query while replaying
+MAX_IN_FLIGHT = 64  # concurrent requests per connection; more are `rate_limited`
+MAX_TITLE_LENGTH = 256
+
+Handler = Callable[[str, Any], Awaitable[Any]]
+
+
+class RpcSocket(ServerSocket):
+    """One `/v1/rpc` connection."""
+
+    protocol = PROTOCOL
+
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse, services: Services) -> None:
+        super().__init__(request, ws, services)
+        self._core = RpcConnection(max_send_queue_bytes=services.settings.max_send_queue_bytes)
+        self._principal = ""
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._background = Background("marking rtcs sent")
+        self._handlers = method_handlers(services)
+
+    @property
+    def core(self) -> RpcConnection:
+        return self._core
+
+    def describe(self) -> str:
+        return f"principal={self._principal or '-'}"
+
+    def on_closed(self) -> None:
+        if self._principal:
+            self._services.updates.unsubscribe(self._principal, self._on_update)
+            self._services.engine.detach_owner(self._principal, self._on_turn_event)
+            self._services.tools.rpc_detached(self._principal)
+        for task in self._in_flight:
+            task.cancel()
+
+    async def on_text(self, data: str, now: float) -> None:
+        await self._handle_all(self._core.receive_text(data))
+
+    async def on_binary(self, data: bytes, now: float) -> None:
+        await self._handle_all(self._core.receive_text(data))
+
+    async def on_timer(self, now: float) -> None:
+        return None
+
+    def on_overflow(self) -> None:
+        self.start_close(CLOSE_SLOW_CONSUMER, "slow consumer")
+
+    def _after_core(self) -> None:
+        self._mark_delivered()
+        self.wake()
+        if self._core.close_request is not None:
+            self.start_close(*self._core.close_request)
+
+    async def _handle_all(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, ConnectReceived):
+                await self._connect(event.connect)
+            elif isinstance(event, RequestReceived):
+                self._start(event.request)
+        self._after_core()
+
+    # -- connect and recovery -------------------------------------------------------------
+
+    async def _connect(self, connect: f.Connect) -> None:
+        try:
+            principal = await self._services.auth.authenticate(connect.token)
+        except Unauthenticated as exc:
+            self._core.refuse(RpcUnauthenticated(exc.message))
+            return
+        self._principal = principal
+        # Subscribe before reading the log's head: an update committed in between is
+        # then held by the core and sent after the replay, not lost.
+        self._services.updates.subscribe(principal, self._on_update)
+        self._services.engine.attach_owner(principal, self._on_turn_event)
+        self._services.tools.rpc_attached(principal)
+        store = self._services.store
+        head = await store.update_log(principal)
+        recovered = (
+            connect.offset is not None
+            and connect.epoch == head.epoch
+            and head.first_offset - 1 <= connect.offset <= head.last_offset
+        )
+        self._core.accept(
+            user_id=principal, epoch=head.epoch, offset=head.last_offset, recovered=recovered
+        )
+        if recovered:
+            assert connect.offset is not None
+            await self._replay(connect.offset, head.last_offset)
+        self._core.start_from(head.last_offset)
+        self._core.replay_done()
+
+    async def _replay(self, after: int, until: int) -> None:
+        self._core.start_from(after)
+        while after < until:
+            page = await self._services.store.list_updates(
+                self._principal, after_offset=after, limit=REPLAY_PAGE
+            )
+            page = [update for update in page if update.offset <= until]
+            for update in page:
+                self._core.replayed(update)
+            self.wake()
+            if len(page) < REPLAY_PAGE:
+                break
+            after = page[-1].offset
+        self._core.gaps_until(until)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def _start(self, request: f.Request) -> None:
+        if len(self._in_flight) >= MAX_IN_FLIGHT:
+            self._core.reply_error(request.id, RateLimited("too many requests in flight"))
+            return
+        task = asyncio.create_task(self._run(request))
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+
+    async def _run(self, request: f.Request) -> None:
+        action = f.METHODS[request.method].action
+        try:
+            with collecting_updates() as updates:
+                result = await self._handlers[request.method](self._principal, request.params)
+            self._core.reply(request.id, result, sorted_updates(updates) if action else None)
+        except PorticoError as exc:
+            self._core.reply_error(request.id, exc)
+        except Exception:
+            log.exception("rpc method failed method=%s", request.method)
+            self._core.reply_error(request.id, InternalError())
+        self._after_core()
+
+    # -- pushes ---------------------------------------------------------------------------
+
+    def _on_update(self, update: Update) -> None:
+        if not self._closed:
+            self._core.push_update(update)
+            self._mark_delivered()
+            self.wake()
+
+    def _mark_delivered(self) -> None:
+        """Rtcs this connection just received are `sent` (written in the background)."""
+        delivered = self._core.take_delivered_rtcs()
+        if delivered:
+            self._background.spawn(self._services.tools.delivered(delivered))
+
+    def _on_turn_event(self, event: TurnEvent) -> None:
+        if self._closed or not isinstance(event, TurnChunk):
+            return  # everything but the chunks reaches RPC clients as updates
+        live = f.Live(event.session_id, event.turn_id, event.message_id, event.index, event.text)
+        self._core.push_live(live)
+        self.wake()
+
+
+def sorted_updates(updates: list[Update]) -> list[Update]:
+    return sorted(updates, key=lambda u: u.offset)
+
+
+# -- methods --------------------------------------------------------------------------------
+
+
+def method_handlers(services: Services) -> dict[str, Handler]:
+    """Each method's implementation: (principal, validated params) -> wire result."""
+    c = services.conversations
+
+    async def session_list(principal: str, p: f.SessionList) -> Any:
+        return page_wire(await c.list_sessions(principal, cursor=p.cursor, limit=p.limit))
+
+    async def session_get(principal: str, p: f.SessionRef) -> Any:
+        return session_wire(await c.session(principal, p.session_id))
+
+    async def session_close(principal: str, p: f.SessionClose) -> Any:
+        return session_wire(await c.close(principal, p.session_id))
+
+    async def session_open(principal: str, p: f.SessionRef) -> Any:
+        return session_wire(await c.reopen(principal, p.session_id))
+
+    async def session_update(principal: str, p: f.SessionUpdate) -> Any:
+        title = None if isinstance(p.title, msgspec.UnsetType) else p.title
+        if title is not None and len(title) > MAX_TITLE_LENGTH:
+            raise InvalidRequest(
+                f"title is longer than {MAX_TITLE_LENGTH} characters", field="params.title"
+            )
+        deleted_at = deletion_time(p.deleted_at)
+        updated = await c.update(principal, p.session_id, title=title, deleted_at=deleted_at)
+        return session_wire(updated)
+
+    async def session_fork(principal: str, p: f.SessionFork) -> Any:
+        request = ForkRequest(
+            session_id=p.old_server_session_id,
+            message_id=p.old_server_message_id,
+            content=p.content_data,
+            client_id=p.new_client_message_id,
+            client_session_id=p.new_client_session_id,
+            limit=p.limit,
+        )
+        session, messages = await c.fork(principal, request)
+        return {"session_id": session.id, "turn_id": "", "message_ids": [m.id for m in messages]}
+
+    async def session_compact(principal: str, p: f.SessionCompact) -> Any:
+        queued = await c.compact(principal, p.session_id, p.custom_instruction)
+        return {"session_id": p.session_id, "queued": queued}
+
+    async def message_send(principal: str, p: f.MessageSend) -> Any:
+        if not p.client_id:
+            raise InvalidRequest("client_id is required", field="params.client_id")
+        request = SendRequest(
+            content=p.content_data,
+            client_id=p.client_id,
+            server_session_id=p.server_session_id,
+            client_session_id=p.client_session_id,
+            agent=p.agent,
+            metadata=p.metadata or {},
+        )
+        session, message = await c.send(principal, request)
+        return {"session_id": session.id, "message_id": message.id, "turn_id": ""}
+
+    async def message_list(principal: str, p: f.MessageList) -> Any:
+        after = offset_cursor(p.cursor)
+        page = await c.list_messages(principal, p.session_id, after_offset=after, limit=p.limit)
+        return page_wire(page)
+
+    async def message_get(principal: str, p: f.MessageRef) -> Any:
+        return message_wire(await c.message(principal, p.message_id))
+
+    async def turn_stop(principal: str, p: f.TurnStop) -> Any:
+        await c.stop(principal, p.session_id)
+        return {"session_id": p.session_id}
+
+    async def turn_list(principal: str, p: f.PagedBySession) -> Any:
+        return page_wire(
+            await c.list_turns(principal, p.session_id, cursor=p.cursor, limit=p.limit)
+        )
+
+    async def turn_get(principal: str, p: f.TurnRef) -> Any:
+        return turn_wire(await c.turn(principal, p.turn_id))
+
+    async def rtc_list(principal: str, p: f.PagedBySession) -> Any:
+        return page_wire(await c.list_rtcs(principal, p.session_id, cursor=p.cursor, limit=p.limit))
+
+    async def rtc_get(principal: str, p: f.RtcRef) -> Any:
+        return rtc_wire(await c.rtc(principal, p.rtc_id))
+
+    async def rtc_update_status(principal: str, p: f.RtcUpdateStatus) -> Any:
+        return rtc_wire(await c.rtc_status(principal, p.rtc_id, p.status, p.client_id))
+
+    async def rtc_submit_result(principal: str, p: f.RtcSubmitResult) -> Any:
+        record = await c.rtc_submit(
+            principal,
+            p.rtc_id,
+            success=p.success,
+            result=p.result,
+            error=p.error,
+            client_id=p.client_id,
+        )
+        return rtc_wire(record)
+
+    handlers: dict[str, Any] = {
+        "v1.session.list": session_list,
+        "v1.session.get": session_get,
+        "v1.session.close": session_close,
+        "v1.session.open": session_open,
+        "v1.session.update": session_update,
+        "v1.session.fork": session_fork,
+        "v1.session.compact": session_compact,
+        "v1.message.send": message_send,
+        "v1.message.list": message_list,
+        "v1.message.get": message_get,
+        "v1.turn.stop": turn_stop,
+        "v1.turn.list": turn_list,
+        "v1.turn.get": turn_get,
+        "v1.rtc.list": rtc_list,
+        "v1.rtc.get": rtc_get,
+        "v1.rtc.update_status": rtc_update_status,
+        "v1.rtc.submit_result": rtc_submit_result,
+    }
+    return handlers
+
+
+def page_wire(page: Page[Any]) -> dict[str, Any]:
+    items: list[WireEntity] = [entity_wire(item) for item in page.items]
+    return {"items": items, "next_cursor": page.next_cursor}
+
+
+def offset_cursor(cursor: str | int) -> int:
+    """`message.list`'s cursor: a global_offset, as a decimal string or an integer."""
+    if cursor == "":
+        return 0
+    if isinstance(cursor, str):
+        if not cursor.isdecimal():
+            raise InvalidRequest("cursor must be a decimal global_offset", field="params.cursor")
+        cursor = int(cursor)
+    if cursor < 0:
+        raise InvalidRequest("cursor must not be negative", field="params.cursor")
+    return cursor
+
+
+def deletion_time(value: str | msgspec.UnsetType | None) -> float | msgspec.UnsetType | None:
+    if value is None or isinstance(value, msgspec.UnsetType):
+        return value
+    try:
+        return parse_rfc3339(value)
+    except ValueError:
+        raise InvalidRequest(
+            "deleted_at must be an RFC 3339 time or null", field="params.deleted_at"
+        ) from None
+
+
+async def rpc_handler(request: web.Request) -> web.StreamResponse:
+    services = request.app[SERVICES]
+    # Credentials come in `connect`, never in the URL or on the upgrade.
+    check_admission(request, services)
+    return await run_socket(request, services, lambda ws: RpcSocket(request, ws, services))
