@@ -110,6 +110,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     # /v1/rpc (issue: RPC).
     update_retention: Seconds = 604800.0
+    update_prune_interval: Seconds = 3600.0  # how often updates past the retention are dropped
 
     def agent_names(self) -> list[str]:
         return sorted({DEFAULT_AGENT, *self.agents})

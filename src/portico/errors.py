@@ -330,3 +330,29 @@ class Forbidden(RpcError):
     """The entity is the caller's, but another client (`client_id`) owns this step of it."""
 
     code = "forbidden"
+
+
+class RpcRateLimited(RpcError):
+    code = "rate_limited"
+
+
+class RpcInternal(RpcError):
+    code = "internal"
+
+    def __init__(self) -> None:
+        super().__init__(GENERIC_INTERNAL_MESSAGE)
+
+
+def as_rpc_error(error: PorticoError) -> PorticoError:
+    """The RPC form of an error raised by code shared with the other protocols."""
+    if isinstance(error, RpcError | RpcUnauthenticated):
+        return error
+    if isinstance(error, InvalidMessage):
+        return InvalidRequest(error.message)
+    if isinstance(error, RateLimited):
+        return RpcRateLimited(error.message)
+    if isinstance(error, Unauthenticated):
+        return RpcUnauthenticated(error.message)
+    if isinstance(error, MediaNotEnabled | MediaNotFound):
+        return InvalidRequest(error.message)
+    return RpcInternal()

@@ -642,3 +642,16 @@ async def test_compact_writes_a_summary_later_and_absorbs_a_second_request(alice
     assert (await alice.error("v1.session.compact", {"session_id": "sess-x"}))[
         "code"
     ] == "session.not_found"
+
+
+async def test_a_burst_of_requests_past_the_limit_is_rate_limited_and_all_answered(
+    alice: RpcProbe,
+) -> None:
+    # Above the default burst (100 requests) and the requests one connection may have in
+    # flight at once (64): the excess is refused, never queued without bound or dropped.
+    count = 130
+    for n in range(count):
+        await alice.send({"id": f"b-{n}", "method": "v1.session.list"})
+    await alice.until(lambda p: all(f"b-{n}" in p.replies for n in range(count)))
+    codes = [alice.replies[f"b-{n}"].get("error", {}).get("code") for n in range(count)]
+    assert set(codes) == {None, "rate_limited"}

@@ -1,4 +1,8 @@
-"""A frame-level `/v1/rpc` test client: requests by id, pushes recorded as they arrive."""
+"""A frame-level `/v1/rpc` test client: requests by id, pushes recorded as they arrive.
+
+Every frame the server sends is validated against the committed AsyncAPI document
+(docs/asyncapi/rpc.json), as the `/ws` and `/v1/session` test clients do.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,23 @@ import asyncio
 import itertools
 import json
 from collections.abc import Callable
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jsonschema
 
 RECEIVE_TIMEOUT = 10.0
 Frame = dict[str, Any]
+ASYNCAPI = Path(__file__).resolve().parents[2] / "docs" / "asyncapi" / "rpc.json"
+
+
+@cache
+def _validator() -> jsonschema.Draft202012Validator:
+    document = json.loads(ASYNCAPI.read_text())
+    schema = {"$ref": "#/components/schemas/ServerFrame", "components": document["components"]}
+    return jsonschema.Draft202012Validator(schema)
 
 
 class RpcClosed(Exception):
@@ -59,6 +74,7 @@ class RpcProbe:
         if msg.type is not aiohttp.WSMsgType.TEXT:
             raise RpcClosed(self.ws.close_code)
         frame: Frame = json.loads(msg.data)
+        _validator().validate(frame)
         kind = frame.get("type")
         if kind == "update":
             self.updates.append(frame["update"])

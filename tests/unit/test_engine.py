@@ -592,3 +592,28 @@ async def test_enqueued_messages_wait_for_the_running_turn_and_merge() -> None:
     assert (answered.turn_id, answered.message.content) == (second.turn_id, "three")
     history = [m.content for m in await answered.history() if m.role == "user"]
     assert history == ["one", "two"]
+
+
+@pytest.mark.parametrize("yields_before_stop", range(8))
+async def test_a_stop_racing_the_turns_end_leaves_exactly_one_terminal_state(
+    yields_before_stop: int,
+) -> None:
+    # The turn ends on its own within a few loop steps; the stop lands before, during
+    # or after that end depending on the parameter. Either way: one terminal event, and
+    # the archive agrees with it.
+    engine = make_engine(ListRuntime(Chunk("a"), Chunk("b"), Done()))
+    session = await engine.open_session(principal="alice", agent="default", session_id="s1")
+    recorder = Recorder()
+    engine.attach("s1", recorder)
+    await engine.enqueue(session, user_message(content="go"))
+    for _ in range(yields_before_stop):
+        await asyncio.sleep(0)
+    await engine.stop("s1")
+    assert await engine.wait_idle(WAIT)
+    terminals = recorder.terminals()
+    assert len(terminals) == 1
+    (turn,) = await engine.store.list_turns("s1")
+    expected = (
+        TurnState.CANCELLED if getattr(terminals[0], "cancelled", False) else TurnState.COMPLETED
+    )
+    assert turn.state is expected

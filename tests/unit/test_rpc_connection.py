@@ -9,7 +9,15 @@ import msgspec
 import pytest
 
 from portico.core.model import Message, Session, Update, UpdateItem
-from portico.errors import SessionNotFound
+from portico.errors import (
+    InternalError,
+    InvalidMessage,
+    MediaNotEnabled,
+    PorticoError,
+    RateLimited,
+    SessionNotFound,
+    StoreError,
+)
 from portico.protocols.rpc import frames as f
 from portico.protocols.rpc.connection import (
     MAX_HELD_LIVE,
@@ -376,3 +384,43 @@ def test_frames_decode_with_msgspec_types() -> None:
     # Every server frame type encodes (the AsyncAPI document relies on the types).
     for frame in (f.GapFrame(3), f.LiveFrame(live(0)), f.ErrorFrame(f.ErrorBody("c", "m"))):
         assert msgspec.json.decode(msgspec.json.encode(frame))["type"] in {"gap", "live", "error"}
+
+
+# -- limits and error codes ----------------------------------------------------------------------
+
+
+def test_requests_past_the_rate_limit_are_rate_limited_and_the_rest_go_through() -> None:
+    conn = RpcConnection(
+        max_send_queue_bytes=1 << 20, requests_per_second=10, request_burst=3, now=0.0
+    )
+    conn.receive_text(b'{"type": "connect"}', 0.0)
+    conn.accept(user_id="u", epoch="e", offset=0, recovered=False)
+    conn.replay_done()
+    drain(conn)
+    request = b'{"id": "r", "method": "v1.session.list"}'
+    accepted = sum(len(conn.receive_text(request, 0.0)) for _ in range(5))
+    assert accepted == 3
+    assert [fr["error"]["code"] for fr in drain(conn)] == ["rate_limited", "rate_limited"]
+    assert len(conn.receive_text(request, 0.1)) == 1  # a token came back after 100 ms
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (InvalidMessage("bad part"), "invalid_request"),
+        (RateLimited("slow down"), "rate_limited"),
+        (MediaNotEnabled(), "invalid_request"),
+        (StoreError("disk full at /var/secret"), "internal"),
+        (InternalError(), "internal"),
+        (SessionNotFound("s"), "session.not_found"),
+    ],
+)
+def test_errors_of_shared_code_get_rpc_codes_and_hide_internals(
+    error: PorticoError, code: str
+) -> None:
+    conn = opened()
+    conn.reply_error("r", error)
+    (reply,) = drain(conn)
+    assert reply["error"]["code"] == code
+    if code == "internal":
+        assert reply["error"]["message"] == "internal error"

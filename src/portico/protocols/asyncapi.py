@@ -14,18 +14,22 @@ from typing import Any
 import msgspec
 
 from portico.protocols.omnia import frames as omnia
+from portico.protocols.rpc import frames as rpc
 from portico.protocols.session import frames as session
 
 REF_TEMPLATE = "#/components/schemas/{name}"
 
 
 def _document(
-    *, title: str, address: str, description: str, client: Any, server: Any
+    *,
+    title: str,
+    address: str,
+    description: str,
+    client: Any,
+    server: Any,
+    extra: tuple[Any, ...] = (),
 ) -> dict[str, Any]:
-    (client_schema, server_schema), components = msgspec.json.schema_components(
-        [client, server], ref_template=REF_TEMPLATE
-    )
-    schemas = {"ClientFrame": client_schema, "ServerFrame": server_schema, **components}
+    schemas = _schemas(client, server, extra)
     channel = address.strip("/").replace("/", "_")
     return {
         "asyncapi": "3.0.0",
@@ -55,6 +59,23 @@ def _document(
     }
 
 
+def _schemas(client: Any, server: Any, extra: tuple[Any, ...]) -> dict[str, Any]:
+    """The components; a frame union given as a tuple of types becomes an `anyOf` of
+    their schemas (msgspec cannot describe a union of untagged structs itself)."""
+    sides = [tuple(side) if isinstance(side, tuple) else (side,) for side in (client, server)]
+    types = [t for side in sides for t in side]
+    generated, components = msgspec.json.schema_components(
+        [*types, *extra], ref_template=REF_TEMPLATE
+    )
+    schemas: dict[str, Any] = dict(components)
+    position = 0
+    for name, side in zip(("ClientFrame", "ServerFrame"), sides, strict=True):
+        parts = generated[position : position + len(side)]
+        position += len(side)
+        schemas[name] = parts[0] if len(parts) == 1 else {"anyOf": list(parts)}
+    return schemas
+
+
 def omnia_document() -> dict[str, Any]:
     return _document(
         title="Portico: Omnia agent facade",
@@ -78,7 +99,34 @@ def session_document() -> dict[str, Any]:
     )
 
 
-DOCUMENTS = {"omnia.json": omnia_document, "session.json": session_document}
+def rpc_document() -> dict[str, Any]:
+    params = tuple(dict.fromkeys(method.params for method in rpc.METHODS.values()))
+    document = _document(
+        title="Portico: RPC",
+        address="/v1/rpc",
+        description="JSON text frames on GET /v1/rpc (spec/rpc-protocol.md): `connect`, "
+        "requests by id, replies with the updates they produced, and pushed `update`, "
+        "`gap` and `live` frames. Generated from src/portico/protocols/rpc/frames.py.",
+        client=rpc.DOCUMENTED_CLIENT_FRAMES,
+        server=rpc.SERVER_FRAMES,
+        extra=params,
+    )
+    document["x-rpc-methods"] = {
+        name: {
+            "action": method.action,
+            "params": {"$ref": REF_TEMPLATE.format(name=method.params.__name__)},
+            **({"maxLimit": method.max_limit} if method.max_limit is not None else {}),
+        }
+        for name, method in rpc.METHODS.items()
+    }
+    return document
+
+
+DOCUMENTS = {
+    "omnia.json": omnia_document,
+    "session.json": session_document,
+    "rpc.json": rpc_document,
+}
 
 
 def render(document: dict[str, Any]) -> str:

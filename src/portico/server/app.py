@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -19,29 +20,41 @@ from portico.server.websocket import omnia_handler
 
 log = logging.getLogger("portico.server")
 
-MEDIA_SWEEPER = web.AppKey("media_sweeper", asyncio.Task[None])
+HOUSEKEEPING = web.AppKey("housekeeping", list[asyncio.Task[None]])
 
 
 async def _open(app: web.Application) -> None:
     services = app[SERVICES]
+    settings = services.settings
     await services.store.open()
     await services.media.open()
     await services.engine.start()
+    jobs = [_every(settings.update_prune_interval, "update prune", _prune_updates(services))]
     if services.media.enabled:
-        app[MEDIA_SWEEPER] = asyncio.create_task(_sweep_media(services))
+        jobs.append(
+            _every(settings.media_sweep_interval, "media sweep", services.media.sweep_expired)
+        )
+    app[HOUSEKEEPING] = [asyncio.create_task(job) for job in jobs]
     services.ready = True
 
 
-async def _sweep_media(services: Services) -> None:
-    """Delete expired media and upload URLs now (what expired while stopped), then periodically."""
+def _prune_updates(services: Services) -> Callable[[], Awaitable[int]]:
+    async def prune() -> int:
+        return await services.store.prune_updates(time.time() - services.settings.update_retention)
+
+    return prune
+
+
+async def _every(interval: float, name: str, job: Callable[[], Awaitable[int]]) -> None:
+    """Run `job` now (for what expired while stopped), then every `interval` seconds."""
     while True:
         try:
-            deleted = await services.media.sweep_expired()
-            if deleted:
-                log.info("media sweep deleted=%d", deleted)
+            removed = await job()
+            if removed:
+                log.info("%s removed=%d", name, removed)
         except Exception:
-            log.exception("media sweep failed")
-        await asyncio.sleep(services.settings.media_sweep_interval)
+            log.exception("%s failed", name)
+        await asyncio.sleep(interval)
 
 
 async def _close_sockets(app: web.Application) -> None:
@@ -55,10 +68,10 @@ async def _close_sockets(app: web.Application) -> None:
 
 async def _stop(app: web.Application) -> None:
     services = app[SERVICES]
-    sweeper = app.get(MEDIA_SWEEPER)
-    if sweeper is not None:
-        sweeper.cancel()
-        await asyncio.gather(sweeper, return_exceptions=True)
+    jobs = app.get(HOUSEKEEPING, [])
+    for job in jobs:
+        job.cancel()
+    await asyncio.gather(*jobs, return_exceptions=True)
     await services.engine.shutdown()
     await services.media.close()
     await services.store.close()

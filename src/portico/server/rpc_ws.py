@@ -15,10 +15,10 @@ from portico.core.conversations import ForkRequest, Page, SendRequest
 from portico.core.events import TurnChunk, TurnEvent
 from portico.core.model import Update
 from portico.errors import (
-    InternalError,
     InvalidRequest,
     PorticoError,
-    RateLimited,
+    RpcInternal,
+    RpcRateLimited,
     RpcUnauthenticated,
     Unauthenticated,
 )
@@ -60,7 +60,13 @@ class RpcSocket(ServerSocket):
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, services: Services) -> None:
         super().__init__(request, ws, services)
-        self._core = RpcConnection(max_send_queue_bytes=services.settings.max_send_queue_bytes)
+        settings = services.settings
+        self._core = RpcConnection(
+            max_send_queue_bytes=settings.max_send_queue_bytes,
+            requests_per_second=settings.rate_limit_messages,
+            request_burst=settings.rate_limit_burst,
+            now=self._loop.time(),
+        )
         self._principal = ""
         self._in_flight: set[asyncio.Task[None]] = set()
         self._background = Background("marking rtcs sent")
@@ -82,10 +88,10 @@ class RpcSocket(ServerSocket):
             task.cancel()
 
     async def on_text(self, data: str, now: float) -> None:
-        await self._handle_all(self._core.receive_text(data))
+        await self._handle_all(self._core.receive_text(data, now))
 
     async def on_binary(self, data: bytes, now: float) -> None:
-        await self._handle_all(self._core.receive_text(data))
+        await self._handle_all(self._core.receive_text(data, now))
 
     async def on_timer(self, now: float) -> None:
         return None
@@ -156,7 +162,7 @@ class RpcSocket(ServerSocket):
 
     def _start(self, request: f.Request) -> None:
         if len(self._in_flight) >= MAX_IN_FLIGHT:
-            self._core.reply_error(request.id, RateLimited("too many requests in flight"))
+            self._core.reply_error(request.id, RpcRateLimited("too many requests in flight"))
             return
         task = asyncio.create_task(self._run(request))
         self._in_flight.add(task)
@@ -172,7 +178,7 @@ class RpcSocket(ServerSocket):
             self._core.reply_error(request.id, exc)
         except Exception:
             log.exception("rpc method failed method=%s", request.method)
-            self._core.reply_error(request.id, InternalError())
+            self._core.reply_error(request.id, RpcInternal())
         self._after_core()
 
     # -- pushes ---------------------------------------------------------------------------
@@ -231,6 +237,7 @@ def method_handlers(services: Services) -> dict[str, Handler]:
         return session_wire(updated)
 
     async def session_fork(principal: str, p: f.SessionFork) -> Any:
+        refuse_while_draining(services)
         request = ForkRequest(
             session_id=p.old_server_session_id,
             message_id=p.old_server_message_id,
@@ -247,6 +254,7 @@ def method_handlers(services: Services) -> dict[str, Handler]:
         return {"session_id": p.session_id, "queued": queued}
 
     async def message_send(principal: str, p: f.MessageSend) -> Any:
+        refuse_while_draining(services)
         if not p.client_id:
             raise InvalidRequest("client_id is required", field="params.client_id")
         request = SendRequest(
@@ -320,6 +328,13 @@ def method_handlers(services: Services) -> dict[str, Handler]:
         "v1.rtc.submit_result": rtc_submit_result,
     }
     return handlers
+
+
+def refuse_while_draining(services: Services) -> None:
+    """No new turns while the server drains; the client retries on another replica."""
+    if services.draining:
+        services.metrics.rate_limited.labels("draining").inc()
+        raise RpcRateLimited("the server is draining; send again shortly")
 
 
 def page_wire(page: Page[Any]) -> dict[str, Any]:

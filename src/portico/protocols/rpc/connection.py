@@ -24,9 +24,17 @@ from typing import Any
 
 import msgspec
 
+from portico.core.limits import TokenBucket
 from portico.core.model import Message, ToolCallRecord, Update
 from portico.core.states import ToolCallState
-from portico.errors import InvalidRequest, MethodNotFound, PorticoError, RpcUnauthenticated
+from portico.errors import (
+    InvalidRequest,
+    MethodNotFound,
+    PorticoError,
+    RpcRateLimited,
+    RpcUnauthenticated,
+    as_rpc_error,
+)
 from portico.protocols.outbox import Outbox
 from portico.protocols.rpc import frames as f
 from portico.protocols.rpc.entities import update_wire
@@ -61,8 +69,16 @@ _FINAL_STATUSES = frozenset({"completed", "failed"})
 
 
 class RpcConnection:
-    def __init__(self, *, max_send_queue_bytes: int) -> None:
+    def __init__(
+        self,
+        *,
+        max_send_queue_bytes: int,
+        requests_per_second: float = math.inf,
+        request_burst: int = 1,
+        now: float = 0.0,
+    ) -> None:
         self.state = State.AWAIT_CONNECT
+        self._requests = TokenBucket(rate=requests_per_second, burst=request_burst, now=now)
         self.close_request: tuple[int, str] | None = None
         self._outbox = Outbox(max_send_queue_bytes)
         self._sent_offset = 0  # the highest update offset written
@@ -95,7 +111,7 @@ class RpcConnection:
 
     # -- input ----------------------------------------------------------------------------
 
-    def receive_text(self, data: str | bytes) -> list[Event]:
+    def receive_text(self, data: str | bytes, now: float = 0.0) -> list[Event]:
         if self.state is State.CLOSED:
             return []
         try:
@@ -110,7 +126,7 @@ class RpcConnection:
             return self._malformed(f"unknown frame type {frame.type!r}")
         if self.state is State.AWAIT_ACCEPT:
             return self._malformed("wait for `connected` before sending requests")
-        return self._request(frame)
+        return self._request(frame, now)
 
     def _malformed(self, message: str) -> list[Event]:
         if self.state is State.AWAIT_CONNECT:
@@ -133,7 +149,7 @@ class RpcConnection:
         self.state = State.AWAIT_ACCEPT
         return [ConnectReceived(connect)]
 
-    def _request(self, frame: f.ClientFrame) -> list[Event]:
+    def _request(self, frame: f.ClientFrame, now: float) -> list[Event]:
         if not isinstance(frame.id, str) or not frame.id:
             self._write(
                 f.ErrorFrame(
@@ -143,6 +159,9 @@ class RpcConnection:
             return []
         if not isinstance(frame.method, str):
             self.reply_error(frame.id, InvalidRequest("`method` must be a string", field="method"))
+            return []
+        if not self._requests.allow(now):
+            self.reply_error(frame.id, RpcRateLimited("too many requests; slow down"))
             return []
         method = f.METHODS.get(frame.method)
         if method is None:
@@ -195,7 +214,7 @@ class RpcConnection:
         self._write(f.Result(id=request_id, result=result, updates=wire))
 
     def reply_error(self, request_id: str, error: PorticoError) -> None:
-        self._write(f.Failed(id=request_id, error=_error_body(error)))
+        self._write(f.Failed(id=request_id, error=_error_body(as_rpc_error(error))))
 
     def push_update(self, update: Update) -> None:
         if self.state is State.REPLAYING:

@@ -224,3 +224,27 @@ class Failed(msgspec.Struct, frozen=True):
 
 
 ServerFrame = Connected | UpdateFrame | GapFrame | LiveFrame | ErrorFrame | Result | Failed
+
+
+# -- the client frames as documented (decoding goes through `ClientFrame`) ----------------
+
+
+class ConnectFrame(
+    msgspec.Struct, frozen=True, omit_defaults=True, tag_field="type", tag="connect"
+):
+    token: str | None = None
+    offset: int | None = None
+    epoch: str | None = None
+
+
+class RequestFrame(msgspec.Struct, frozen=True):
+    """`params` follows the method's own schema (`x-rpc-methods` in the document)."""
+
+    id: str
+    method: str
+    params: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+# Requests, replies and failures carry no `type`: the documents list the frames as tuples.
+DOCUMENTED_CLIENT_FRAMES = (ConnectFrame, RequestFrame)
+SERVER_FRAMES = (Connected, UpdateFrame, GapFrame, LiveFrame, ErrorFrame, Result, Failed)
