@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from conftest import rpc_url, start_rpc_server
 
+from support.archive import wait_for_tool_calls
 from support.rpc import RpcProbe
 from support.server import ServerProcess
 
@@ -280,3 +281,24 @@ async def test_an_rtc_made_while_no_connection_is_open_is_delivered_on_connect(
     await back.call("v1.rtc.submit_result", {"rtc_id": rtc["id"], "success": True, "result": "ok"})
     await back.wait_turn_end(sent["session_id"])
     assert reply_text(back) == 'status=completed result="ok" error='
+
+
+async def test_an_rtc_waiting_for_a_client_is_delivered_to_a_fresh_connection(
+    connect: Callable[..., Any], token: str, tool_server: ServerProcess
+) -> None:
+    first = await connect(token)
+    sent = await first.call(
+        "v1.message.send",
+        {"content_data": "x", "client_id": "fresh", "metadata": {"mock_scenario": "late_tool"}},
+    )
+    await first.close()
+    # The agent calls the tool while nobody is connected.
+    assert await wait_for_tool_calls(tool_server.archive_path, sent["session_id"])
+    fresh = await connect(token)  # no offset: nothing is replayed
+    assert fresh.connected["recovered"] is False
+    await fresh.until(lambda p: bool(p.entities("rtc")))
+    (rtc,) = fresh.entities("rtc")
+    assert rtc["status"] == "sent"  # the change pushed when this connection opened
+    await fresh.call("v1.rtc.submit_result", {"rtc_id": rtc["id"], "success": True, "result": 1})
+    await fresh.wait_turn_end(sent["session_id"])
+    assert reply_text(fresh) == "status=completed result=1 error="

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from portico.core.model import Message
+from portico.core.model import Message, ToolCallRecord
 from portico.store.sqlite import SqliteStore
 
 
@@ -49,3 +49,16 @@ async def wait_for_streaming_reply(path: Path, session_id: str, within: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"no streaming reply in {session_id}: {messages}")
         await asyncio.sleep(0.05)
+
+
+async def wait_for_tool_calls(
+    path: Path, session_id: str, within: float = 10.0
+) -> list[ToolCallRecord]:
+    """Poll until the session has archived a tool call; its calls."""
+    deadline = time.monotonic() + within
+    while True:
+        async with open_archive(path) as store:
+            calls = await store.list_tool_calls(session_id)
+        if calls or time.monotonic() > deadline:
+            return list(calls)
+        await asyncio.sleep(0.02)

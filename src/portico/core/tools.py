@@ -292,6 +292,13 @@ class ClientToolBroker:
         else:
             self._rpc_clients.pop(principal, None)
 
+    async def deliver_waiting(self, principal: str) -> None:
+        """A connection of the principal opened: its calls nobody received are `sent` now
+        (the change is pushed to that connection too, also when it did not recover)."""
+        for pending in list(self._pending.values()):
+            if pending.owner == principal and pending.record.state is ToolCallState.PENDING:
+                await self._advance(pending, ToolCallTrigger.DELIVER)
+
     async def delivered(self, call_ids: list[str]) -> None:
         """A connection of the owner received these calls (`pending` Rtcs): now `sent`."""
         for call_id in call_ids:

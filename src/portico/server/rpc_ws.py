@@ -142,6 +142,7 @@ class RpcSocket(ServerSocket):
             await self._replay(connect.offset, head.last_offset)
         self._core.start_from(head.last_offset)
         self._core.replay_done()
+        self._background.spawn(self._services.tools.deliver_waiting(principal))
 
     async def _replay(self, after: int, until: int) -> None:
         self._core.start_from(after)
