@@ -16,6 +16,7 @@ from portico.core.states import TurnState
 from portico.errors import (
     SessionDeclarationRefused,
     SessionExpired,
+    StoreError,
     TurnInProgress,
     UnknownAgent,
 )
@@ -120,10 +121,14 @@ class Recorder:
 
 
 def make_engine(
-    runtime: Runtime, *, clock: Clock | None = None, sandboxes: tuple[str, ...] = ()
+    runtime: Runtime,
+    *,
+    clock: Clock | None = None,
+    sandboxes: tuple[str, ...] = (),
+    store: MemoryStore | None = None,
 ) -> Engine:
     return Engine(
-        store=MemoryStore(),
+        store=store or MemoryStore(),
         runtimes={"default": runtime},
         agents={"default": AgentSettings(sandboxes=sandboxes)},
         context_ttl=TTL,
@@ -617,3 +622,33 @@ async def test_a_stop_racing_the_turns_end_leaves_exactly_one_terminal_state(
         TurnState.CANCELLED if getattr(terminals[0], "cancelled", False) else TurnState.COMPLETED
     )
     assert turn.state is expected
+
+
+class LosingStore(MemoryStore):
+    """An archive that cannot take a turn's user message."""
+
+    async def begin_turn(self, turn: Turn, message: Message) -> Message:
+        raise StoreError("disk full")
+
+
+async def test_the_runtime_starts_before_the_message_is_archived_and_a_lost_message_fails_it() -> (
+    None
+):
+    runtime = ListRuntime(Chunk("a"), Done())
+    engine = make_engine(runtime, store=LosingStore())
+    turn, recorder = await run_turn(engine, user_message())
+    # The chunk went out (the archive is not waited for), but the turn cannot end as
+    # answered without its message: one terminal event, a failure that hides the cause.
+    (chunk,) = [e for e in recorder.events if isinstance(e, TurnChunk)]
+    assert (chunk.text, chunk.index) == ("a", 0)
+    assert recorder.terminals() == [TurnFailed("s1", turn.id, "INTERNAL_ERROR", "internal error")]
+    assert await stored_state(engine, turn) is TurnState.FAILED
+
+
+async def test_history_waits_for_the_message_to_be_archived() -> None:
+    runtime = ListRuntime(Done())
+    engine = make_engine(runtime)
+    await run_turn(engine, user_message(content="first"))
+    await run_turn(engine, user_message(content="second"))
+    second = runtime.inputs[-1]
+    assert [m.content for m in await second.history()] == ["first"]

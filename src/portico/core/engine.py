@@ -31,7 +31,7 @@ from portico.errors import (
     TurnInProgress,
     UnknownAgent,
 )
-from portico.runtime.base import ClientTool, MediaAccess, Runtime, TurnInput
+from portico.runtime.base import ClientTool, HistoryReader, MediaAccess, Runtime, TurnInput
 from portico.store.base import Background, Store, detached
 
 log = logging.getLogger("portico.engine")
@@ -175,11 +175,7 @@ class Engine:
         if session.id in self._running:
             raise TurnInProgress(session.id)
         self._running[session.id] = None
-        try:
-            turn, turn_input = await self._archive_user_message(session, message)
-        except BaseException:
-            del self._running[session.id]
-            raise
+        turn, turn_input = self._archive_behind(session, message)
         if listener is not None:
             self.attach(session.id, listener)
         self._start_runner(session, turn, turn_input)
@@ -330,41 +326,63 @@ class Engine:
     async def _archive_user_message(
         self, session: Session, message: UserMessage
     ) -> tuple[Turn, TurnInput]:
+        turn, unsaved = self._new_turn(session, message)
+        stored = await self.store.begin_turn(turn, unsaved)
+        return turn, self._turn_input(session, message, stored, self._history_before)
+
+    def _new_turn(self, session: Session, message: UserMessage) -> tuple[Turn, Message]:
+        """A pending turn and its user message, not archived yet."""
         now = self._clock()
         turn = Turn(
             id=new_id("turn"), session_id=session.id, state=TurnState.PENDING, created_at=now
         )
-        stored = await self.store.begin_turn(
-            turn,
-            Message(
-                id=new_id("msg"),
-                session_id=session.id,
-                turn_id=turn.id,
-                client_id=message.client_id,
-                role="user",
-                content=message.content,
-                content_type="text",
-                parts=message.parts,
-                metadata=message.metadata,
-                created_at=now,
-                updated_at=now,
-                turn_offset=1,
-            ),
-        )
-        turn_input = TurnInput(
+        return turn, Message(
+            id=new_id("msg"),
             session_id=session.id,
             turn_id=turn.id,
+            client_id=message.client_id,
+            role="user",
+            content=message.content,
+            content_type="text",
+            parts=message.parts,
+            metadata=message.metadata,
+            created_at=now,
+            updated_at=now,
+            turn_offset=1,
+        )
+
+    def _turn_input(
+        self, session: Session, message: UserMessage, stored: Message, reader: HistoryReader
+    ) -> TurnInput:
+        return TurnInput(
+            session_id=session.id,
+            turn_id=stored.turn_id,
             agent=session.agent,
             owner=session.owner,
             message=stored,
-            history_reader=self._history_before,
+            history_reader=reader,
             directives=message.directives,
             declare=session.declare,
             media=self._media,
             client_tools=message.client_tools,
             context=message.context,
         )
-        return turn, turn_input
+
+    def _archive_behind(self, session: Session, message: UserMessage) -> tuple[Turn, TurnInput]:
+        """Archive the message and its turn without waiting: the runtime starts at once.
+
+        Archive writes are queued in order, so the turn's own writes land after these;
+        the runner waits for this write before the turn ends, and a history read waits
+        for it too (the message's `global_offset` is known only then).
+        """
+        turn, unsaved = self._new_turn(session, message)
+        archived = asyncio.ensure_future(self.store.begin_turn(turn, unsaved))
+
+        async def history_before(before: Message) -> tuple[Message, ...]:
+            return await self._history_before(await archived)
+
+        turn_input = self._turn_input(session, message, unsaved, history_before)
+        return turn, msgspec.structs.replace(turn_input, archived=archived)
 
     async def _history_before(self, before: Message) -> tuple[Message, ...]:
         """At most HISTORY_LIMIT messages before `before`, from the latest summary on."""

@@ -97,6 +97,9 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
     error_code: str = ""
     error_message: str = ""
     merged_into: str = ""
+    # Model tokens the turn used (all rounds), as the runtime reported them.
+    input_tokens: int = 0
+    output_tokens: int = 0
 
 
 class ToolCallRecord(msgspec.Struct, frozen=True, kw_only=True):

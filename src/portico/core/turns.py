@@ -34,6 +34,7 @@ from portico.runtime.base import (
     ToolOutcome,
     TurnInput,
     TurnStream,
+    Usage,
 )
 from portico.store.base import Store
 
@@ -82,6 +83,7 @@ class TurnRunner:
         # step, or while archiving, would end without its one terminal event.
         self._driving = False
         self._task: asyncio.Task[object] | None = None
+        self._started: asyncio.Future[None] | None = None
 
     def request_stop(self, trigger: TurnTrigger) -> None:
         """End the turn early: at once while the runtime streams, else before it starts."""
@@ -103,7 +105,11 @@ class TurnRunner:
 
     async def run(self) -> Turn:
         self._task = asyncio.current_task()
-        await self._transition(TurnTrigger.START)
+        # The `running` record is written behind the runtime's first steps: the first
+        # chunk must not wait for the archive. Archive writes are queued in order, so
+        # the turn's end still lands after it.
+        self._advance(TurnTrigger.START)
+        self._started = asyncio.ensure_future(self._store.save_turn(self.turn))
         terminal: Done | Failure | None = None
         if not self._stop_requested:
             stream = self._runtime.run(self._input)
@@ -153,8 +159,16 @@ class TurnRunner:
                 # every few events (not every one) also lets writers send frames in batches.
                 await asyncio.sleep(0)
 
-    async def _handle(self, event: Chunk | MediaChunk | ToolCall) -> ToolOutcome | None:
+    async def _handle(self, event: Chunk | MediaChunk | ToolCall | Usage) -> ToolOutcome | None:
         session_id, turn_id = self.turn.session_id, self.turn.id
+        if isinstance(event, Usage):
+            # Saved with the turn's end (one write), not per model request.
+            self.turn = msgspec.structs.replace(
+                self.turn,
+                input_tokens=self.turn.input_tokens + event.input_tokens,
+                output_tokens=self.turn.output_tokens + event.output_tokens,
+            )
+            return None
         if isinstance(event, Chunk):
             self._text.append(event.text)
             if self._first_chunk is None:
@@ -175,6 +189,9 @@ class TurnRunner:
 
     async def _finish(self, terminal: Done | Failure | None) -> None:
         """Archive the reply, record the turn's end, then send the one terminal event."""
+        if not await self._settle_start():
+            # Without its message in the archive the turn cannot stand as answered.
+            terminal = Failure(code=InternalError.code, message=GENERIC_INTERNAL_MESSAGE)
         content = "".join(self._text)
         parts: tuple[ContentPart, ...] | None = None
         if isinstance(terminal, Done):
@@ -252,7 +269,26 @@ class TurnRunner:
                 return
         await self._store.append_message(final)
 
+    async def _settle_start(self) -> bool:
+        """Wait for the writes started behind the turn; False if its message was lost."""
+        try:
+            if self._input.archived is not None:
+                await self._input.archived
+        except StoreError:
+            log.exception("archiving the user's message failed turn=%s", self.turn.id)
+            return False
+        try:
+            if self._started is not None:
+                await self._started
+        except StoreError:
+            log.exception("archiving the turn's start failed turn=%s", self.turn.id)
+        return True
+
     async def _transition(self, trigger: TurnTrigger) -> None:
+        self._advance(trigger)
+        await self._store.save_turn(self.turn)
+
+    def _advance(self, trigger: TurnTrigger) -> None:
         now = self._clock()
         state = next_turn_state(self.turn.state, trigger)
         changes: dict[str, object] = {"state": state}
@@ -261,7 +297,6 @@ class TurnRunner:
         else:
             changes["ended_at"] = now
         self.turn = msgspec.structs.replace(self.turn, **changes)
-        await self._store.save_turn(self.turn)
 
 
 async def _close_quietly(stream: TurnStream) -> None:

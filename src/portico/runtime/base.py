@@ -8,6 +8,7 @@ runtime reads like straight-line code: ``outcome = yield ToolCall(...)``.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any, Literal, Protocol
 
@@ -51,7 +52,14 @@ class Failure(msgspec.Struct, frozen=True):
     message: str
 
 
-RuntimeEvent = Chunk | Done | ToolCall | MediaChunk | Failure
+class Usage(msgspec.Struct, frozen=True):
+    """Model tokens one request of the turn used; the engine adds them up per turn."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+RuntimeEvent = Chunk | Done | ToolCall | MediaChunk | Failure | Usage
 
 
 class ToolOutcome(msgspec.Struct, frozen=True):
@@ -102,6 +110,9 @@ class TurnInput(msgspec.Struct, frozen=True, kw_only=True):
     # server code and tool arguments, never instructions to the model.
     client_tools: tuple[ClientTool, ...] = ()
     context: dict[str, Any] = msgspec.field(default_factory=dict)
+    # Set when the user's message is still being archived as the turn starts (its
+    # `global_offset` is 0 until then): the engine waits for it before the turn ends.
+    archived: asyncio.Future[Message] | None = None
 
     async def history(self) -> tuple[Message, ...]:
         """The session's messages before this turn's (the most recent few), oldest first."""

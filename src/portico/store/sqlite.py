@@ -19,6 +19,7 @@ import functools
 import logging
 import sqlite3
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -158,6 +159,10 @@ MIGRATIONS: tuple[str, ...] = (
     """
     CREATE INDEX messages_client_id ON messages (client_id) WHERE client_id != '';
     CREATE INDEX messages_streaming ON messages (status) WHERE status = 'streaming';
+    """,
+    """
+    ALTER TABLE turns ADD COLUMN input_tokens INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE turns ADD COLUMN output_tokens INTEGER NOT NULL DEFAULT 0;
     """,
 )
 
@@ -617,6 +622,46 @@ def _page_args(session_id: str, cursor: str, limit: int) -> tuple[Any, ...]:
     return (session_id, cursor, session_id, limit) if cursor else (session_id, limit)
 
 
+SESSION_CACHE_SIZE = 10_000  # sessions kept in memory (most recently used)
+
+
+class _SessionCache:
+    """Sessions as last committed, so a message does not cost a read of its session.
+
+    One process owns the archive file, and every write that changes a session logs
+    the stored session in its update: the cache learns from the committed updates.
+    A read that raced a session write (the generation moved) is not cached.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self.generation = 0
+
+    def get(self, session_id: str) -> Session | None:
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._sessions.move_to_end(session_id)
+        return session
+
+    def learn(self, updates: list[Update]) -> None:
+        for update in updates:
+            for entity in update.data_list:
+                if isinstance(entity, Session):
+                    self.generation += 1
+                    self._put(entity)
+
+    def offer(self, session: Session, generation: int) -> None:
+        if generation == self.generation:
+            self._put(session)
+
+    def _put(self, session: Session) -> None:
+        self._sessions[session.id] = session
+        self._sessions.move_to_end(session.id)
+        if len(self._sessions) > self._size:
+            self._sessions.popitem(last=False)
+
+
 class SqliteStore:
     def __init__(self, path: str | Path) -> None:
         self._path = str(path)
@@ -626,6 +671,7 @@ class SqliteStore:
         self._pending: list[Pending] = []
         self._committer: asyncio.Task[None] | None = None
         self._listener: UpdateListener | None = None
+        self._sessions = _SessionCache(SESSION_CACHE_SIZE)
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -689,6 +735,7 @@ class SqliteStore:
                     future.set_result(outcome)
 
     def _publish(self, updates: list[Update], collector: list[Update] | None) -> None:
+        self._sessions.learn(updates)
         if collector is not None:
             collector.extend(updates)
         listener = self._listener
@@ -737,11 +784,19 @@ class SqliteStore:
         return await self._write(insert_or_get)
 
     async def get_session(self, session_id: str) -> Session | None:
+        cached = self._sessions.get(session_id)
+        if cached is not None:
+            return cached
+
         def select(conn: sqlite3.Connection) -> Session | None:
             row = conn.execute(_SELECT_SESSION, (session_id,)).fetchone()
             return None if row is None else _session_from_row(row)
 
-        return await self._read(select)
+        generation = self._sessions.generation
+        found = await self._read(select)
+        if found is not None:
+            self._sessions.offer(found, generation)
+        return found
 
     async def list_sessions(
         self, owner: str, *, limit: int, cursor: str = "", include_deleted: bool = True

@@ -76,6 +76,11 @@ class TurnError(msgspec.Struct, frozen=True):
     message: str
 
 
+class TurnUsage(msgspec.Struct, frozen=True):
+    input_tokens: int
+    output_tokens: int
+
+
 class WireTurn(msgspec.Struct, frozen=True):
     id: str
     session_id: str
@@ -85,6 +90,7 @@ class WireTurn(msgspec.Struct, frozen=True):
     created_at: str | None
     started_at: str | None
     ended_at: str | None
+    usage: TurnUsage  # Portico addition: model tokens of the turn
 
 
 class WireRtc(msgspec.Struct, frozen=True):
@@ -162,6 +168,7 @@ def turn_wire(turn: Turn) -> WireTurn:
         created_at=rfc3339(turn.created_at),
         started_at=rfc3339(turn.started_at),
         ended_at=rfc3339(turn.ended_at),
+        usage=TurnUsage(turn.input_tokens, turn.output_tokens),
     )
 
 
