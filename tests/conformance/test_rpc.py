@@ -655,3 +655,42 @@ async def test_a_burst_of_requests_past_the_limit_is_rate_limited_and_all_answer
     await alice.until(lambda p: all(f"b-{n}" in p.replies for n in range(count)))
     codes = [alice.replies[f"b-{n}"].get("error", {}).get("code") for n in range(count)]
     assert set(codes) == {None, "rate_limited"}
+
+
+REQUIRED_PARAMS = {
+    "v1.session.get": "session_id",
+    "v1.session.close": "session_id",
+    "v1.session.open": "session_id",
+    "v1.session.update": "session_id",
+    "v1.session.fork": "old_server_session_id",
+    "v1.session.compact": "session_id",
+    "v1.message.send": "content_data",
+    "v1.message.list": "session_id",
+    "v1.message.get": "message_id",
+    "v1.turn.stop": "session_id",
+    "v1.turn.list": "session_id",
+    "v1.turn.get": "turn_id",
+    "v1.rtc.update_status": "rtc_id",
+    "v1.rtc.submit_result": "rtc_id",
+    "v1.rtc.list": "session_id",
+    "v1.rtc.get": "rtc_id",
+}
+
+
+@pytest.mark.parametrize(("method", "field"), sorted(REQUIRED_PARAMS.items()))
+async def test_every_method_names_a_missing_required_param(
+    alice: RpcProbe, method: str, field: str
+) -> None:
+    error = await alice.error(method, {})
+    assert error["code"] == "invalid_request"
+    assert error["details"] == {"field": f"params.{field}"}
+    assert alice.updates == []  # nothing changed
+
+
+async def test_session_list_takes_no_required_params_and_validates_its_limit(
+    alice: RpcProbe,
+) -> None:
+    assert (await alice.call("v1.session.list", {}))["next_cursor"] == ""
+    for limit in (0, 101, -1, 2.5):
+        error = await alice.error("v1.session.list", {"limit": limit})
+        assert error["details"] == {"field": "params.limit"}
