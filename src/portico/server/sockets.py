@@ -51,9 +51,17 @@ class ServerSocket(ABC):
         self._services = services
         self._metrics = services.metrics
         self._loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
-        self._rearm = asyncio.Event()
-        self._armed = math.inf  # the deadline the timer loop sleeps until
+        # No task per connection for writing or timers (each costs memory on every idle
+        # connection): writes are flushed from a loop callback, deadlines are call_at
+        # handles, and a task exists only while it has something to wait for.
+        self._flush_scheduled = False
+        self._writing = True  # False once the client overflowed its queue
+        self._batched = not services.settings.ws_compression and self._transport is not None
+        self._waiter: asyncio.Task[None] | None = None  # a drain or a compressed write
+        self._timer: asyncio.TimerHandle | None = None
+        self._armed = math.inf  # the deadline the timer handle fires at
+        self._timer_task: asyncio.Task[None] | None = None
+        self._frames_out = services.metrics.frames_out.labels(self.protocol)
         # Set once the socket stops taking engine events (closed or shutting down).
         self._closed = False
         # A close the server started; the handler waits for it so the close frame
@@ -96,17 +104,16 @@ class ServerSocket(ABC):
         started = time.perf_counter()
         log.info("connection opened protocol=%s %s", self.protocol, self.describe())
         self.wake()
-        tasks = [asyncio.create_task(self._write_loop()), asyncio.create_task(self._timer_loop())]
+        self._schedule_timer()
         try:
             await self._read_loop()
         finally:
             self._closed = True
+            self._writing = False
             self.on_closed()
             if self._closing is not None:
                 await asyncio.gather(self._closing, return_exceptions=True)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._stop_background()
             log.info(
                 "connection closed protocol=%s %s close_code=%s duration_s=%.1f",
                 self.protocol,
@@ -115,15 +122,19 @@ class ServerSocket(ABC):
                 time.perf_counter() - started,
             )
 
-    def wake(self) -> None:
-        """Frames are queued in the core: the writer takes them."""
-        self._wake.set()
+    async def _stop_background(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        tasks = [t for t in (self._waiter, self._timer_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _rearm_if_sooner(self) -> None:
-        # The timer sleeps until the deadline it saw; wake it only when the core's
-        # deadline moved earlier (a deadline that moved later is simply re-read).
-        if self.core.next_deadline() < self._armed:
-            self._rearm.set()
+    def wake(self) -> None:
+        """Frames are queued in the core: flush them once the current step is done."""
+        if not self._flush_scheduled and self._writing:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
 
     async def _read_loop(self) -> None:
         ws, frames_in = self._ws, self._metrics.frames_in.labels(self.protocol)
@@ -144,33 +155,52 @@ class ServerSocket(ABC):
             else:  # CLOSE, CLOSING, CLOSED, ERROR (e.g. a frame over max_msg_size: 1009)
                 break
             self.wake()
-            self._rearm_if_sooner()
+            self._schedule_timer()
 
-    async def _write_loop(self) -> None:
-        ws, frames_out = self._ws, self._metrics.frames_out.labels(self.protocol)
-        batched = not self._services.settings.ws_compression and self._transport is not None
-        while not ws.closed:
-            await self._wake.wait()
-            self._wake.clear()
-            # Awaiting the write is the backpressure: while a client does not read,
-            # frames wait in the core's bounded queue, never in an unbounded buffer.
-            written = await (self._write_batch() if batched else self._write_each())
-            frames_out.inc(written)
-            if self.core.overflowed:
-                self._metrics.slow_consumers.inc()
-                log.info("slow consumer protocol=%s %s", self.protocol, self.describe())
-                self.on_overflow()
-                return
+    # -- writing ------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._writing or self._ws.closed or self._waiter is not None:
+            return  # a waiter flushes again when the drain or the write it awaits is done
+        if not self._batched:
+            self._waiter = asyncio.create_task(self._write_each())
+            return
+        self._frames_out.inc(self._write_batch())
+        self._after_write()
+
+    def _after_write(self) -> None:
+        if self.core.overflowed:
+            self._writing = False
+            self._metrics.slow_consumers.inc()
+            log.info("slow consumer protocol=%s %s", self.protocol, self.describe())
+            self.on_overflow()
+        elif self._request_protocol.writing_paused:
+            # Waiting for the drain is the backpressure: meanwhile frames wait in the
+            # core's bounded queue, never in an unbounded transport buffer.
+            self._waiter = asyncio.create_task(self._drain())
+        else:
             self.after_flush()
 
-    async def _write_each(self) -> int:
+    async def _drain(self) -> None:
+        await self._request_protocol._drain_helper()
+        self._waiter = None
+        self._flush()
+
+    async def _write_each(self) -> None:
+        """Compressed frames go through aiohttp's writer, one awaited send each."""
         written = 0
-        while (frame := self.core.next_frame()) is not None:
+        while (frame := self.core.next_frame()) is not None and not self._ws.closed:
             await self._ws.send_frame(frame, WSMsgType.TEXT)
             written += 1
-        return written
+        self._frames_out.inc(written)
+        self._waiter = None
+        self._after_write()
+        if self.core.overflowed or not self._writing:
+            return
+        self.wake()  # frames queued while the last one was being sent
 
-    async def _write_batch(self) -> int:
+    def _write_batch(self) -> int:
         """Every queued frame in one transport write: one syscall, not one per frame.
 
         aiohttp writes each frame separately; uncompressed server frames are simple
@@ -181,27 +211,40 @@ class ServerSocket(ABC):
         while (frame := self.core.next_frame()) is not None:
             frames.append(text_frame_header(len(frame)))
             frames.append(frame)
-        if not frames or self._ws.closed:
+        if not frames:
             return 0
         assert self._transport is not None
         self._transport.write(b"".join(frames))
-        protocol = self._request_protocol
-        if protocol.writing_paused:
-            await protocol._drain_helper()
         return len(frames) // 2
 
     def after_flush(self) -> None:
         """Everything queued was written."""
         return None
 
-    async def _timer_loop(self) -> None:
-        while not self._ws.closed:
-            self._armed = deadline = self.core.next_deadline()
-            timeout = None if math.isinf(deadline) else max(0.0, deadline - self._loop.time())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._rearm.wait(), timeout)
-            self._rearm.clear()
+    # -- timers -------------------------------------------------------------------------
+
+    def _schedule_timer(self) -> None:
+        """Arm a handle for the core's next deadline when it is sooner than the armed one
+        (a deadline that moved later is simply re-read when the handle fires)."""
+        deadline = self.core.next_deadline()
+        if deadline >= self._armed or self._closed:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._armed = deadline
+        self._timer = self._loop.call_at(deadline, self._timer_fired)
+
+    def _timer_fired(self) -> None:
+        self._timer, self._armed = None, math.inf
+        if not self._closed and self._timer_task is None:
+            self._timer_task = asyncio.create_task(self._run_timer())
+
+    async def _run_timer(self) -> None:
+        try:
             await self.on_timer(self._loop.time())
+        finally:
+            self._timer_task = None
+        self._schedule_timer()
 
     # -- closing ------------------------------------------------------------------------
 
