@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from common import HOST, READY_LINE, SESSION_PATH
+from common import HOST, READY_LINE, RPC_PATH, SESSION_PATH, bench_api_keys
 
 BENCH = Path(__file__).resolve().parent
 SCRIPT = BENCH / "script.yaml"
@@ -37,6 +37,16 @@ PORTICO_RESUME_ENV = {
     "PORTICO_RESEND_BUFFER_BYTES": str(64 * 1024 * 1024),
     "PORTICO_RESUME_WINDOW": "600",
 }
+
+
+def portico_rpc_env(users: int) -> dict[str, str]:
+    """The RPC server (bench/run.py): API keys for `users` bench users (bench_token).
+
+    With authentication off every connection is one user, `local`, and each user's updates
+    and live chunks go to all of that user's connections: a pool of N connections would get
+    N copies of every turn. A user per connection is what a pool of clients looks like.
+    """
+    return {"PORTICO_AUTH": "apikey", "PORTICO_API_KEYS": bench_api_keys(users)}
 
 
 def picows_available() -> bool:
@@ -157,6 +167,11 @@ class Server:
     def session_url(self) -> str:
         """Portico's resumable-session endpoint (the bare servers have none)."""
         return f"ws://{HOST}:{self.port}{SESSION_PATH}"
+
+    @property
+    def rpc_url(self) -> str:
+        """Portico's `/v1/rpc` endpoint (the bare servers have none)."""
+        return f"ws://{HOST}:{self.port}{RPC_PATH}"
 
     def command(self) -> list[str]:
         if self.kind != "portico":

@@ -6,6 +6,13 @@
     python bench/loadgen.py session_stream --url ws://127.0.0.1:PORT/v1/session [--clients 100]
     python bench/loadgen.py session_resume --url ws://.../v1/session --scenario long1000
                                            --backlog 1000 [--samples 20] [--warm 1]
+    python bench/loadgen.py rpc_latency --url ws://127.0.0.1:PORT/v1/rpc [--rate 200]
+                                        [--pool 32] [--users 32]
+    python bench/loadgen.py rpc_pages --url ws://.../v1/rpc [--messages 10000]
+                                      [--samples 20] [--warm 1]
+
+`--users N` authenticates connection i as bench user i mod N (common.bench_token; the
+server needs those keys, see bench/harness.py); without it no token is sent.
 
 Prints one JSON object per line on stdout; the last has `"event": "result"`. `idle` first
 prints `"event": "ready"` once every connection has its `connected`, then holds them until
@@ -20,13 +27,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
+import random
 import re
 import stat
 import sys
 import time
+import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -35,14 +45,29 @@ from urllib.parse import urlsplit
 
 import uvloop
 from common import (
+    FILL_SCENARIO,
+    FILL_WINDOW,
+    PAGE_SIZE,
+    RPC_TURN_ENDS,
+    RPC_TURN_FAILURES,
     TERMINAL_KINDS,
+    RpcFrame,
+    RpcLive,
+    RpcUpdate,
     ack_frame,
+    bench_token,
     end_frame,
     frame_kind,
     hello_frame,
     message_frame,
     raise_fd_limit,
     ready_session_id,
+    rpc_connect_frame,
+    rpc_frame,
+    rpc_list_frame,
+    rpc_page,
+    rpc_send_frame,
+    rpc_send_result,
     session_frame,
     session_message_frame,
 )
@@ -72,6 +97,8 @@ class Options:
     warm: int
     samples: int
     backlog: int
+    users: int
+    messages: int
     connect_concurrency: int
     client: str
 
@@ -119,7 +146,9 @@ class Connection(Protocol):
 
 
 class Dialer(Protocol):
-    async def connect(self, url: str, handler: Handler) -> Connection: ...
+    async def connect(
+        self, url: str, handler: Handler, headers: dict[str, str] | None = None
+    ) -> Connection: ...
 
     async def aclose(self) -> None: ...
 
@@ -149,11 +178,14 @@ class PicowsDialer:
 
         self._listener = Listener
 
-    async def connect(self, url: str, handler: Handler) -> Connection:
+    async def connect(
+        self, url: str, handler: Handler, headers: dict[str, str] | None = None
+    ) -> Connection:
         transport, _ = await self._picows.ws_connect(
             lambda: self._listener(handler),
             url,
             websocket_handshake_timeout=CONNECT_TIMEOUT,
+            extra_headers=headers,
             # uvloop's own connect: in this benchmark it opens connections about 30%
             # faster than the aiofastnet path picows picks by default.
             use_aiofastnet=False,
@@ -193,8 +225,10 @@ class AiohttpDialer:
         # limit=0: the default pool of 100 would queue every connection past the 100th.
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
-    async def connect(self, url: str, handler: Handler) -> Connection:
-        ws = await self._session.ws_connect(url, max_msg_size=0, autoping=True)
+    async def connect(
+        self, url: str, handler: Handler, headers: dict[str, str] | None = None
+    ) -> Connection:
+        ws = await self._session.ws_connect(url, max_msg_size=0, autoping=True, headers=headers)
         return AiohttpConnection(ws, handler, self._aiohttp.WSMsgType.TEXT)
 
     async def aclose(self) -> None:
@@ -254,6 +288,12 @@ class Peer:
         self.connected: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.conn: Connection | None = None
         self.closed = False
+        self.token: str | None = None  # the API key it authenticates with (`--users`)
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        """What the upgrade request carries: the token, for `/ws` and `/v1/session`."""
+        return None if self.token is None else {"Authorization": f"Bearer {self.token}"}
 
     def on_frame(self, payload: bytes | str) -> None:
         if not self.connected.done() and frame_kind(payload) == "connected":
@@ -275,13 +315,21 @@ async def open_all(dialer: Dialer, url: str, peers: Sequence[Peer], concurrency:
 
     async def one(peer: Peer) -> None:
         async with gate:
-            peer.conn = await dialer.connect(url, peer)
+            peer.conn = await dialer.connect(url, peer, peer.headers)
             peer.opened()
             await peer.connected
 
     async with asyncio.timeout(CONNECT_TIMEOUT):
         outcomes = await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
     return sum(isinstance(outcome, BaseException) for outcome in outcomes)
+
+
+def assign_users(peers: Sequence[Peer], users: int) -> None:
+    """With `--users N`, connection i authenticates as bench user i mod N (else as nobody:
+    the server runs with authentication off)."""
+    if users > 0:
+        for index, peer in enumerate(peers):
+            peer.token = bench_token(index % users)
 
 
 async def close_all(peers: Sequence[Peer]) -> None:
@@ -357,6 +405,7 @@ async def stream(options: Options) -> dict[str, Any]:
     """N clients, each: send a message, read its streamed reply to the terminal frame, repeat."""
     tally = StreamTally(message_frame("bench", options.scenario), options.max_turns)
     peers = [StreamPeer(tally) for _ in range(options.clients)]
+    assign_users(peers, options.users)
     dialer = make_dialer(options.client)
     connect_errors = await open_all(dialer, options.url, peers, options.connect_concurrency)
     await sleep_until(options.start_at)
@@ -466,6 +515,7 @@ async def latency(options: Options) -> dict[str, Any]:
         total.append(end - peer.sent_at)
 
     peers = [LatencyPeer(done) for _ in range(options.pool)]
+    assign_users(peers, options.users)
     dialer = make_dialer(options.client)
     connect_errors = await open_all(dialer, options.url, peers, options.connect_concurrency)
     idle.extend(p for p in peers if p.connected.done() and not p.connected.exception())
@@ -834,7 +884,7 @@ class TurnCounter:
 
 
 async def open_peer(dialer: Dialer, url: str, peer: Peer) -> None:
-    peer.conn = await dialer.connect(url, peer)
+    peer.conn = await dialer.connect(url, peer, peer.headers)
     peer.opened()
     await peer.connected
 
@@ -918,6 +968,352 @@ async def session_resume(options: Options) -> dict[str, Any]:
     }
 
 
+# -- rpc_latency, rpc_pages: Portico's /v1/rpc (spec/rpc-protocol.md) -----------------------
+#
+# A `/v1/rpc` connection speaks first (`connect`, with its user's token when the server
+# has authentication on), then sends requests by id; replies come by id. The server also
+# pushes every change of its user's sessions: `update` frames (persisted entities, in
+# order) and `live` frames (a reply's chunks, lossy). A turn's first chunk is the first
+# `live` of its session after the send; its end, an update whose turn has a terminal status.
+# Each user's pushes go to every connection of that user: a pool that shares one user gets
+# every turn of the pool on every connection, so rpc_latency gives each connection a user
+# of its own (`--users`) where the server has them.
+
+RUN_TAG = uuid.uuid4().hex[:12]  # in client_ids, which must be unique per user across runs
+# Replies the fill has not seen yet, at most: one of the running turn, one of the turn
+# the sends waiting behind it merge into. The fill stops this short of its target.
+FILL_MARGIN = 2
+PAGE_SEED = 20240601  # rpc_pages: the same cursors in every run
+PAGE_BOUND = 1.0  # seconds one page may take, for the load generator's overall bound
+
+
+def fill_bound(messages: int) -> float:
+    """The longest filling a session with `messages` may take: generous, but bounded."""
+    return 30.0 + 0.02 * messages
+
+
+class RpcPeer(Peer):
+    """A `/v1/rpc` connection; subclasses handle pushes and replies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = 0
+        self.frame_errors = 0  # frame-level `error`s (a malformed request) after `connected`
+
+    def opened(self) -> None:
+        assert self.conn is not None
+        self.conn.send(rpc_connect_frame(self.token))
+
+    def next_id(self) -> str:
+        self.requests += 1
+        return f"r{self.requests}"
+
+    def on_frame(self, payload: bytes | str) -> None:
+        now = time.perf_counter()
+        frame = rpc_frame(payload)
+        kind = frame.type
+        if kind == "live":
+            assert frame.live is not None
+            self.on_live(frame.live, now)
+        elif kind == "update":
+            assert frame.update is not None
+            self.on_update(frame.update, now)
+        elif frame.id:
+            self.on_reply(frame, now)
+        elif kind == "connected":
+            if not self.connected.done():
+                self.connected.set_result(None)
+        elif kind == "error":
+            if not self.connected.done():
+                self.connected.set_exception(ConnectionError(f"refused: {payload[:200]!r}"))
+            self.frame_errors += 1
+        # `gap` needs nothing: a first connect replays nothing.
+
+    def on_live(self, live: RpcLive, now: float) -> None:
+        return None
+
+    def on_update(self, update: RpcUpdate, now: float) -> None:
+        return None
+
+    def on_reply(self, frame: RpcFrame, now: float) -> None:
+        return None
+
+
+class RpcLatencyPeer(RpcPeer):
+    """One connection, one session (its first send makes it), one turn at a time."""
+
+    def __init__(
+        self, index: int, scenario: str, done: Callable[[RpcLatencyPeer, bool], None]
+    ) -> None:
+        super().__init__()
+        self._done = done
+        self.scenario = scenario
+        self.client_prefix = f"{RUN_TAG}-{index}-"
+        self.session_id = ""
+        self.client_id = ""
+        self.request_id = ""
+        self.busy = False
+        self.sent_at = self.ended_at = 0.0
+        self.reply_at: float | None = None
+        self.running_at: float | None = None
+        self.first_at: float | None = None
+
+    def send(self) -> None:
+        assert self.conn is not None
+        self.request_id = self.next_id()
+        self.client_id = self.client_prefix + self.request_id
+        frame = rpc_send_frame(self.request_id, self.client_id, self.scenario, self.session_id)
+        self.busy = True
+        self.reply_at = self.running_at = self.first_at = None
+        self.sent_at = time.perf_counter()
+        self.conn.send(frame)
+
+    def on_live(self, live: RpcLive, now: float) -> None:
+        if self.busy and self.first_at is None and live.session_id == self.session_id:
+            self.first_at = now
+
+    def on_update(self, update: RpcUpdate, now: float) -> None:
+        if not self.busy:
+            return
+        for item, data in zip(update.items, update.data_list, strict=True):
+            if item.entity == "message":
+                if not self.session_id and data.client_id == self.client_id:
+                    # The first send's session: known before any chunk, whose `live` frames
+                    # wait for the assistant message's `created`, an update after this one.
+                    self.session_id = data.session_id
+            elif item.entity == "turn" and self.session_id == data.session_id:
+                if data.status == "running" and self.running_at is None:
+                    self.running_at = now
+                elif data.status in RPC_TURN_ENDS:
+                    self._end(now, failed=data.status != "completed")
+                    return
+
+    def on_reply(self, frame: RpcFrame, now: float) -> None:
+        if frame.id != self.request_id or not self.busy:
+            return
+        self.reply_at = now
+        if frame.error:
+            self._end(now, failed=True)  # refused: no turn runs
+        elif not self.session_id:
+            self.session_id = rpc_send_result(frame).session_id
+
+    def _end(self, now: float, *, failed: bool) -> None:
+        self.busy = False
+        self.ended_at = now
+        self._done(self, failed)
+
+
+@workload("rpc_latency")
+async def rpc_latency(options: Options) -> dict[str, Any]:
+    """`latency` on `/v1/rpc`: `rate` sends/s, each on a pooled connection whose last turn
+    ended; times send -> reply, -> turn `running`, -> first `live` chunk, -> turn end."""
+    samples: dict[str, list[float]] = {"reply": [], "running": [], "first": [], "done": []}
+    idle: deque[RpcLatencyPeer] = deque()
+    errors = 0
+    measure_from = math.inf  # perf_counter() after the warm-up
+
+    def done(peer: RpcLatencyPeer, failed: bool) -> None:
+        nonlocal errors
+        idle.append(peer)
+        if peer.sent_at < measure_from:
+            return
+        if failed or peer.first_at is None or peer.reply_at is None or peer.running_at is None:
+            errors += 1
+            return
+        samples["reply"].append(peer.reply_at - peer.sent_at)
+        samples["running"].append(peer.running_at - peer.sent_at)
+        samples["first"].append(peer.first_at - peer.sent_at)
+        samples["done"].append(peer.ended_at - peer.sent_at)
+
+    peers = [RpcLatencyPeer(i, options.scenario, done) for i in range(options.pool)]
+    assign_users(peers, options.users)
+    dialer = make_dialer(options.client)
+    connect_errors = await open_all(dialer, options.url, peers, options.connect_concurrency)
+    idle.extend(p for p in peers if p.connected.done() and not p.connected.exception())
+    await sleep_until(options.start_at)
+    interval = 1.0 / options.rate
+    start = time.perf_counter()
+    measure_from = start + options.warmup
+    ticks = min(options.max_turns, int((options.warmup + options.seconds) * options.rate))
+    sent = missed = 0
+    for tick in range(ticks):
+        await asyncio.sleep(max(0.0, start + tick * interval - time.perf_counter()))
+        if idle:
+            idle.popleft().send()
+            sent += 1
+        else:
+            missed += 1  # the pool is too small for this rate: reported, never hidden
+    drained = await until(lambda: not any(p.busy for p in peers), DRAIN_TIMEOUT)
+    await close_all(peers)
+    await dialer.aclose()
+    figures: dict[str, float] = {}
+    for stage, values in samples.items():
+        figures.update(summarize_ms(values, stage))
+    return {
+        "rate": options.rate,
+        "pool": options.pool,
+        "users": options.users,
+        "connect_errors": connect_errors,
+        "sent": sent,
+        "missed": missed,
+        "samples": len(samples["done"]),
+        "errors": errors + sum(p.frame_errors for p in peers) + (not drained),
+        **figures,
+    }
+
+
+class RpcSessionPeer(RpcPeer):
+    """One connection filling one session and reading it back: requests awaited by id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replies: dict[str, asyncio.Future[tuple[float, RpcFrame]]] = {}
+        self.first_client_id = ""
+        self.session_id = ""
+        self.messages = 0  # the highest global_offset seen in the session
+        self.replies_seen = 0  # assistant messages created in the session
+        self.open_turns: set[str] = set()
+        self.failed_turns = 0
+
+    def request(self, frame: Callable[[str], bytes]) -> asyncio.Future[tuple[float, RpcFrame]]:
+        """Send `frame(request_id)`; the future gets (arrival time, reply)."""
+        assert self.conn is not None
+        request_id = self.next_id()
+        reply = asyncio.get_running_loop().create_future()
+        self.replies[request_id] = reply
+        self.conn.send(frame(request_id))
+        return reply
+
+    def send(self, scenario: str) -> asyncio.Future[tuple[float, RpcFrame]]:
+        client_id = f"{RUN_TAG}-fill-{self.requests + 1}"
+        self.first_client_id = self.first_client_id or client_id
+        return self.request(lambda rid: rpc_send_frame(rid, client_id, scenario, self.session_id))
+
+    def on_reply(self, frame: RpcFrame, now: float) -> None:
+        reply = self.replies.pop(frame.id, None)
+        if reply is not None and not reply.done():
+            reply.set_result((now, frame))
+
+    def on_update(self, update: RpcUpdate, now: float) -> None:
+        for item, data in zip(update.items, update.data_list, strict=True):
+            if item.entity == "message":
+                if not self.session_id and data.client_id == self.first_client_id:
+                    self.session_id = data.session_id
+                if data.session_id != self.session_id or not self.session_id:
+                    continue
+                self.messages = max(self.messages, data.global_offset)
+                self.replies_seen += item.action == "created" and data.role == "assistant"
+            elif item.entity == "turn" and data.session_id == self.session_id:
+                if data.status in RPC_TURN_ENDS:
+                    self.open_turns.discard(data.id)
+                    self.failed_turns += data.status in RPC_TURN_FAILURES
+                else:
+                    self.open_turns.add(data.id)
+
+    def on_closed(self) -> None:
+        super().on_closed()
+        for reply in self.replies.values():
+            if not reply.done():
+                reply.set_exception(ConnectionError("closed before the reply"))
+
+
+async def settle(peer: RpcSessionPeer, within: float) -> bool:
+    """Wait until every request has its reply and every turn of the session has ended."""
+    return await until(lambda: not peer.replies and not peer.open_turns, within)
+
+
+async def fill_session(peer: RpcSessionPeer, target: int, bound: float) -> dict[str, Any]:
+    """Make a session of `target` messages (or one or two more) through `v1.message.send`.
+
+    The first send makes the session; then up to FILL_WINDOW sends stay in flight. Each
+    stores a user message; the sends that arrive while a turn runs wait and merge into one
+    turn, which adds one assistant reply. The fill stops FILL_MARGIN short (replies not seen
+    yet), waits for every turn to end, and tops up with single sends (+2 messages each).
+    """
+    start = time.perf_counter()
+    deadline = start + bound
+    errors = 0
+    sends = 0
+
+    async def count(replies: set[asyncio.Future[tuple[float, RpcFrame]]]) -> None:
+        nonlocal errors
+        for reply in replies:
+            _, frame = await reply
+            errors += bool(frame.error)
+
+    _, first = await peer.send(FILL_SCENARIO)
+    sends += 1
+    if first.error:
+        raise ConnectionError(f"the first send failed: {bytes(first.error)[:200]!r}")
+    peer.session_id = peer.session_id or rpc_send_result(first).session_id
+    in_flight: set[asyncio.Future[tuple[float, RpcFrame]]] = set()
+    while sends + peer.replies_seen + FILL_MARGIN < target and time.perf_counter() < deadline:
+        if len(in_flight) >= FILL_WINDOW:
+            finished, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            await count(finished)
+            continue
+        in_flight.add(peer.send(FILL_SCENARIO))
+        sends += 1
+    await count(in_flight)
+    settled = await settle(peer, max(0.0, deadline - time.perf_counter()))
+    while settled and peer.messages < target and time.perf_counter() < deadline:
+        _, frame = await peer.send(FILL_SCENARIO)
+        sends += 1
+        errors += bool(frame.error)
+        settled = await settle(peer, max(0.0, deadline - time.perf_counter()))
+    return {
+        "messages": peer.messages,
+        "sends": sends,
+        "replies": peer.replies_seen,
+        "fill_s": time.perf_counter() - start,
+        "fill_errors": errors + peer.failed_turns + (not settled),
+    }
+
+
+@workload("rpc_pages")
+async def rpc_pages(options: Options) -> dict[str, Any]:
+    """Fill one session with `--messages` messages through `v1.message.send`, then time
+    `--samples` `v1.message.list` pages of PAGE_SIZE at random cursors, one at a time
+    (after `--warm` unmeasured ones), on the same connection."""
+    dialer = make_dialer(options.client)
+    peer = RpcSessionPeer()
+    assign_users([peer], options.users)
+    try:
+        await open_peer(dialer, options.url, peer)
+        filled = await fill_session(peer, options.messages, fill_bound(options.messages))
+        rng = random.Random(PAGE_SEED)
+        highest = max(0, filled["messages"] - PAGE_SIZE)
+        times: list[float] = []
+        errors = 0
+        for index in range(options.warm + options.samples):
+            cursor = rng.randint(0, highest)
+            start = time.perf_counter()
+            page_of = functools.partial(
+                rpc_list_frame, session_id=peer.session_id, cursor=cursor, limit=PAGE_SIZE
+            )
+            arrived, frame = await peer.request(page_of)
+            if frame.error:
+                errors += 1
+                continue
+            page = rpc_page(frame)
+            whole = len(page.items) == PAGE_SIZE and page.items[0].global_offset == cursor + 1
+            errors += not whole
+            if whole and index >= options.warm:
+                times.append(arrived - start)
+        if peer.conn is not None:
+            await close_all([peer])
+    finally:
+        await dialer.aclose()
+    return {
+        **filled,
+        "page_size": PAGE_SIZE,
+        "samples": len(times),
+        "warm": options.warm,
+        "errors": errors + filled["fill_errors"] + peer.frame_errors,
+        **summarize_ms(times, "page"),
+    }
+
+
 # -- command line --------------------------------------------------------------------------
 
 
@@ -939,11 +1335,23 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[str, Options]:
         "--warm",
         type=int,
         default=0,
-        help="idle: connections to cycle first; session_resume: unmeasured samples first",
+        help="idle: connections to cycle first; session_resume, rpc_pages: unmeasured "
+        "samples first",
     )
-    parser.add_argument("--samples", type=int, default=20, help="session_resume: resumes timed")
+    parser.add_argument(
+        "--samples", type=int, default=20, help="session_resume: resumes timed; rpc_pages: pages"
+    )
     parser.add_argument(
         "--backlog", type=int, default=1000, help="session_resume: messages the scenario sends"
+    )
+    parser.add_argument(
+        "--users",
+        type=int,
+        default=0,
+        help="connection i authenticates as bench user i mod N (bench_token); 0: no token",
+    )
+    parser.add_argument(
+        "--messages", type=int, default=10_000, help="rpc_pages: messages in the session"
     )
     parser.add_argument("--connect-concurrency", type=int, default=64)
     parser.add_argument("--client", choices=["auto", "picows", "aiohttp"], default="auto")
@@ -975,6 +1383,8 @@ async def main(argv: Sequence[str] | None = None) -> None:
     bound = time_bound(options)
     if name == "session_resume":
         bound += (options.warm + options.samples) * sample_bound(options.backlog)
+    elif name == "rpc_pages":
+        bound += fill_bound(options.messages) + (options.warm + options.samples) * PAGE_BOUND
     async with asyncio.timeout(bound):
         result = await WORKLOADS[name](options)
     emit("result", workload=name, client=options.client, **result)

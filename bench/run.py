@@ -13,6 +13,11 @@ Portico's resumable sessions (`/v1/session`) are measured too: the stream worklo
 right after Portico's `/ws` stream in each repeat (the report divides the two), and the
 time a resume with 1,000 and 10,000 buffered messages takes (`--resume`), on a Portico of
 its own whose resend buffer holds the largest backlog.
+
+Portico's `/v1/rpc` too, on a Portico of its own with one API key per pooled connection
+(bench/harness.py says why): `v1.message.send` -> first `live` chunk at the target rate,
+back to back with `/ws` latency at the same rate on the same server in each repeat, and
+`v1.message.list` pages of a session filled with `--rpc-messages` messages through the RPC.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
-from common import raise_fd_limit
+from common import FILL_SCENARIO, FILL_WINDOW, PAGE_SIZE, raise_fd_limit
 from harness import (
     BENCH,
     PORTICO_BENCH_ENV,
@@ -45,6 +50,7 @@ from harness import (
     Server,
     cpu_percentages,
     picows_available,
+    portico_rpc_env,
     rss_kib,
     stop_all,
 )
@@ -85,6 +91,14 @@ class Plan:
     # scenario of bench/script.yaml. The timed resumes are pooled for p50/p99.
     resume: tuple[tuple[int, int], ...] = ((1000, 200), (10000, 20))
     resume_warm: int = 1  # unmeasured resumes first, per backlog
+    # /v1/rpc: send -> first live chunk at rates[0] over `pool` connections (and /ws at the
+    # same rate on the same server) in every repeat; then, once, `rpc_pages` timed
+    # `v1.message.list` pages of a session of `rpc_messages` messages (0 skips the pages).
+    rpc: bool = True
+    rpc_repeat: int | None = None  # None: `repeat`
+    rpc_messages: int = 10_000
+    rpc_pages: int = 1000
+    rpc_page_warm: int = 5
 
 
 QUICK = Plan(
@@ -97,7 +111,12 @@ QUICK = Plan(
     rates=(200.0,),
     idle_counts=(500,),
     resume=((1000, 20), (10000, 5)),
+    rpc_repeat=1,
+    rpc_messages=2000,
+    rpc_pages=200,
 )
+RPC_DEFAULT_RATE = 200.0  # when `--rates` names none
+PAGE_TARGET_MESSAGES = 10_000  # the session size the page target is stated for
 
 
 def log(text: str) -> None:
@@ -158,11 +177,34 @@ def measure_stream(server: Server, plan: Plan, procs: int, workload: str = "stre
     }
 
 
-def measure_latency(server: Server, plan: Plan, rate: float) -> Sample:
-    args = ["--rate", str(rate), "--pool", str(plan.pool)]
+def measure_latency(
+    server: Server,
+    plan: Plan,
+    rate: float,
+    workload: str = "latency",
+    users: int = 0,
+    cpu: bool = False,
+) -> Sample:
+    """`latency` on /ws, or `rpc_latency` on /v1/rpc; `users`: API keys to use (0: none).
+
+    With `cpu`, the generator starts sending `launch` seconds after it is started, and the
+    server's, the client's and other processes' CPU over its window are measured too.
+    """
+    args = ["--rate", str(rate), "--pool", str(plan.pool), "--users", str(users)]
     args += ["--warmup", str(plan.latency_warmup), "--seconds", str(plan.latency_seconds)]
-    with loadgens("latency", server.url, [args]) as (gen,):
-        result = gen.result(plan.latency_warmup + plan.latency_seconds + RESULT_SLACK)
+    start_at = time.time() + plan.launch
+    if cpu:
+        args += ["--start-at", str(start_at)]
+    url = server.rpc_url if workload == "rpc_latency" else server.url
+    usage: Sample = {}
+    with loadgens(workload, url, [args]) as (gen,):
+        if cpu:
+            sleep_until(start_at + plan.latency_warmup)
+            before = CpuSnapshot.take(server.pid, [gen.pid])
+            time.sleep(plan.latency_seconds)
+            usage = cpu_percentages(before, CpuSnapshot.take(server.pid, [gen.pid]))
+        bound = plan.launch + plan.latency_warmup + plan.latency_seconds + RESULT_SLACK
+        result = gen.result(bound)
     figures = {key: float(value) for key, value in result.items() if key.endswith("_ms")}
     errors = result["errors"] + result["connect_errors"]
     achieved = result["sent"] / (plan.latency_warmup + plan.latency_seconds)
@@ -172,6 +214,7 @@ def measure_latency(server: Server, plan: Plan, rate: float) -> Sample:
         "samples": result["samples"],
         "missed": result["missed"],
         "errors": errors,
+        **usage,
     }
 
 
@@ -191,6 +234,19 @@ def measure_resume(server: Server, plan: Plan, backlog: int, samples: int) -> Sa
         "fixed_wait": result["fixed_wait"],
         "errors": result["errors"],
     }
+
+
+def measure_rpc_pages(server: Server, plan: Plan) -> Sample:
+    """Fill a session with `rpc_messages` messages, then time `rpc_pages` pages of it."""
+    args = ["--users", "1", "--messages", str(plan.rpc_messages)]
+    args += ["--samples", str(plan.rpc_pages), "--warm", str(plan.rpc_page_warm)]
+    # A bound for a failure only: filling 10,000 messages takes a few seconds, a page ~1 ms.
+    bound = RESULT_SLACK + 0.02 * plan.rpc_messages + (plan.rpc_pages + plan.rpc_page_warm)
+    with loadgens("rpc_pages", server.rpc_url, [args]) as (gen,):
+        result = gen.result(bound)
+    figures = {key: float(value) for key, value in result.items() if key.endswith("_ms")}
+    keys = ("messages", "sends", "replies", "fill_s", "samples", "errors")
+    return {**figures, **{key: float(result[key]) for key in keys}}
 
 
 def wait_ready(gens: Sequence[Loadgen]) -> int:
@@ -297,6 +353,47 @@ def run_streams_and_latency(plan: Plan, workdir: Path, results: Results) -> None
         stop_all(list(servers.values()))
 
 
+def rpc_rate(plan: Plan) -> float:
+    return plan.rates[0] if plan.rates else RPC_DEFAULT_RATE
+
+
+def rpc_repeats(plan: Plan) -> int:
+    return plan.repeat if plan.rpc_repeat is None else plan.rpc_repeat
+
+
+def run_rpc(plan: Plan, workdir: Path, results: Results) -> None:
+    """/v1/rpc on a Portico of its own: Portico's settings plus an API key per connection."""
+    server = Server("portico", workdir, plan.log_level, env=portico_rpc_env(plan.pool))
+    rate = rpc_rate(plan)
+    clock = time.monotonic()
+    try:
+        server.start()
+        for rep in range(rpc_repeats(plan)):
+            # Back to back on the same server and rate; the order alternates by repeat.
+            order = ["latency", "rpc_latency"]
+            for workload in order if rep % 2 == 0 else order[::-1]:
+                sample = measure_latency(server, plan, rate, workload, plan.pool, cpu=True)
+                key = "rpc_ws_latency" if workload == "latency" else "rpc_latency"
+                results[(f"{key}{rate:g}", "portico")].append(sample)
+                log(
+                    f"rpc     rep {rep + 1} {workload:11} {rate:g}/s: first chunk p50 "
+                    f"{sample['first_p50_ms']:.2f} ms p99 {sample['first_p99_ms']:.2f} ms, "
+                    f"{sample['missed']:.0f} sends skipped, errors {sample['errors']:.0f}, "
+                    f"server CPU {sample['server_cpu']:.0f}%, others {sample['other_cpu']:.0f}%"
+                )
+        if plan.rpc_messages:
+            sample = measure_rpc_pages(server, plan)
+            results[("rpc_pages", "portico")].append(sample)
+            log(
+                f"rpc     pages of {sample['messages']:.0f} messages (filled in "
+                f"{sample['fill_s']:.1f} s): p50 {sample['page_p50_ms']:.2f} ms p99 "
+                f"{sample['page_p99_ms']:.2f} ms, errors {sample['errors']:.0f}"
+            )
+    finally:
+        server.stop()
+    log(f"rpc     took {time.monotonic() - clock:.1f} s")
+
+
 def run_resume(plan: Plan, workdir: Path, results: Results) -> None:
     """Resume latency on a Portico of its own (a resend buffer for the largest backlog)."""
     server = Server("portico", workdir, plan.log_level, env=PORTICO_RESUME_ENV)
@@ -338,6 +435,8 @@ def run_idle_all(plan: Plan, workdir: Path, results: Results) -> None:
 def run(plan: Plan, workdir: Path) -> Results:
     results: Results = defaultdict(list)
     run_streams_and_latency(plan, workdir, results)
+    if plan.rpc:
+        run_rpc(plan, workdir, results)
     if plan.resume:
         run_resume(plan, workdir, results)
     if plan.idle_counts:
@@ -360,7 +459,7 @@ def stats(
     results: Results, workload: str, figure: str, kind: str
 ) -> tuple[float, float, float] | None:
     """Median, min and max of one figure over the repeats, or None if never measured."""
-    values = [sample[figure] for sample in results.get((workload, kind), [])]
+    values = [sample[figure] for sample in results.get((workload, kind), []) if figure in sample]
     if not values:
         return None
     return statistics.median(values), min(values), max(values)
@@ -381,6 +480,14 @@ def cell(figures: tuple[float, float, float] | None) -> str:
     if low == high:
         return fmt(median)
     return f"{fmt(median)} ({fmt(low)}–{fmt(high)})"
+
+
+def count_cell(figures: tuple[float, float, float] | None) -> str:
+    """`cell` for a count: whole numbers (a median of an even number of repeats rounds)."""
+    if figures is None:
+        return "—"
+    median, low, high = figures
+    return f"{median:,.0f}" if low == high else f"{median:,.0f} ({low:,.0f}–{high:,.0f})"
 
 
 def ratio_cell(portico: tuple[float, ...] | None, bare: tuple[float, ...] | None, unit: str) -> str:
@@ -505,7 +612,104 @@ def targets_table(results: Results, plan: Plan) -> list[str]:
             lambda v: v <= 50,
             "resume of 1,000 buffered messages, p99 reconnect → last message ≤ 50 ms",
         ),
+        *rpc_targets(results, plan),
     ]
+
+
+def rpc_targets(results: Results, plan: Plan) -> list[str]:
+    """The /v1/rpc rows of the Targets table."""
+    rate = rpc_rate(plan)
+    rpc_p99 = median_of(results, f"rpc_latency{rate:g}", "first_p99_ms", "portico")
+    ws_p99 = median_of(results, f"rpc_ws_latency{rate:g}", "first_p99_ms", "portico")
+    added = None if rpc_p99 is None or ws_p99 is None else rpc_p99 - ws_p99
+    page_p99 = median_of(results, "rpc_pages", "page_p99_ms", "portico")
+    messages = median_of(results, "rpc_pages", "messages", "portico")
+    page_target = f"50-message page of a {PAGE_TARGET_MESSAGES:,}-message session p99 ≤ 10 ms"
+    if messages is not None and messages < PAGE_TARGET_MESSAGES:
+        page_target += f" (this run: {messages:,.0f} messages)"
+    return [
+        verdict(
+            added,
+            lambda v: v <= 2.0,
+            f"rpc send → first live chunk p99 ≤ /ws first chunk p99 + 2 ms (at {rate:g} msg/s)",
+            lambda v: f"{v:+.2f} ms",
+        ),
+        verdict(page_p99, lambda v: v <= 10.0, page_target),
+    ]
+
+
+def rpc_tables(results: Results, plan: Plan) -> list[str]:
+    """/v1/rpc latency beside /ws on the same server, and message pages; empty if not run."""
+    rate = rpc_rate(plan)
+    rpc_key, ws_key = f"rpc_latency{rate:g}", f"rpc_ws_latency{rate:g}"
+    lines: list[str] = []
+    if (rpc_key, "portico") in results:
+        lines += [
+            f"Latency at {rate:g} msg/s over {plan.pool} connections, scenario `stream50`, "
+            f"{rpc_repeats(plan)} repeat(s), "
+            "open loop as in the latency rows above, on a Portico of its own: the same "
+            "settings plus `PORTICO_AUTH=apikey` with one API key (one user) per connection, "
+            "sent in `connect` (/v1/rpc) or as a bearer token (/ws). With authentication "
+            "off every connection is the one user `local`, and a user's updates and live "
+            "chunks go to all of its connections: each of the pool's connections would get "
+            "every turn of the pool. Each connection's first send makes its session (during "
+            "the warm-up); later sends name it (`server_session_id`). In each repeat /ws "
+            "and /v1/rpc run back to back on that server (the order alternates). The "
+            "/v1/rpc stages: `v1.message.send` → its reply (the user message stored), → "
+            "the turn's `running` update, → the first `live` frame (after the assistant "
+            "message's `created` update), → the update that ends the turn.",
+            "",
+            "| Figure | /v1/rpc | /ws, same server | /v1/rpc − /ws "
+            "| /ws, main Portico (latency rows above) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        main_key = f"latency{rate:g}"
+        figures: list[tuple[str, str]] = [("achieved_rate", "msg/s achieved")]
+        figures += [(f"reply_{q}_ms", f"send → reply {q}, ms") for q in ("p50", "p99")]
+        figures += [(f"running_{q}_ms", f"send → turn running {q}, ms") for q in ("p50", "p99")]
+        for stage, what in (("first", "send → first chunk"), ("done", "send → turn end")):
+            figures += [(f"{stage}_{q}_ms", f"{what} {q}, ms") for q in ("p50", "p99", "p999")]
+        figures += [("samples", "turns timed"), ("missed", "sends skipped (pool busy)")]
+        figures += [("errors", "errors"), ("server_cpu", "server CPU over the window, % of a core")]
+        figures += [("other_cpu", "other processes' CPU over the window, % of a core")]
+        for figure, label in figures:
+            rpc = stats(results, rpc_key, figure, "portico")
+            ws = stats(results, ws_key, figure, "portico")
+            main = stats(results, main_key, figure, "portico")
+            diff = "—"
+            if figure.endswith("_ms") and rpc is not None and ws is not None:
+                diff = f"{rpc[0] - ws[0]:+.2f} ms"
+            show = count_cell if figure in ("samples", "missed", "errors") else cell
+            lines.append(f"| {label} | {show(rpc)} | {show(ws)} | {diff} | {show(main)} |")
+        lines.append("")
+    if ("rpc_pages", "portico") in results:
+
+        def med(figure: str) -> float:
+            value = median_of(results, "rpc_pages", figure, "portico")
+            return math.nan if value is None else value
+
+        lines += [
+            "Pages: one session filled through `v1.message.send` on one connection (scenario "
+            f"`{FILL_SCENARIO}`, a one-chunk reply): the first send makes the session, then "
+            f"up to {FILL_WINDOW} sends stay in flight; sends that arrive while a turn runs "
+            "wait and merge into one turn (each stores its user message; each turn that runs "
+            "adds one assistant reply), and the fill ends with single sends once every turn "
+            f"has ended. Then `v1.message.list` with `limit` {PAGE_SIZE} at uniformly random "
+            f"cursors (`global_offset` 0 … messages − {PAGE_SIZE}, a fixed seed), one request "
+            f"at a time on that connection, after {plan.rpc_page_warm} unmeasured ones; time "
+            f"from the request's send to its reply; every page is checked ({PAGE_SIZE} items, "
+            "from the cursor on). Once per run, after the latency repeats, on the same server.",
+            "",
+            "| Session | Filled by | fill time, s | pages timed | page p50 / p99 / p999, ms "
+            "| errors |",
+            "|---|---|---:|---:|---:|---:|",
+            f"| {med('messages'):,.0f} messages | {med('sends'):,.0f} sends, "
+            f"{med('replies'):,.0f} replies | {fmt(med('fill_s'))} | {med('samples'):,.0f} "
+            f"| {fmt(med('page_p50_ms'))} / {fmt(med('page_p99_ms'))} / "
+            f"{fmt(med('page_p999_ms'))} | {med('errors'):.0f} |",
+            "",
+        ]
+    return lines
 
 
 def session_tables(results: Results, plan: Plan) -> list[str]:
@@ -665,6 +869,9 @@ def report(results: Results, plan: Plan, started: float, elapsed: float, backgro
         "## Resumable sessions (/v1/session, Portico only)",
         "",
         *session_tables(results, plan),
+        "## RPC (/v1/rpc, Portico only)",
+        "",
+        *(rpc_tables(results, plan) or ["Not run.", ""]),
         "## Targets",
         "",
         *targets_table(results, plan),
@@ -700,6 +907,18 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
         help="session_resume: BACKLOG:RESUMES pairs, comma-separated (default "
         "1000:200,10000:20); each BACKLOG needs a long<BACKLOG> scenario; 0 skips",
     )
+    parser.add_argument(
+        "--rpc-messages",
+        type=int,
+        help="rpc_pages: messages in the paged session (default 10000; --quick 2000); 0 skips",
+    )
+    parser.add_argument(
+        "--rpc-pages", type=int, help="rpc_pages: pages timed (default 1000; --quick 200)"
+    )
+    parser.add_argument(
+        "--rpc-repeat", type=int, help="/v1/rpc latency repeats (default: --repeat; --quick 1)"
+    )
+    parser.add_argument("--no-rpc", action="store_true", help="skip /v1/rpc altogether")
     parser.add_argument("--log-level", help="Portico's log level (default: its own, INFO)")
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "latest.md")
     args = parser.parse_args(argv)
@@ -713,6 +932,11 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
         plan = replace(plan, idle_counts=counts)
     overrides = {"repeat": args.repeat, "clients": args.clients}
     overrides["log_level"] = args.log_level
+    overrides["rpc_messages"] = args.rpc_messages
+    overrides["rpc_pages"] = args.rpc_pages
+    overrides["rpc_repeat"] = args.rpc_repeat
+    if args.no_rpc:
+        overrides["rpc"] = False
     if args.resume is not None:
         pairs = [item.split(":") for item in args.resume.split(",") if item not in ("", "0")]
         resume = tuple((int(backlog), int(count)) for backlog, count in pairs)
@@ -720,6 +944,8 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
     if args.rates is not None:
         plan = replace(plan, rates=tuple(float(r) for r in args.rates.split(",") if r))
     plan = replace(plan, **{k: v for k, v in overrides.items() if v is not None})
+    if args.repeat is not None and args.rpc_repeat is None:
+        plan = replace(plan, rpc_repeat=None)  # an explicit --repeat applies to /v1/rpc too
     if not picows_available():
         plan = replace(plan, kinds=tuple(k for k in plan.kinds if k != "picows"))
     return plan, args.out

@@ -694,3 +694,37 @@ async def test_session_list_takes_no_required_params_and_validates_its_limit(
     for limit in (0, 101, -1, 2.5):
         error = await alice.error("v1.session.list", {"limit": limit})
         assert error["details"] == {"field": "params.limit"}
+
+
+async def test_live_chunks_of_a_reply_streaming_across_a_reconnect_keep_flowing(
+    open_rpc: Open, new_user: Callable[[], str]
+) -> None:
+    token = new_user()
+    first = await open_rpc(token)
+    session_id = (await send_scenario(first, "paced"))["session_id"]
+    await first.until(lambda p: len(p.live) >= 2)
+    offset, epoch = first.offsets()[-1], first.connected["epoch"]
+    message_id = first.live[0]["message_id"]
+    await first.close()
+    back = await open_rpc(token, offset=offset, epoch=epoch)
+    await back.wait_turn_end(session_id)
+    later = [lv for lv in back.live if lv["message_id"] == message_id]
+    assert later, "no live chunk after the reconnect"
+    assert all(lv["index"] >= 2 for lv in later)
+
+
+async def test_concurrent_sends_with_one_client_id_store_one_message(alice: RpcProbe) -> None:
+    params = {"content_data": "once", "client_id": "racing"}
+    await alice.send({"id": "a", "method": "v1.message.send", "params": params})
+    await alice.send({"id": "b", "method": "v1.message.send", "params": params})
+    await alice.until(lambda p: "a" in p.replies and "b" in p.replies)
+    replies = [alice.replies["a"], alice.replies["b"]]
+    results = [r["result"] for r in replies if "result" in r]
+    errors = [r["error"] for r in replies if "error" in r]
+    assert len(results) == 1
+    assert [e["code"] for e in errors] == ["client_id_conflict"]
+    assert errors[0]["details"] == {
+        "session_id": results[0]["session_id"],
+        "message_id": results[0]["message_id"],
+    }
+    assert len((await alice.call("v1.session.list"))["items"]) == 1

@@ -120,6 +120,10 @@ async def test_a_rejected_rtc_is_denied_to_the_agent(
     session_id, rtc = await start_tool_turn(probe)
     rejected = await probe.call("v1.rtc.update_status", {"rtc_id": rtc["id"], "status": "rejected"})
     assert rejected["status"] == "rejected"
+    # A repeated rejection (a retry after a lost reply) returns it unchanged.
+    again = await probe.request("v1.rtc.update_status", {"rtc_id": rtc["id"], "status": "rejected"})
+    assert again["result"]["status"] == "rejected"
+    assert again["updates"] == []
     await probe.wait_turn_end(session_id)
     assert reply_text(probe).startswith("status=denied")
 

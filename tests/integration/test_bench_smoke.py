@@ -14,12 +14,14 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 HAS_PICOWS = importlib.util.find_spec("picows") is not None
+RPC_MESSAGES = 200  # the paged /v1/rpc session: small, so filling it takes well under 1 s
 
 
 def run_quick(out: Path) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, str(BENCH / "run.py"), "--quick", "--out", str(out)]
     command += ["--clients", "2", "--seconds", "0.5", "--idle", "200", "--repeat", "1"]
-    command += ["--resume", "1000:2,10000:1"]
+    command += ["--resume", "1000:2,10000:1", "--rpc-messages", str(RPC_MESSAGES)]
+    command += ["--rpc-pages", "20"]
     return subprocess.run(command, capture_output=True, text=True, timeout=100, check=False)
 
 
@@ -78,9 +80,28 @@ def test_quick_run_reports_every_workload_for_every_server(tmp_path: Path) -> No
         assert "n/a" not in resume  # every figure measured
         assert resume[-1] == "0"  # no errors
 
+    # /v1/rpc: latency beside /ws on the same server, and pages of the filled session.
+    rpc = {row[0]: row for row in table_rows(report, "RPC (/v1/rpc, Portico only)")}
+    for figure in ("send → first chunk p99, ms", "send → turn end p99, ms"):
+        assert "—" not in rpc[figure], rpc[figure]
+        assert "n/a" not in rpc[figure], rpc[figure]
+    for figure in ("send → reply p99, ms", "send → turn running p99, ms"):
+        assert rpc[figure][1] not in ("—", "n/a"), rpc[figure]
+    assert float(rpc["turns timed"][1]) > 0
+    assert rpc["errors"][1:3] == ["0", "0"], rpc["errors"]  # /v1/rpc and /ws, same server
+    (pages,) = [row for name, row in rpc.items() if name.endswith(" messages")]
+    # The fill stops at its target or just past it (a turn adds two messages).
+    assert int(pages[0].split()[0].replace(",", "")) >= RPC_MESSAGES, pages
+    assert pages[3] == "20"  # pages timed
+    assert "n/a" not in pages[4]
+    assert pages[-1] == "0"  # no errors
+
     targets = {row[0]: row[1] for row in table_rows(report, "Targets")}
     assert any("0.80 × bare aiohttp" in target for target in targets)
     session_targets = [t for t in targets if "/v1/session" in t or "resume of 1,000" in t]
     assert len(session_targets) == 2
     assert all(targets[t] != "not measured" for t in session_targets)
+    rpc_targets = [t for t in targets if "rpc send → first live chunk" in t or "50-message" in t]
+    assert len(rpc_targets) == 2
+    assert all(targets[t] not in ("not measured", "n/a") for t in rpc_targets), targets
     assert "PORTICO_RATE_LIMIT_MESSAGES" in report  # the lifted limits are disclosed

@@ -424,3 +424,23 @@ def test_errors_of_shared_code_get_rpc_codes_and_hide_internals(
     assert reply["error"]["code"] == code
     if code == "internal":
         assert reply["error"]["message"] == "internal error"
+
+
+def test_a_live_push_that_skips_offsets_announces_them_as_gaps() -> None:
+    conn = opened()
+    conn.push_update(session_update(1))
+    conn.push_update(session_update(4))
+    frames = drain(conn)
+    assert [(fr["type"], fr.get("offset") or fr["update"]["offset"]) for fr in frames] == [
+        ("update", 1),
+        ("gap", 2),
+        ("gap", 3),
+        ("update", 4),
+    ]
+
+
+def test_replies_already_streaming_at_connect_get_their_live_chunks_at_once() -> None:
+    conn = opened()
+    conn.streaming(["m1"])
+    conn.push_live(live(7))
+    assert [fr["live"]["index"] for fr in drain(conn)] == [7]

@@ -8,6 +8,7 @@ use: a conversation started anywhere is listed and continued here.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Literal, TypeVar
@@ -30,6 +31,8 @@ from portico.errors import (
 )
 
 E = TypeVar("E")
+# The directive a runtime reads `message.send`'s `agent_prompt` from.
+AGENT_PROMPT = "agent_prompt"
 
 
 class Page(msgspec.Struct, Generic[E], frozen=True):
@@ -47,6 +50,7 @@ def page_of(found: Sequence[E], limit: int, cursor_of: Callable[[E], str]) -> Pa
 class SendRequest(msgspec.Struct, frozen=True, kw_only=True):
     content: str
     client_id: str
+    agent_prompt: str = ""  # an instruction for the agent with this message only
     server_session_id: str = ""
     client_session_id: str = ""
     agent: str = ""
@@ -73,6 +77,7 @@ class Conversations:
     ) -> None:
         self._engine = engine
         self._tools = tools
+        self._sending: dict[tuple[str, str], asyncio.Future[None]] = {}
         self._store = engine.store
         self._default_agent = default_agent
         self._clock = clock
@@ -177,7 +182,23 @@ class Conversations:
     # -- messages -------------------------------------------------------------------
 
     async def send(self, principal: str, request: SendRequest) -> tuple[Session, Message]:
-        """Store the user message and queue its turn; the turn's id is not known yet."""
+        """Store the user message and queue its turn; the turn's id is not known yet.
+
+        Sends with the same client id are serialised (a retry racing its first attempt
+        waits for it), so the second one finds the first and is a conflict.
+        """
+        key = (principal, request.client_id)
+        while (earlier_send := self._sending.get(key)) is not None:
+            await asyncio.wait({earlier_send})
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._sending[key] = done
+        try:
+            return await self._send_once(principal, request)
+        finally:
+            del self._sending[key]
+            done.set_result(None)
+
+    async def _send_once(self, principal: str, request: SendRequest) -> tuple[Session, Message]:
         earlier = await self._store.find_message_by_client_id(principal, request.client_id)
         if earlier is not None:
             raise ClientIdConflict(
@@ -187,6 +208,8 @@ class Conversations:
             forwarded, directives = split_metadata(request.metadata)
         except InvalidMessage as exc:
             raise InvalidRequest(exc.message, field="params.metadata") from None
+        if request.agent_prompt:
+            directives = {**directives, AGENT_PROMPT: request.agent_prompt}
         session = await self._session_for_send(principal, request)
         user = UserMessage(
             principal=principal,

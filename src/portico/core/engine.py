@@ -165,6 +165,14 @@ class Engine:
     def _listeners_of(self, session_id: str, owner: str) -> list[Listener]:
         return [*self._listeners.get(session_id, ()), *self._owner_listeners.get(owner, ())]
 
+    def streaming_replies(self, owner: str) -> list[str]:
+        """Ids of the owner's replies being streamed now and already archived as such."""
+        return [
+            runner.reply_id
+            for runner in self._running.values()
+            if runner is not None and runner.owner == owner and runner.reply_archived
+        ]
+
     # -- turns --------------------------------------------------------------------
 
     async def submit(self, message: UserMessage, listener: Listener | None = None) -> Turn:

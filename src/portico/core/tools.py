@@ -321,6 +321,8 @@ class ClientToolBroker:
             if record.state is ToolCallState.EXECUTING:
                 return record  # a repeat by the client that owns it
             return await self._rtc_step(record, ToolCallTrigger.ACK, client_id)
+        if record.state is ToolCallState.REJECTED or record.id in self._ending:
+            return await self._final(record)  # a repeat: rejected once is enough
         outcome = ToolOutcome(status="denied", error="rejected by the user")
         return await self._rtc_end(record, ToolCallTrigger.NACK, outcome, client_id)
 

@@ -85,6 +85,21 @@ class TurnRunner:
         self._task: asyncio.Task[object] | None = None
         self._started: asyncio.Future[None] | None = None
 
+    @property
+    def owner(self) -> str:
+        return self._input.owner
+
+    @property
+    def reply_archived(self) -> bool:
+        """The reply's `streaming` message is in the archive (its `created` update out)."""
+        opened = self._reply_opened
+        return (
+            opened is not None
+            and opened.done()
+            and not opened.cancelled()
+            and (opened.exception() is None)
+        )
+
     def request_stop(self, trigger: TurnTrigger) -> None:
         """End the turn early: at once while the runtime streams, else before it starts."""
         self.stop_trigger = trigger

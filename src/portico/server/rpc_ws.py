@@ -84,8 +84,8 @@ class RpcSocket(ServerSocket):
             self._services.updates.unsubscribe(self._principal, self._on_update)
             self._services.engine.detach_owner(self._principal, self._on_turn_event)
             self._services.tools.rpc_detached(self._principal)
-        for task in self._in_flight:
-            task.cancel()
+        # Requests in flight run to their end (their replies go nowhere): cancelling an
+        # action halfway could leave half of it done, e.g. a session without its message.
 
     async def on_text(self, data: str, now: float) -> None:
         await self._handle_all(self._core.receive_text(data, now))
@@ -142,6 +142,7 @@ class RpcSocket(ServerSocket):
             await self._replay(connect.offset, head.last_offset)
         self._core.start_from(head.last_offset)
         self._core.replay_done()
+        self._core.streaming(self._services.engine.streaming_replies(principal))
         self._background.spawn(self._services.tools.deliver_waiting(principal))
 
     async def _replay(self, after: int, until: int) -> None:
@@ -259,6 +260,7 @@ def method_handlers(services: Services) -> dict[str, Handler]:
         if not p.client_id:
             raise InvalidRequest("client_id is required", field="params.client_id")
         request = SendRequest(
+            agent_prompt=p.agent_prompt,
             content=p.content_data,
             client_id=p.client_id,
             server_session_id=p.server_session_id,

@@ -217,10 +217,17 @@ class RpcConnection:
         self._write(f.Failed(id=request_id, error=_error_body(as_rpc_error(error))))
 
     def push_update(self, update: Update) -> None:
+        """Updates are published in offset order, so a skipped offset has no update."""
         if self.state is State.REPLAYING:
             self._waiting[update.offset] = update
         elif self.state is State.OPEN and update.offset > self._sent_offset:
+            self.gaps_until(update.offset - 1)
             self._send_update(update)
+
+    def streaming(self, message_ids: list[str]) -> None:
+        """Replies that were already streaming when this connection opened: their
+        `created` update went out before it, so their live chunks may flow at once."""
+        self._announced.update(message_ids)
 
     def _send_update(self, update: Update) -> None:
         self._sent_offset = max(self._sent_offset, update.offset)
