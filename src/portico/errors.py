@@ -139,6 +139,16 @@ class StoreError(PorticoError):
     http_status = 503
 
 
+class DuplicateClientId(StoreError):
+    """The owner already stored a message with this client id; nothing was written."""
+
+    def __init__(self, client_id: str, *, session_id: str, message_id: str) -> None:
+        super().__init__(f"client id {client_id} is taken")
+        self.client_id = client_id
+        self.session_id = session_id
+        self.message_id = message_id
+
+
 class ConfigError(PorticoError):
     """The settings cannot be used; the message names the setting."""
 

@@ -728,3 +728,17 @@ async def test_concurrent_sends_with_one_client_id_store_one_message(alice: RpcP
         "message_id": results[0]["message_id"],
     }
     assert len((await alice.call("v1.session.list"))["items"]) == 1
+
+
+async def test_a_repeated_client_id_into_an_existing_session_is_a_conflict(alice: RpcProbe) -> None:
+    first = await send(alice, client_id="dup")
+    session_id = first["session_id"]
+    await finished(alice, session_id)
+    error = await alice.error(
+        "v1.message.send",
+        {"content_data": "again", "client_id": "dup", "server_session_id": session_id},
+    )
+    assert error["code"] == "client_id_conflict"
+    assert error["details"] == {"session_id": session_id, "message_id": first["message_id"]}
+    messages = (await alice.call("v1.message.list", {"session_id": session_id}))["items"]
+    assert [m["content_data"] for m in messages if m["role"] == "user"] == ["hi"]

@@ -29,7 +29,7 @@ from portico.core.model import (
     UpdateLog,
 )
 from portico.core.states import ToolCallState, TurnState
-from portico.errors import StoreError
+from portico.errors import DuplicateClientId, StoreError
 from portico.store import sqlite as sqlite_backend
 from portico.store.base import Store, collecting_updates
 from portico.store.memory import MemoryStore
@@ -1183,3 +1183,23 @@ async def test_sqlite_write_failing_after_logging_rolls_its_update_back(tmp_path
         assert offsets(await store.list_messages("s1")) == [1, 2]
     finally:
         await store.close()
+
+
+async def test_begin_turn_can_refuse_a_client_id_the_owner_already_used(store: Store) -> None:
+    await store.create_session(make_session("s1", owner="alice"))
+    await store.create_session(make_session("s2", owner="alice"))
+    await store.create_session(make_session("b1", owner="bob"))
+    first = msgspec.structs.replace(make_message("s1", n=1), client_id="c1")
+    stored = await store.begin_turn(make_turn("t1"), first, unique_client_id=True)
+    again = msgspec.structs.replace(make_message("s2", n=2), client_id="c1")
+    with pytest.raises(DuplicateClientId) as refused:
+        await store.begin_turn(make_turn("t2", session_id="s2"), again, unique_client_id=True)
+    assert (refused.value.session_id, refused.value.message_id) == ("s1", stored.id)
+    assert await store.list_messages("s2") == []  # nothing was written
+    assert await store.get_turn("t2") is None
+    # Another owner may use the same id; without the check it is only recorded.
+    bobs = msgspec.structs.replace(make_message("b1", n=3), client_id="c1")
+    await store.begin_turn(make_turn("t3", session_id="b1"), bobs, unique_client_id=True)
+    unchecked = msgspec.structs.replace(make_message("s2", n=4), client_id="c1")
+    await store.begin_turn(make_turn("t4", session_id="s2"), unchecked)
+    assert [m.client_id for m in await store.list_messages("s2")] == ["c1"]

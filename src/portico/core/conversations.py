@@ -21,6 +21,7 @@ from portico.core.tools import ClientToolBroker
 from portico.core.validation import split_metadata
 from portico.errors import (
     ClientIdConflict,
+    DuplicateClientId,
     InvalidMessage,
     InvalidRequest,
     MessageNotFound,
@@ -199,11 +200,14 @@ class Conversations:
             done.set_result(None)
 
     async def _send_once(self, principal: str, request: SendRequest) -> tuple[Session, Message]:
-        earlier = await self._store.find_message_by_client_id(principal, request.client_id)
-        if earlier is not None:
-            raise ClientIdConflict(
-                request.client_id, session_id=earlier.session_id, message_id=earlier.id
-            )
+        if not request.server_session_id:
+            # Checked before a session is created for it; a send into an existing
+            # session is checked by the archive in the message's own write instead.
+            earlier = await self._store.find_message_by_client_id(principal, request.client_id)
+            if earlier is not None:
+                raise ClientIdConflict(
+                    request.client_id, session_id=earlier.session_id, message_id=earlier.id
+                )
         try:
             forwarded, directives = split_metadata(request.metadata)
         except InvalidMessage as exc:
@@ -219,8 +223,14 @@ class Conversations:
             metadata=forwarded,
             directives=directives,
             client_id=request.client_id,
+            unique_client_id=True,
         )
-        return session, await self._engine.enqueue(session, user)
+        try:
+            return session, await self._engine.enqueue(session, user)
+        except DuplicateClientId as exc:
+            raise ClientIdConflict(
+                exc.client_id, session_id=exc.session_id, message_id=exc.message_id
+            ) from None
 
     async def _session_for_send(self, principal: str, request: SendRequest) -> Session:
         if request.server_session_id:

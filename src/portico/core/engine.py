@@ -55,6 +55,9 @@ class UserMessage(msgspec.Struct, frozen=True, kw_only=True):
     directives: dict[str, str] = msgspec.field(default_factory=dict)
     declare: dict[str, Any] | None = None
     client_id: str = ""
+    # RPC `message.send`: the client id must be new for the principal (the archive
+    # checks it in the message's own transaction; `DuplicateClientId` otherwise).
+    unique_client_id: bool = False
     client_tools: tuple[ClientTool, ...] = ()
     context: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -335,7 +338,9 @@ class Engine:
         self, session: Session, message: UserMessage
     ) -> tuple[Turn, TurnInput]:
         turn, unsaved = self._new_turn(session, message)
-        stored = await self.store.begin_turn(turn, unsaved)
+        stored = await self.store.begin_turn(
+            turn, unsaved, unique_client_id=message.unique_client_id
+        )
         return turn, self._turn_input(session, message, stored, self._history_before)
 
     def _new_turn(self, session: Session, message: UserMessage) -> tuple[Turn, Message]:

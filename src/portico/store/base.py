@@ -128,11 +128,15 @@ class Store(Protocol):
 
     async def create_turn(self, turn: Turn) -> None: ...
 
-    async def begin_turn(self, turn: Turn, message: Message) -> Message:
+    async def begin_turn(
+        self, turn: Turn, message: Message, *, unique_client_id: bool = False
+    ) -> Message:
         """Atomically create `turn`, append its user `message` and touch the session.
 
         Returns the stored message with its `global_offset`; the session must exist
-        (otherwise `StoreError`, and nothing is written).
+        (otherwise `StoreError`, and nothing is written). With `unique_client_id`, a
+        non-empty `client_id` the session's owner already used is `DuplicateClientId`
+        (checked in the same transaction, so two racing writers cannot both pass).
         """
 
     async def save_turn(self, turn: Turn) -> None:

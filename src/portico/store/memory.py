@@ -22,7 +22,7 @@ from portico.core.model import (
     new_id,
 )
 from portico.core.states import TERMINAL_TURN_STATES, TurnState
-from portico.errors import StoreError
+from portico.errors import DuplicateClientId, StoreError
 from portico.store.base import UpdateListener, current_collector
 
 log = logging.getLogger("portico.store")
@@ -181,7 +181,18 @@ class MemoryStore:
     async def create_turn(self, turn: Turn) -> None:
         await self.save_turn(turn)
 
-    async def begin_turn(self, turn: Turn, message: Message) -> Message:
+    async def begin_turn(
+        self, turn: Turn, message: Message, *, unique_client_id: bool = False
+    ) -> Message:
+        owner = (
+            self._sessions[message.session_id].owner if message.session_id in self._sessions else ""
+        )
+        if unique_client_id and (
+            taken := await self.find_message_by_client_id(owner, message.client_id)
+        ):
+            raise DuplicateClientId(
+                message.client_id, session_id=taken.session_id, message_id=taken.id
+            )
         stored = self._append(message)  # raises before any change
         self._turns[turn.id] = turn
         session = msgspec.structs.replace(

@@ -42,7 +42,7 @@ from portico.core.model import (
     new_id,
 )
 from portico.core.states import TERMINAL_TURN_STATES, ToolCallState, TurnState
-from portico.errors import StoreError
+from portico.errors import DuplicateClientId, StoreError
 from portico.store.base import UpdateListener, current_collector
 
 log = logging.getLogger("portico.store")
@@ -444,9 +444,24 @@ def _log_turn(
     _log_for_session(conn, out, turn.session_id, (UpdateItem("turn", action, turn.id),), (turn,))
 
 
+_OWNERS_CLIENT_ID = (
+    "SELECT m.session_id, m.id FROM messages m JOIN sessions s ON s.id = m.session_id "
+    "WHERE m.client_id = ? AND m.client_id != '' "
+    "AND s.owner = (SELECT owner FROM sessions WHERE id = ?) ORDER BY m.rowid LIMIT 1"
+)
+
+
 def _begin_turn(
-    conn: sqlite3.Connection, out: list[Update], turn: Turn, message: Message
+    conn: sqlite3.Connection,
+    out: list[Update],
+    turn: Turn,
+    message: Message,
+    unique_client_id: bool = False,
 ) -> Message:
+    if unique_client_id and message.client_id:
+        taken = conn.execute(_OWNERS_CLIENT_ID, (message.client_id, message.session_id))
+        if (row := taken.fetchone()) is not None:
+            raise DuplicateClientId(message.client_id, session_id=row[0], message_id=row[1])
     stored = _insert_message(conn, message)  # fails first on a missing session
     action = _create_turn(conn, turn)
     at = message.created_at
@@ -868,9 +883,15 @@ class SqliteStore:
 
         return await self._read(select)
 
-    async def begin_turn(self, turn: Turn, message: Message) -> Message:
+    async def begin_turn(
+        self, turn: Turn, message: Message, *, unique_client_id: bool = False
+    ) -> Message:
         # One write, one thread hop, and all or nothing (each write is a savepoint).
-        return await self._write(functools.partial(_begin_turn, turn=turn, message=message))
+        return await self._write(
+            functools.partial(
+                _begin_turn, turn=turn, message=message, unique_client_id=unique_client_id
+            )
+        )
 
     async def list_messages(
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None
