@@ -7,12 +7,12 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 
 from portico.client.chat import DEFAULT_URL, ChatOptions, run_chat
-from portico.config import Settings, load_settings
+from portico.config import RuntimeName, Settings, load_settings
 from portico.errors import ConfigError
 from portico.server.app import serve
 from portico.server.observability import configure_logging
@@ -54,7 +54,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         "--data-dir", dest="data_dir", help="archive and media (default ./.portico)"
     )
     parser.add_argument(
-        "--runtime", choices=["demo", "echo", "scripted"], help="the default agent's runtime"
+        "--runtime", choices=list(get_args(RuntimeName)), help="the default agent's runtime"
     )
     parser.add_argument("--script", help="the scripted runtime's file (JSON or YAML)")
     parser.add_argument("--auth", choices=["none", "apikey"], help="authentication")

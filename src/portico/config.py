@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import jsonschema
 import msgspec
 import yaml
 
@@ -24,7 +25,55 @@ DEFAULT_AGENT = "default"
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 Bytes = Annotated[int, msgspec.Meta(ge=1)]
-RuntimeName = Literal["demo", "echo", "scripted"]
+RuntimeName = Literal["demo", "echo", "scripted", "openai"]
+# What chat-completions endpoints accept as a function name.
+ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+def _no_parameters() -> dict[str, Any]:
+    return {"type": "object", "properties": {}}
+
+
+class _Tool(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind"
+):
+    pass
+
+
+class HttpToolSettings(_Tool, frozen=True, kw_only=True, tag="http"):
+    """A server-side tool: Portico calls an HTTP endpoint; clients never see the call."""
+
+    name: ToolName
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=_no_parameters)  # JSON Schema
+    method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"] = "GET"
+    # `{argument}` placeholders are filled URL-encoded; the other arguments go in the
+    # query string (GET, DELETE) or a JSON body (POST, PUT, PATCH).
+    url: str
+    headers: dict[str, str] = msgspec.field(default_factory=dict)  # not for secrets
+    headers_env: dict[str, str] = msgspec.field(default_factory=dict)  # header -> env variable
+    timeout: Seconds = 10.0  # the whole call
+    max_response_bytes: Bytes = 64 * 1024  # a longer response is a tool error
+
+
+class BuiltinToolSettings(_Tool, frozen=True, kw_only=True, tag="builtin"):
+    """A server-side tool built into Portico, chosen by name."""
+
+    name: Literal["current_time"]
+    description: str | None = None  # None: the built-in's own
+
+
+class ClientToolSettings(_Tool, frozen=True, kw_only=True, tag="client"):
+    """A tool the client runs: the call goes out through the tool-call broker."""
+
+    name: ToolName
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=_no_parameters)  # JSON Schema
+    consent_message: str | None = None
+    categories: tuple[str, ...] = ()
+
+
+ToolSettings = HttpToolSettings | BuiltinToolSettings | ClientToolSettings
 
 
 class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -35,6 +84,32 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Sandbox names a session may declare (Omnia `declare.sandboxes`).
     sandboxes: tuple[str, ...] = ()
     description: str = ""
+
+    # The `openai` runtime: an OpenAI-compatible /chat/completions endpoint (docs/openai.md).
+    base_url: str | None = None  # e.g. https://api.openai.com/v1
+    model: str | None = None
+    api_key_env: str | None = None  # the NAME of the environment variable holding the key
+    # `Authorization` sends `Bearer <key>`; any other header carries the key as is.
+    api_key_header: str = "Authorization"
+    provider: str = "openai"  # the provider type that error messages name
+    system_prompt: str = ""
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: Count | None = None
+    # Rendered from the message's metadata and appended to its text (spec: Message metadata).
+    message_metadata_template: str | None = None
+    max_rounds: Count = 10  # rounds of tool calls per turn
+    first_token_timeout: Seconds = 90.0  # from sending a request to the first streamed event
+    stream_idle_timeout: Seconds = 30.0  # longest silence once the stream has started
+    request_timeout: Seconds = 300.0  # one whole request, from sending it to its stream's end
+    retries: Annotated[int, msgspec.Meta(ge=0)] = 2  # after the first attempt (429, 502-504)
+    retry_backoff: Seconds = 0.5  # first delay; doubles per retry, with jitter
+    retry_backoff_max: Seconds = 8.0  # longest delay, also caps a provider's Retry-After
+    max_stream_event_bytes: Bytes = 4 * 1024 * 1024  # one server-sent event
+    tools: tuple[ToolSettings, ...] = ()
+    # Compact the session after a turn whose input tokens passed this; None: never.
+    compact_after_tokens: Count | None = None
+    summary_input_chars: Count = 100_000  # transcript the model summarises (the newest part)
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -48,6 +123,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     runtime: RuntimeName = "demo"
     script: str | None = None
     agents: dict[str, AgentSettings] = msgspec.field(default_factory=dict)
+    # The default agent's model when `runtime` is `openai` (`agents.default` for the rest).
+    openai_base_url: str | None = None
+    openai_model: str | None = None
+    openai_api_key_env: str | None = None
+    openai_system_prompt: str = ""
     demo_word_delay: Annotated[float, msgspec.Meta(ge=0)] = 0.03  # seconds between demo words
 
     # Archive backend: `sqlite` (file in data_dir) or `memory` (lost on exit).
@@ -120,7 +200,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         if name in self.agents:
             return self.agents[name]
         if name == DEFAULT_AGENT:
-            return AgentSettings(runtime=self.runtime, script=self.script)
+            return AgentSettings(
+                runtime=self.runtime,
+                script=self.script,
+                base_url=self.openai_base_url,
+                model=self.openai_model,
+                api_key_env=self.openai_api_key_env,
+                system_prompt=self.openai_system_prompt,
+            )
         return None
 
     def is_loopback_bind(self) -> bool:
@@ -131,7 +218,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         except ValueError:
             return False
 
-    def check_startable(self) -> None:
+    def check_startable(self, env: Mapping[str, str] | None = None) -> None:
         """Refuse settings that would start an unsafe or broken server."""
         if self.auth == "none" and not self.is_loopback_bind() and not self.allow_unauthenticated:
             raise ConfigError(
@@ -146,6 +233,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             agent = self.agent(name)
             if agent is not None and agent.runtime == "scripted" and not agent.script:
                 raise ConfigError(f"agent {name!r}: the scripted runtime needs a script file")
+            if agent is not None and agent.runtime == "openai":
+                check_openai_agent(name, agent, os.environ if env is None else env)
 
     def redacted(self) -> dict[str, Any]:
         """The settings as plain data with credentials masked, for `config show`."""
@@ -154,6 +243,39 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             f"<token {n}>": principal for n, principal in enumerate(self.api_keys.values(), 1)
         }
         return data
+
+
+def check_openai_agent(name: str, agent: AgentSettings, env: Mapping[str, str]) -> None:
+    """Refuse an `openai` agent the runtime could not run, naming the setting."""
+    where = f"agent {name!r}"
+    if not agent.base_url or not agent.model:
+        hint = " (PORTICO_OPENAI_BASE_URL, PORTICO_OPENAI_MODEL)" if name == DEFAULT_AGENT else ""
+        raise ConfigError(f"{where}: the openai runtime needs base_url and model{hint}")
+    if not agent.base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}: base_url must start with http:// or https://")
+    if agent.api_key_env and not env.get(agent.api_key_env):
+        raise ConfigError(f"{where}: api_key_env names {agent.api_key_env}, which is not set")
+    names = [tool.name for tool in agent.tools]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}: tool names must be unique")
+    for tool in agent.tools:
+        _check_tool(f"{where} tool {tool.name!r}", tool, env)
+
+
+def _check_tool(where: str, tool: ToolSettings, env: Mapping[str, str]) -> None:
+    if isinstance(tool, BuiltinToolSettings):
+        return
+    try:
+        jsonschema.validators.validator_for(tool.parameters).check_schema(tool.parameters)
+    except jsonschema.SchemaError as exc:
+        raise ConfigError(f"{where}: parameters is not a valid JSON Schema: {exc.message}") from exc
+    if not isinstance(tool, HttpToolSettings):
+        return
+    if not tool.url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}: url must start with http:// or https://")
+    for variable in tool.headers_env.values():
+        if not env.get(variable):
+            raise ConfigError(f"{where}: headers_env names {variable}, which is not set")
 
 
 def parse_api_keys(text: str) -> dict[str, str]:

@@ -444,3 +444,14 @@ def test_replies_already_streaming_at_connect_get_their_live_chunks_at_once() ->
     conn.streaming(["m1"])
     conn.push_live(live(7))
     assert [fr["live"]["index"] for fr in drain(conn)] == [7]
+
+
+def test_an_unknown_param_is_refused_naming_it() -> None:
+    conn = opened()
+    frame = {
+        "id": "r",
+        "method": "v1.message.send",
+        "params": {"content_data": "x", "client_id": "c", "session_id": "s-1"},
+    }
+    assert conn.receive_text(json.dumps(frame)) == []
+    assert drain(conn)[0]["error"]["details"] == {"field": "params.session_id"}

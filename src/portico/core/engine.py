@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from portico.config import AgentSettings
-from portico.core.compaction import since_latest_summary, summarize
+from portico.config import AgentSettings, ClientToolSettings
+from portico.core.compaction import SUMMARY_THROUGH, compose_summary, since_latest_summary
 from portico.core.events import Listener
 from portico.core.model import ContentPart, Message, Session, Turn, new_id
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
@@ -31,7 +31,15 @@ from portico.errors import (
     TurnInProgress,
     UnknownAgent,
 )
-from portico.runtime.base import ClientTool, HistoryReader, MediaAccess, Runtime, TurnInput
+from portico.runtime.base import (
+    ClientTool,
+    Closable,
+    HistoryReader,
+    MediaAccess,
+    Runtime,
+    Summarizer,
+    TurnInput,
+)
 from portico.store.base import Background, Store, detached
 
 log = logging.getLogger("portico.engine")
@@ -244,7 +252,9 @@ class Engine:
             history = since_latest_summary(recent[-HISTORY_LIMIT:])
             if not history:
                 return
-            items = summarize(history, instruction)
+            runtime = self._runtimes.get(session.agent)
+            summarizer = runtime if isinstance(runtime, Summarizer) else None
+            items = await compose_summary(history, instruction, summarizer)
             now = self._clock()
             await self.store.append_message(
                 Message(
@@ -253,6 +263,7 @@ class Engine:
                     role="system",
                     content=msgspec.json.encode(items).decode(),
                     content_type="summary",
+                    metadata={SUMMARY_THROUGH: str(history[-1].global_offset)},
                     created_at=now,
                     updated_at=now,
                 )
@@ -377,7 +388,7 @@ class Engine:
             directives=message.directives,
             declare=session.declare,
             media=self._media,
-            client_tools=message.client_tools,
+            client_tools=_with_agent_tools(self._agents.get(session.agent), message.client_tools),
             context=message.context,
         )
 
@@ -420,17 +431,22 @@ class Engine:
             telemetry=self._telemetry,
         )
         self._running[session.id] = runner
-        task = detached(self._run_turn(session.id, runner), name=f"turn-{turn.id}")
+        task = detached(self._run_turn(session, runner), name=f"turn-{turn.id}")
         self._tasks[session.id] = task
         task.add_done_callback(lambda _: self._turn_done(session.id, runner))
 
-    async def _run_turn(self, session_id: str, runner: TurnRunner) -> Turn:
+    async def _run_turn(self, session: Session, runner: TurnRunner) -> Turn:
         try:
-            return await runner.run()
+            turn = await runner.run()
         finally:
             # Free the session in the same step as the terminal event, so a client
             # that answers `done` at once is not told a turn is still in progress.
-            self._turn_done(session_id, runner)
+            self._turn_done(session.id, runner)
+        agent = self._agents.get(session.agent)
+        budget = agent.compact_after_tokens if agent is not None else None
+        if budget is not None and turn.input_tokens > budget and not self._stopping:
+            self.compact(session, "")  # automatic compaction: the history outgrew the budget
+        return turn
 
     def _turn_done(self, session_id: str, runner: TurnRunner) -> None:
         if self._running.get(session_id) is runner:
@@ -465,6 +481,24 @@ class Engine:
             *(self._stop(session_id, TurnTrigger.INTERRUPT) for session_id in list(self._tasks))
         )
         await self._background.drain()
+        for runtime in self._runtimes.values():
+            if isinstance(runtime, Closable):
+                await runtime.close()
+
+
+def _with_agent_tools(
+    agent: AgentSettings | None, offered: tuple[ClientTool, ...]
+) -> tuple[ClientTool, ...]:
+    """The client tools the agent's config declares, then the client's own (`hello.tools`)."""
+    declared = [
+        ClientTool(name=tool.name, description=tool.description, parameters=tool.parameters)
+        for tool in (agent.tools if agent is not None else ())
+        if isinstance(tool, ClientToolSettings)
+    ]
+    if not declared:
+        return offered
+    names = {tool.name for tool in declared}
+    return (*declared, *(tool for tool in offered if tool.name not in names))
 
 
 def _add_listener(table: dict[str, list[Listener]], key: str, listener: Listener) -> None:

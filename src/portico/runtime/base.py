@@ -9,8 +9,8 @@ runtime reads like straight-line code: ``outcome = yield ToolCall(...)``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
-from typing import Any, Literal, Protocol
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -133,3 +133,19 @@ TurnStream = AsyncGenerator[RuntimeEvent, ToolOutcome | None]
 class Runtime(Protocol):
     def run(self, turn: TurnInput) -> TurnStream:
         """Start the turn; the engine iterates the stream to its terminal event."""
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """A runtime holding resources (an HTTP client) to release when the server stops."""
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Summarizer(Protocol):
+    """A runtime that summarises history with its model (compaction) instead of the
+    built-in extractive summary."""
+
+    async def summarize(self, history: Sequence[Message], instruction: str) -> str:
+        """A summary that stands in for `history` (oldest first); raises when it cannot."""

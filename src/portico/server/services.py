@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from pathlib import Path
@@ -23,6 +24,7 @@ from portico.media.service import MediaService
 from portico.runtime.base import Runtime
 from portico.runtime.demo import DemoRuntime
 from portico.runtime.echo import EchoRuntime
+from portico.runtime.openai import OpenAIRuntime
 from portico.runtime.scripted import ScriptedRuntime
 from portico.server.admission import ConnectionSlots
 from portico.server.metrics import Metrics
@@ -123,4 +125,8 @@ def build_runtime(agent: AgentSettings, settings: Settings) -> Runtime:
         return ScriptedRuntime.from_file(agent.script)
     if agent.runtime == "echo":
         return EchoRuntime()
+    if agent.runtime == "openai":
+        # The key and the tools' header values are read from the environment here, so
+        # they never sit in the settings (which `config show` prints).
+        return OpenAIRuntime(agent, env=os.environ)
     return DemoRuntime(word_delay=settings.demo_word_delay)

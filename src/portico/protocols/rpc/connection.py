@@ -43,7 +43,7 @@ CLOSE_SLOW_CONSUMER = 4408
 # Live chunks held for a message whose `created` update has not gone out yet.
 MAX_HELD_LIVE = 1024
 _FIELD_PATH = re.compile(r"at `\$\.?([^`]*)`")
-_REQUIRED_FIELD = re.compile(r"missing required field `([^`]+)`")
+_REQUIRED_FIELD = re.compile(r"(?:missing required|contains unknown) field `([^`]+)`")
 _frame_decoder = msgspec.json.Decoder(f.ClientFrame)
 _encode = msgspec.json.Encoder().encode
 

@@ -44,8 +44,9 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
 # -- method parameters (websocket-rpc.md; limits are ours, see docs/rpc.md) --------------
 
 
-class _Params(msgspec.Struct, frozen=True, kw_only=True):
-    pass
+class _Params(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Unknown params are refused: a misspelt one (`session_id` for `server_session_id`)
+    would otherwise be ignored silently and the call do something else."""
 
 
 class SessionList(_Params, frozen=True, kw_only=True):
