@@ -24,3 +24,10 @@ def test_ci_runs_the_readme_test_command() -> None:
     test_command = readme_commands()[1]
     ci_lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     assert test_command in ci_lines
+
+
+def test_the_test_command_installs_what_the_browser_tests_need() -> None:
+    """Without the `e2e` extra the browser tests would be skipped, not run."""
+    test_command = readme_commands()[1]
+    assert "'.[dev,e2e]'" in test_command
+    assert "apt-get install" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
+import struct
+import wave
+import zlib
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 
 from portico.core.model import ContentPart, MediaContent, Message
-from portico.errors import ScriptError
+from portico.errors import MediaNotFound, ScriptError
 from portico.runtime.base import (
     Chunk,
+    ClientTool,
     Done,
     Failure,
     MediaChunk,
@@ -23,7 +30,14 @@ from portico.runtime.base import (
     ToolOutcome,
     TurnInput,
 )
-from portico.runtime.demo import GREETING, DemoRuntime
+from portico.runtime.demo import (
+    GREETING,
+    PICTURE_TEXT,
+    SOUND_TEXT,
+    DemoRuntime,
+    image_size,
+    picture_part,
+)
 from portico.runtime.echo import EchoRuntime
 from portico.runtime.scripted import (
     ChunkStep,
@@ -494,3 +508,155 @@ async def test_demo_runtime_counts_history() -> None:
 async def test_demo_runtime_default_reply_counts_words() -> None:
     assert (await demo_reply("what is this thing")).startswith("You said 4 words.")
     assert (await demo_reply("why")).startswith("You said 1 word.")
+
+
+# -- the demo agent's tools, media and attachments ------------------------------------------
+
+
+def demo_turn(
+    text: str,
+    *,
+    tools: tuple[str, ...] = (),
+    parts: tuple[ContentPart, ...] = (),
+    media: dict[str, bytes] | None = None,
+) -> TurnInput:
+    """A turn whose client declared `tools` and whose media parts read as `media`."""
+
+    class Media:
+        async def check_part(self, *, principal: str, session_id: str, media: Any) -> None:
+            return None
+
+        async def read(self, *, session_id: str, media: MediaContent) -> bytes:
+            if media.storage_ref not in (stored := media_bytes):
+                raise MediaNotFound()
+            return stored[media.storage_ref]
+
+    media_bytes = media or {}
+    return msgspec.structs.replace(
+        turn_input(text, parts=parts),
+        client_tools=tuple(ClientTool(name) for name in tools),
+        media=Media(),
+    )
+
+
+def reply_text(events: list[RuntimeEvent]) -> str:
+    return "".join(event.text for event in events if isinstance(event, Chunk))
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "categories"),
+    [
+        ("What time is it?", "get_time", ("time",)),
+        ("where am I", "get_timezone", ("location",)),
+        ("please ask me something", "ask_user", ("prompt",)),
+    ],
+)
+async def test_demo_asks_a_declared_client_tool_with_consent(
+    text: str, name: str, categories: tuple[str, ...]
+) -> None:
+    outcome = ToolOutcome(status="completed", result={})
+    events = await drive(DemoRuntime(word_delay=0), demo_turn(text, tools=(name,)), (outcome,))
+    call = events[0]
+    assert isinstance(call, ToolCall)
+    assert call.name == name
+    assert call.categories == categories
+    assert call.consent_message
+    assert call.id.startswith("call-")
+    assert events[-1] == Done()
+
+
+async def test_demo_reports_what_the_tools_answered() -> None:
+    runtime = DemoRuntime(word_delay=0)
+    result = {"time": "Monday 12:00", "time_zone": "Europe/Paris"}
+    answered = await drive(
+        runtime, demo_turn("what time is it"), (ToolOutcome("completed", result),)
+    )
+    assert (
+        reply_text(answered) == "Your device says it is Monday 12:00 in the Europe/Paris time zone."
+    )
+    plain = await drive(runtime, demo_turn("the time?"), (ToolOutcome("completed", "noon"),))
+    assert reply_text(plain) == "Your device says it is noon."
+    zone = await drive(
+        runtime, demo_turn("where am i"), (ToolOutcome("completed", {"time_zone": "Asia/Tokyo"}),)
+    )
+    assert reply_text(zone) == (
+        "Your time zone is Asia/Tokyo, so my guess is that you are somewhere near Tokyo."
+    )
+    answer = await drive(
+        runtime, demo_turn("ask me"), (ToolOutcome("completed", {"answer": "Ada"}),)
+    )
+    assert reply_text(answer) == "Nice to meet you, Ada!"
+
+
+async def test_demo_reports_a_declined_or_failed_tool() -> None:
+    runtime = DemoRuntime(word_delay=0)
+    denied = ToolOutcome(status="denied", error="declined by the user")
+    declined = await drive(runtime, demo_turn("what time is it"), (denied,))
+    assert reply_text(declined) == (
+        "I won't look, then: `get_time` was not allowed (declined by the user)."
+    )
+    failed = await drive(runtime, demo_turn("where am I"), (ToolOutcome("error", error="boom"),))
+    assert reply_text(failed) == "Your client tried `get_timezone` but it failed: boom."
+
+
+async def test_demo_calls_only_tools_the_client_declared() -> None:
+    events = await drive(DemoRuntime(word_delay=0), demo_turn("what time is it", tools=("other",)))
+    assert not any(isinstance(event, ToolCall) for event in events)
+    assert reply_text(events) == "I'd ask your client for `get_time`, but it only offers: other."
+
+
+async def test_demo_draws_a_png_picture() -> None:
+    events = await drive(DemoRuntime(word_delay=0), demo_turn("Draw me something"))
+    assert reply_text(events) == PICTURE_TEXT
+    done = events[-1]
+    assert isinstance(done, Done)
+    assert done.parts is not None
+    (part,) = done.parts
+    assert part.type == "image"
+    assert part.media is not None
+    assert part.media.mime_type == "image/png"
+    data = base64.b64decode(part.media.data or "")
+    assert image_size(data) == (96, 96)
+    assert part.media.size_bytes == len(data)
+    assert zlib.decompress(data[41 : 41 + struct.unpack(">I", data[33:37])[0]])  # the IDAT
+
+
+async def test_demo_beeps_a_wav_sound() -> None:
+    events = await drive(DemoRuntime(word_delay=0), demo_turn("beep"))
+    assert reply_text(events) == SOUND_TEXT
+    done = events[-1]
+    assert isinstance(done, Done)
+    assert done.parts is not None
+    (part,) = done.parts
+    assert part.type == "audio"
+    assert part.media is not None
+    data = base64.b64decode(part.media.data or "")
+    with wave.open(io.BytesIO(data)) as sound:
+        assert sound.getframerate() == part.media.sample_rate == 8000
+        assert sound.getnchannels() == 1
+        assert sound.getnframes() / sound.getframerate() == pytest.approx(0.5)
+    assert part.media.duration_ms == 500
+
+
+async def test_demo_describes_attachments_it_read() -> None:
+    picture = base64.b64decode(picture_part().media.data or "")  # type: ignore[union-attr]
+    parts = (
+        ContentPart(type="text", text="what is this?"),
+        ContentPart(
+            type="image",
+            media=MediaContent(mime_type="image/png", storage_ref="ref-1", filename="a.png"),
+        ),
+        ContentPart(type="file", media=MediaContent(mime_type="text/plain", storage_ref="gone")),
+    )
+    turn = demo_turn("", parts=parts, media={"ref-1": picture})
+    events = await drive(DemoRuntime(word_delay=0), turn)
+    assert reply_text(events) == (
+        f"I received `a.png` (image/png, {len(picture)} bytes, 96×96 pixels). "
+        "I could not read a file: no such media. "
+        "Attachments reach me through Portico's media store."
+    )
+
+
+def test_image_size_reads_png_and_gif_headers() -> None:
+    assert image_size(b"GIF89a" + struct.pack("<HH", 7, 9)) == (7, 9)
+    assert image_size(b"\xff\xd8\xff\xe0 a jpeg") is None

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.resources
 import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -21,6 +23,21 @@ from portico.server.websocket import omnia_handler
 log = logging.getLogger("portico.server")
 
 HOUSEKEEPING = web.AppKey("housekeeping", list[asyncio.Task[None]])
+
+# The demo chat page (src/portico/web): static files, served as they are.
+WEB_CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+}
+# No inline script or style, no other origin: model output rendered by the page can
+# never run as code. Agent media arrive as data: URLs, uploads are read back as blobs.
+PAGE_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "img-src 'self' data: blob:; media-src 'self' data: blob:; connect-src 'self'{extra}; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 
 async def _open(app: web.Application) -> None:
@@ -87,10 +104,47 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/v1/rpc", rpc_handler)
     observability.add_routes(app)
     media_routes.add_routes(app)
+    add_page_routes(app, settings)
     app.on_startup.append(_open)
     app.on_shutdown.append(_close_sockets)
     app.on_cleanup.append(_stop)
     return app
+
+
+def add_page_routes(app: web.Application, settings: Settings) -> None:
+    """`/` and `/web/{name}`: the demo chat page. Files are read once, from a fixed list."""
+    folder = importlib.resources.files("portico") / "web"
+    files: dict[str, tuple[bytes, str]] = {}
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            content_type = WEB_CONTENT_TYPES.get("." + entry.name.rpartition(".")[2])
+            if entry.is_file() and content_type is not None:
+                files[entry.name] = (entry.read_bytes(), content_type)
+    # Upload URLs start with the public URL when one is set: the page PUTs there.
+    public = urlsplit(settings.public_url or "")
+    extra = f" {public.scheme}://{public.netloc}" if public.scheme and public.netloc else ""
+    headers = {
+        "Content-Security-Policy": PAGE_CSP.format(extra=extra),
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+        "Cache-Control": "no-cache",
+    }
+
+    def respond(name: str) -> web.Response:
+        found = files.get(name)
+        if found is None:
+            raise web.HTTPNotFound(text="no such file")
+        body, content_type = found
+        return web.Response(body=body, headers={**headers, "Content-Type": content_type})
+
+    async def index(request: web.Request) -> web.Response:
+        return respond("index.html")
+
+    async def asset(request: web.Request) -> web.Response:
+        return respond(request.match_info["name"])
+
+    app.router.add_get("/", index)
+    app.router.add_get("/web/{name}", asset)
 
 
 async def serve(settings: Settings, *, on_ready: Callable[[str], None] = print) -> None:

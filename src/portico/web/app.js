@@ -1,0 +1,1373 @@
+// The demo chat page: a sidebar over /v1/rpc, live conversations over /v1/session.
+// See docs/web.md for which channel does what, and why.
+
+import {
+  DECLINED_BY_USER,
+  RpcClient,
+  SessionClient,
+  fetchMedia,
+  partType,
+  uploadFile,
+} from "./portico.js";
+import { renderMarkdown } from "./markdown.js";
+
+const $ = (id) => document.getElementById(id);
+const query = new URLSearchParams(location.search);
+const AGENT = query.get("agent") || null;
+const TAB_ID = crypto.randomUUID(); // the client_id of Rtcs this tab answers
+const HISTORY_PAGE = 50; // messages per v1.message.list page (the server's default)
+
+// -- storage: the token and the sidebar cache in localStorage, live sessions per tab ---------
+
+const TOKEN_KEY = "portico.token";
+const token = localStorage.getItem(TOKEN_KEY) || null;
+const scope = fnv1a(`${location.host}|${token ?? ""}`); // caches never cross users or servers
+const CACHE_KEY = `portico.sidebar.${scope}`;
+const LIVE_KEY = (sessionId) => `portico.live.${scope}.${sessionId}`;
+
+function fnv1a(text) {
+  let hash = 0x811c9dc5;
+  for (const char of text) {
+    hash ^= char.codePointAt(0);
+    hash = Math.imul(hash, 0x01000193) >>> 0;
+  }
+  return hash.toString(16);
+}
+
+function readJson(storage, key) {
+  try {
+    return JSON.parse(storage.getItem(key) ?? "null");
+  } catch {
+    return null;
+  }
+}
+
+// -- browser tools: what the agent may ask this page for ------------------------------------
+
+const answers = new Map(); // call id -> the user's typed answer (ask_user)
+
+const TOOLS = {
+  get_time: {
+    description: "The device's local date, time and time zone.",
+    categories: ["time"],
+    run: () => ({
+      time: new Date().toLocaleString(navigator.language, { dateStyle: "full", timeStyle: "long" }),
+      iso: new Date().toISOString(),
+      time_zone: Intl.DateTimeFormat().resolvedOptions().timeZone,
+    }),
+  },
+  get_timezone: {
+    description: "The device's time zone and UTC offset.",
+    categories: ["location"],
+    run: () => {
+      const minutes = -new Date().getTimezoneOffset();
+      const sign = minutes < 0 ? "-" : "+";
+      const hh = String(Math.floor(Math.abs(minutes) / 60)).padStart(2, "0");
+      const mm = String(Math.abs(minutes) % 60).padStart(2, "0");
+      return {
+        time_zone: Intl.DateTimeFormat().resolvedOptions().timeZone,
+        utc_offset: `${sign}${hh}:${mm}`,
+      };
+    },
+  },
+  get_locale: {
+    description: "The page's language and locale settings.",
+    categories: ["locale"],
+    run: () => ({ locale: navigator.language, languages: [...navigator.languages] }),
+  },
+  ask_user: {
+    description: "Ask the user a question; returns their answer.",
+    parameters: {
+      type: "object",
+      properties: { question: { type: "string" } },
+      required: ["question"],
+    },
+    categories: ["prompt"],
+    run: (args, { callId }) => ({ answer: answers.get(callId) ?? "" }),
+  },
+};
+
+async function runTool(name, args, callId) {
+  const tool = TOOLS[name];
+  if (!tool) throw new Error(`this page has no tool named ${name}`);
+  return tool.run(args ?? {}, { callId });
+}
+
+// -- the /v1/rpc connection: sidebar, history, actions -----------------------------------------
+
+const cache = readJson(localStorage, CACHE_KEY);
+const rpc = new RpcClient("/v1/rpc", {
+  token,
+  offset: cache?.offset ?? null,
+  epoch: cache?.epoch ?? null,
+});
+
+const sidebar = {
+  sessions: new Map((cache?.sessions ?? []).map((s) => [s.id, s])),
+  nextCursor: cache?.nextCursor ?? "",
+  consistent: Boolean(cache), // the map reflects every update up to rpc.offset
+  editing: null,
+  confirmDelete: null,
+  elements: new Map(),
+};
+const liveTexts = new Map(); // RPC live chunks by message id: {text, nextIndex, gapped}
+const runningTurns = new Map(); // session id -> Set of turn ids pending or running
+
+let saveTimer = null;
+function saveCache() {
+  clearTimeout(saveTimer);
+  saveTimer = setTimeout(() => {
+    if (!sidebar.consistent || rpc.offset == null) return; // never pair an offset with stale state
+    const sessions = [...sidebar.sessions.values()];
+    const state = {
+      epoch: rpc.epoch,
+      offset: rpc.offset,
+      nextCursor: sidebar.nextCursor,
+      sessions,
+    };
+    localStorage.setItem(CACHE_KEY, JSON.stringify(state));
+  }, 50);
+}
+
+function upsertSession(session) {
+  sidebar.reloading?.set(session.id, session);
+  const known = sidebar.sessions.get(session.id);
+  if (known && known.updated_at > session.updated_at) return; // an older copy (a query racing an update)
+  if (session.deleted_at) {
+    sidebar.sessions.delete(session.id);
+    lives.get(session.id)?.end();
+    if (view.sessionId === session.id) navigate(null);
+  } else {
+    sidebar.sessions.set(session.id, session);
+  }
+  if (view.sessionId === session.id) renderHeader();
+  renderSidebar();
+}
+
+async function reloadSidebar() {
+  sidebar.consistent = false;
+  sidebar.reloading = new Map(); // sessions updates changed while the query ran
+  try {
+    const page = await rpc.sessionList({ limit: 20 });
+    const fresh = new Map(page.items.map((s) => [s.id, s]));
+    for (const [id, session] of sidebar.reloading) {
+      if (session.deleted_at) fresh.delete(id);
+      else if (!fresh.has(id) || fresh.get(id).updated_at < session.updated_at)
+        fresh.set(id, session);
+    }
+    sidebar.sessions = fresh;
+    sidebar.nextCursor = page.next_cursor;
+    sidebar.consistent = true;
+    renderSidebar();
+    saveCache();
+  } catch (error) {
+    showNotice(`Could not load the conversations: ${error.message}`);
+  } finally {
+    sidebar.reloading = null;
+  }
+}
+
+async function loadMoreSessions() {
+  const page = await rpc.sessionList({ cursor: sidebar.nextCursor, limit: 20 });
+  for (const session of page.items)
+    if (!sidebar.sessions.has(session.id)) sidebar.sessions.set(session.id, session);
+  sidebar.nextCursor = page.next_cursor;
+  renderSidebar();
+  saveCache();
+}
+
+rpc.addEventListener("update", (event) => {
+  const update = event.detail;
+  update.items.forEach((item, index) => applyEntity(item.entity, update.data_list[index]));
+  saveCache();
+});
+rpc.addEventListener("reset", () => {
+  reloadSidebar();
+  if (view.sessionId) select(view.sessionId); // the open conversation may have missed changes too
+});
+rpc.addEventListener("live", (event) => onRpcLive(event.detail));
+rpc.addEventListener("status", (event) => {
+  const { state, recovered, first } = event.detail;
+  connection.rpc = state;
+  if (state === "dropped") connection.drops += 1;
+  if (state === "open") {
+    document.body.dataset.recovered = String(recovered);
+    if (first && !recovered && !event.detail.reset) reloadSidebar();
+  }
+  if (state === "closed" && event.detail.error)
+    showNotice(`Disconnected: ${event.detail.error.message}`);
+  renderConnection();
+});
+
+function applyEntity(kind, entity) {
+  if (kind === "session") return upsertSession(entity);
+  if (kind === "turn") return trackTurn(entity);
+  if (entity.session_id !== view.sessionId) {
+    if (kind === "message" && entity.status !== "streaming") liveTexts.delete(entity.id);
+    return;
+  }
+  later(() => {
+    if (kind === "message") applyMessage(entity);
+    else if (kind === "rtc") applyRtc(entity);
+  });
+}
+
+function trackTurn(turn) {
+  const running = runningTurns.get(turn.session_id) ?? new Set();
+  if (turn.status === "pending" || turn.status === "running") running.add(turn.id);
+  else running.delete(turn.id);
+  runningTurns.set(turn.session_id, running);
+  if (turn.session_id !== view.sessionId) return;
+  later(() => {
+    const item = view.items.get(`r:${turn.id}`);
+    if (turn.status === "cancelled" && item) {
+      item.cancelled = true;
+      scheduleRender(item);
+    } else if (turn.status === "failed" && turn.error) {
+      const reply = item ?? replyItem(turn.id);
+      if (reply.status !== "completed") {
+        reply.status = "failed";
+        reply.error = turn.error.message;
+        scheduleRender(reply);
+      }
+    }
+    renderBusy();
+  });
+}
+
+function onRpcLive(live) {
+  let entry = liveTexts.get(live.message_id);
+  if (!entry) {
+    entry = { text: "", nextIndex: 0, gapped: false };
+    liveTexts.set(live.message_id, entry);
+  }
+  if (live.index === entry.nextIndex && !entry.gapped) {
+    entry.text += live.delta;
+    entry.nextIndex += 1;
+  } else if (live.index > entry.nextIndex) {
+    entry.gapped = true; // live frames are best effort: the final update repairs the text
+  }
+  // A live /v1/session conversation streams over its own exactly-once channel.
+  if (live.session_id !== view.sessionId || lives.has(live.session_id)) return;
+  later(() => {
+    const item = replyItem(live.turn_id);
+    item.id = live.message_id;
+    if (item.final == null) {
+      item.text = entry.text;
+      item.gapped = entry.gapped;
+      item.status = "streaming";
+      scheduleRender(item);
+    }
+  });
+}
+
+// -- live conversations over /v1/session -----------------------------------------------------
+
+const lives = new Map(); // session id -> LiveConversation, the sessions this tab holds
+
+class LiveConversation {
+  constructor(resumeFrom = null) {
+    this.streams = new Map(); // turn id -> text streamed so far
+    this.consents = new Map(); // call id -> resolve(allowed) while the user decides
+    this.preAnswers = new Map(); // call id -> allowed, for calls answered from the archive
+    this.openTurns = 0;
+    this.status = "connecting";
+    this.client = new SessionClient("/v1/session", {
+      credential: token,
+      agent: AGENT,
+      resumeFrom,
+      onState: (state) => sessionStorage.setItem(LIVE_KEY(state.sessionId), JSON.stringify(state)),
+    });
+    for (const [name, tool] of Object.entries(TOOLS)) {
+      this.client.registerTool(name, (args, { callId }) => tool.run(args, { callId }), {
+        description: tool.description,
+        parameters: tool.parameters ?? { type: "object", properties: {} },
+        consent: (frame, { signal }) => this.consent(frame, signal),
+      });
+    }
+    this.client.addEventListener("message", (event) => this.onFrame(event.detail));
+    this.client.addEventListener("status", (event) => this.onStatus(event.detail));
+  }
+
+  get sessionId() {
+    return this.client.sessionId;
+  }
+
+  async connect() {
+    await this.client.connect();
+    lives.set(this.sessionId, this);
+  }
+
+  end() {
+    sessionStorage.removeItem(LIVE_KEY(this.sessionId));
+    lives.delete(this.sessionId);
+    this.client.end();
+  }
+
+  consent(frame, signal) {
+    const call = frame.tool_call;
+    if (this.preAnswers.has(call.id)) return this.preAnswers.get(call.id);
+    return new Promise((resolve) => {
+      this.consents.set(call.id, resolve);
+      signal.addEventListener("abort", () => {
+        this.consents.delete(call.id);
+        resolve(false);
+      });
+      this.showCall(call, "sent");
+    });
+  }
+
+  showCall(call, status) {
+    if (view.sessionId !== this.sessionId) return;
+    later(() => {
+      const item = toolItem(call.id);
+      Object.assign(item, {
+        name: call.name,
+        args: call.arguments ?? item.args,
+        consent: call.consent_message ?? item.consent,
+        categories: call.categories ?? item.categories,
+      });
+      if (!isTerminal(item.status)) item.status = status;
+      scheduleRender(item);
+    });
+  }
+
+  onFrame(frame) {
+    const here = view.sessionId === this.sessionId;
+    switch (frame.type) {
+      case "chunk": {
+        const text = (this.streams.get(frame.turn_id) ?? "") + frame.content;
+        this.streams.set(frame.turn_id, text);
+        if (here) later(() => this.refreshReply(frame.turn_id));
+        break;
+      }
+      case "done":
+        this.streams.delete(frame.turn_id);
+        if (here) {
+          later(() => {
+            const item = replyItem(frame.turn_id);
+            if (frame.content != null) item.final = frame.content;
+            else item.final ??= item.text;
+            if (frame.parts) item.parts = frame.parts;
+            item.status = "completed";
+            item.cancelled = Boolean(frame.cancelled);
+            scheduleRender(item);
+          });
+        }
+        break;
+      case "error":
+        if (frame.turn_id != null) {
+          this.streams.delete(frame.turn_id);
+          if (here) {
+            later(() => {
+              const item = replyItem(frame.turn_id);
+              item.status = "failed";
+              item.error = frame.error.message;
+              scheduleRender(item);
+            });
+          }
+        } else if (here && frame.ref_seq != null && frame.error.code !== "INVALID_MESSAGE") {
+          showNotice(`${frame.error.code}: ${frame.error.message}`);
+        }
+        break;
+      case "tool_call":
+        this.showCall(frame.tool_call, "sent");
+        break;
+      case "tool_result": // the server ended a call nobody answered in time
+        if (here) {
+          later(() => {
+            const item = toolItem(frame.call_id);
+            item.status = "timeout";
+            item.error = frame.error;
+            scheduleRender(item);
+          });
+        }
+        break;
+    }
+    renderBusy();
+  }
+
+  refreshReply(turnId) {
+    const item = replyItem(turnId);
+    if (item.final != null) return;
+    item.text = this.streams.get(turnId) ?? item.text;
+    item.status = "streaming";
+    scheduleRender(item);
+  }
+
+  onStatus(detail) {
+    this.status = detail.state;
+    if (detail.state === "dropped") connection.drops += 1;
+    if (detail.state === "closed") {
+      sessionStorage.removeItem(LIVE_KEY(this.sessionId));
+      lives.delete(this.sessionId);
+      for (const resolve of this.consents.values()) resolve(false);
+      this.consents.clear();
+      if (detail.error && view.sessionId === this.sessionId) {
+        const why =
+          detail.error.code === "RESUME_FAILED"
+            ? "it can no longer be resumed (the server restarted, or the resume window passed)"
+            : detail.error.message;
+        showNotice(`This conversation's live session ended: ${why}. It continues over /v1/rpc.`);
+        renderHeader();
+      }
+    }
+    renderConnection();
+    renderBusy();
+  }
+}
+
+function resumeLive(sessionId) {
+  const saved = readJson(sessionStorage, LIVE_KEY(sessionId));
+  if (!saved || saved.sessionId !== sessionId) return null;
+  const live = new LiveConversation(saved);
+  lives.set(sessionId, live);
+  live.client.connect().catch(() => {}); // a failure closes it: onStatus takes it back out
+  return live;
+}
+
+async function openLive() {
+  const live = new LiveConversation();
+  await live.connect();
+  const id = live.sessionId;
+  view.sessionId = id;
+  history.replaceState(null, "", `#s=${encodeURIComponent(id)}`);
+  renderHeader();
+  renderSidebar();
+  return live;
+}
+
+// -- the conversation view ---------------------------------------------------------------------
+
+const view = {
+  sessionId: null,
+  items: new Map(), // key -> item; the DOM order is the archive's (global_offset)
+  loading: false,
+  queue: [],
+  generation: 0,
+  attachments: [],
+  rendering: new Set(),
+  frame: null,
+};
+
+/** Run `fn` now, or after the history being loaded (so events land on top of it). */
+function later(fn) {
+  if (view.loading) view.queue.push(fn);
+  else fn();
+}
+
+function newItem(key, kind, offset = null) {
+  let item = view.items.get(key);
+  if (item) {
+    if (item.offset == null && offset) item.offset = offset;
+    return item;
+  }
+  item = { key, kind, offset, el: document.createElement("article") };
+  item.el.className = `msg ${kind}`;
+  item.el.dataset.key = key;
+  view.items.set(key, item);
+  place(item);
+  $("empty").hidden = true;
+  return item;
+}
+
+function place(item) {
+  const list = $("messages");
+  if (item.offset) {
+    for (const child of list.children) {
+      const other = view.items.get(child.dataset.key);
+      if (other?.offset && other.offset > item.offset) return list.insertBefore(item.el, child);
+    }
+  }
+  list.append(item.el);
+}
+
+function replyItem(turnId, offset = null) {
+  const item = newItem(`r:${turnId}`, "reply", offset);
+  item.turnId ??= turnId;
+  item.text ??= "";
+  item.status ??= "streaming";
+  return item;
+}
+
+function toolItem(callId, offset = null) {
+  const item = newItem(`t:${callId}`, "tool", offset);
+  item.id = callId;
+  item.status ??= "pending";
+  return item;
+}
+
+function applyMessage(m) {
+  const data = m.content_data;
+  if (m.content_type === "toolcall_input" && data && typeof data === "object") {
+    const item = toolItem(data.id, m.global_offset);
+    item.name ??= data.name;
+    item.args ??= data.arguments;
+    scheduleRender(item);
+  } else if (m.content_type === "toolcall_output" && data && typeof data === "object") {
+    const item = toolItem(data.id, m.global_offset);
+    item.name ??= data.name;
+    Object.assign(item, { status: data.status, result: data.result, error: data.error });
+    scheduleRender(item);
+  } else if (m.role === "user") {
+    const key = `u:${m.client_id || m.metadata?.client_message_id || m.id}`;
+    const item = newItem(key, "user", m.global_offset);
+    Object.assign(item, { id: m.id, text: String(data ?? ""), status: "sent" });
+    if (m.parts?.length) item.parts = m.parts;
+    scheduleRender(item);
+  } else if (m.role === "assistant" && m.content_type === "markdown") {
+    const item = m.turn_id
+      ? replyItem(m.turn_id, m.global_offset)
+      : newItem(`m:${m.id}`, "reply", m.global_offset);
+    item.id = m.id;
+    item.text ??= "";
+    if (m.status === "completed" || m.status === "failed") {
+      item.final = String(data ?? "");
+      item.status = m.status;
+      if (m.parts?.length) item.parts = m.parts;
+      liveTexts.delete(m.id);
+    } else {
+      item.status = "streaming";
+      const entry = liveTexts.get(m.id);
+      if (entry && !lives.has(m.session_id)) item.text = entry.text;
+    }
+    scheduleRender(item);
+  } else if (m.content_type === "summary") {
+    const item = newItem(`m:${m.id}`, "note", m.global_offset);
+    item.text = "Earlier messages were summarised here.";
+    scheduleRender(item);
+  }
+}
+
+function applyRtc(rtc) {
+  const item = toolItem(rtc.id);
+  item.name ??= rtc.name;
+  item.args ??= rtc.arguments;
+  // Keep the furthest state: archive updates, session frames and clicks interleave.
+  const rank = { pending: 0, sent: 1, executing: 2 };
+  item.owner = rtc.client_id; // empty while no RPC client has taken the call
+  if (isTerminal(rtc.status)) {
+    Object.assign(item, { status: rtc.status, result: rtc.result, error: rtc.error });
+  } else if (!isTerminal(item.status) && rank[rtc.status] >= (rank[item.status] ?? 0)) {
+    item.status = rtc.status;
+  }
+  scheduleRender(item);
+}
+
+const isTerminal = (status) => ["completed", "failed", "rejected", "timeout"].includes(status);
+
+function clearView() {
+  for (const item of view.items.values()) item.el.remove();
+  view.items.clear();
+  view.queue = [];
+  $("empty").hidden = false;
+}
+
+async function select(sessionId) {
+  const generation = ++view.generation;
+  clearView();
+  view.loading = false; // a load still running for the previous selection no longer counts
+  view.sessionId = sessionId;
+  clearAttachments();
+  hideNotice();
+  renderHeader();
+  renderSidebar();
+  renderBusy();
+  if (!sessionId) return;
+  if (!lives.has(sessionId)) resumeLive(sessionId);
+  renderHeader();
+  view.loading = true;
+  try {
+    let cursor = "";
+    do {
+      const page = await rpc.messageList(sessionId, { cursor, limit: HISTORY_PAGE });
+      if (generation !== view.generation) return;
+      page.items.forEach(applyMessage);
+      cursor = page.next_cursor;
+    } while (cursor);
+    const [rtcs, turns] = await Promise.all([
+      rpc.rtcList(sessionId, { limit: 50 }),
+      rpc.turnList(sessionId, { limit: 10 }),
+    ]);
+    if (generation !== view.generation) return;
+    rtcs.items.forEach(applyRtc);
+    runningTurns.delete(sessionId); // what the archive says now, not what updates said before
+    turns.items.forEach((turn) => trackTurn(turn));
+  } catch (error) {
+    if (generation !== view.generation) return;
+    showNotice(
+      error.code === "session.not_found"
+        ? "That conversation does not exist."
+        : `Could not load the conversation: ${error.message}`,
+    );
+  } finally {
+    if (generation === view.generation) {
+      view.loading = false;
+      view.queue.splice(0).forEach((fn) => fn());
+      const live = lives.get(sessionId);
+      for (const turnId of live?.streams.keys() ?? []) live.refreshReply(turnId);
+      renderBusy();
+    }
+  }
+}
+
+function navigate(sessionId) {
+  const hash = sessionId ? `#s=${encodeURIComponent(sessionId)}` : "";
+  if (location.hash !== hash)
+    history.pushState(null, "", hash || location.pathname + location.search);
+  select(sessionId);
+}
+
+function hashSession() {
+  const match = /^#s=(.+)$/.exec(location.hash);
+  return match ? decodeURIComponent(match[1]) : null;
+}
+
+// -- rendering -----------------------------------------------------------------------------------
+
+function scheduleRender(item) {
+  view.rendering.add(item);
+  view.frame ??= requestAnimationFrame(() => {
+    view.frame = null;
+    const list = $("messages");
+    const atBottom = list.scrollHeight - list.scrollTop - list.clientHeight < 80;
+    for (const pending of view.rendering) render(pending);
+    view.rendering.clear();
+    if (atBottom) list.scrollTop = list.scrollHeight;
+  });
+}
+
+function h(tag, props = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(props)) {
+    if (value == null || value === false) continue;
+    if (key === "class") node.className = value;
+    else if (key === "text") node.textContent = value;
+    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else if (key === "dataset") Object.assign(node.dataset, value);
+    else node.setAttribute(key, value === true ? "" : value);
+  }
+  node.append(...children.filter((child) => child != null));
+  return node;
+}
+
+function render(item) {
+  const el = item.el;
+  el.dataset.role = item.kind === "reply" ? "assistant" : item.kind;
+  el.dataset.status = item.cancelled ? "cancelled" : (item.status ?? "");
+  if (item.kind === "user") return renderUser(item);
+  if (item.kind === "reply") return renderReply(item);
+  if (item.kind === "tool") return renderTool(item);
+  el.replaceChildren(h("p", { class: "note", text: item.text }));
+}
+
+function renderUser(item) {
+  const body = h("div", { class: "bubble" });
+  if (item.text) body.append(h("p", { class: "text", text: item.text }));
+  if (item.parts?.length) body.append(renderParts(item.parts, item.localUrls));
+  const actions = h("div", { class: "actions" });
+  if (item.status === "failed")
+    actions.append(h("span", { class: "failed", text: `Not sent: ${item.error ?? ""}` }));
+  if (item.id && !item.forking) {
+    actions.append(
+      h("button", {
+        type: "button",
+        class: "fork",
+        title: "Edit this message into a new conversation",
+        onclick: () => startFork(item),
+        text: "Fork",
+      }),
+    );
+  }
+  const children = [body, actions];
+  if (item.forking) children.push(forkEditor(item));
+  replaceKeepingFocus(item.el, children);
+}
+
+function forkEditor(item) {
+  const input = h("textarea", { class: "fork-input", rows: "2", "aria-label": "Forked message" });
+  input.value = item.text;
+  keepDraft(item, "forkDraft", input);
+  const submit = async () => {
+    const content = input.value.trim();
+    if (!content) return;
+    item.forking = false;
+    render(item);
+    try {
+      const title = sidebar.sessions.get(view.sessionId)?.title || "Conversation";
+      const { result } = await rpc.sessionFork({
+        sessionId: view.sessionId,
+        messageId: item.id,
+        content,
+        clientMessageId: crypto.randomUUID(),
+      });
+      rpc
+        .sessionUpdate(result.session_id, { title: `${title} (fork)`.slice(0, 256) })
+        .catch(() => {});
+      navigate(result.session_id);
+    } catch (error) {
+      showNotice(`Could not fork: ${error.message}`);
+    }
+  };
+  return h(
+    "div",
+    { class: "fork-editor" },
+    input,
+    h("button", {
+      type: "button",
+      class: "primary fork-submit",
+      onclick: submit,
+      text: "Fork conversation",
+    }),
+    h("button", {
+      type: "button",
+      onclick: () => ((item.forking = false), render(item)),
+      text: "Cancel",
+    }),
+  );
+}
+
+function startFork(item) {
+  item.forking = true;
+  item.forkDraft = null;
+  render(item);
+  item.el.querySelector(".fork-input")?.focus();
+}
+
+function renderReply(item) {
+  const content = h("div", { class: "markdown" });
+  const text = item.final ?? item.text ?? "";
+  content.append(renderMarkdown(text));
+  if (item.status === "streaming")
+    content.append(h("span", { class: "cursor", "aria-hidden": "true" }));
+  const children = [h("div", { class: "bubble" }, content)];
+  if (item.parts?.length) children[0].append(renderParts(item.parts));
+  const meta = [];
+  if (item.cancelled) meta.push("stopped");
+  if (item.gapped && item.final == null) meta.push("catching up…");
+  if (item.status === "failed") meta.push(`failed${item.error ? `: ${item.error}` : ""}`);
+  if (meta.length) children.push(h("p", { class: "meta", text: meta.join(" · ") }));
+  item.el.replaceChildren(...children);
+}
+
+const STATUS_LABELS = {
+  pending: "Waiting for you",
+  sent: "Waiting for you",
+  executing: "Running…",
+  completed: "Allowed",
+  failed: "Failed",
+  rejected: "Declined",
+  timeout: "Timed out",
+};
+
+function renderTool(item) {
+  const tool = TOOLS[item.name];
+  const el = item.el;
+  el.dataset.name = item.name ?? "";
+  const consent = item.consent ?? tool?.description ?? `The agent wants to run ${item.name}.`;
+  const categories = item.categories ?? tool?.categories ?? [];
+  const header = h(
+    "header",
+    {},
+    h("span", { class: "icon", "aria-hidden": "true", text: "⚙" }),
+    h("strong", { class: "tool-name", text: item.name ?? "tool" }),
+    ...categories.map((category) => h("span", { class: "category", text: category })),
+    h("span", {
+      class: "tool-status",
+      text: answerable(item) ? "Waiting for you" : (STATUS_LABELS[item.status] ?? item.status),
+    }),
+  );
+  const children = [header, h("p", { class: "consent", text: consent })];
+  const args = item.args && Object.keys(item.args).length ? JSON.stringify(item.args) : null;
+  if (args) children.push(h("code", { class: "arguments", text: args }));
+  if (answerable(item)) {
+    let answer = null;
+    if (item.name === "ask_user") {
+      answer = h("input", {
+        class: "answer",
+        type: "text",
+        placeholder: item.args?.question ?? "Your answer",
+        "aria-label": "Your answer",
+      });
+      keepDraft(item, "answerDraft", answer);
+    }
+    const decide = (allowed) => () => {
+      if (answer) answers.set(item.id, answer.value);
+      answerTool(item, allowed);
+    };
+    children.push(
+      h(
+        "div",
+        { class: "decision" },
+        answer,
+        h("button", {
+          type: "button",
+          class: "primary allow",
+          onclick: decide(true),
+          text: item.name === "ask_user" ? "Answer" : "Allow",
+        }),
+        h("button", { type: "button", class: "decline", onclick: decide(false), text: "Decline" }),
+      ),
+    );
+  }
+  if (item.status === "completed" && item.result !== undefined) {
+    children.push(h("code", { class: "result", text: `→ ${JSON.stringify(item.result)}` }));
+  }
+  if (item.error && item.status !== "completed")
+    children.push(h("p", { class: "meta", text: item.error }));
+  replaceKeepingFocus(el, children);
+}
+
+/** Bind `input` to `item[key]`, so that a re-render (an update arrived) keeps what was typed. */
+function keepDraft(item, key, input) {
+  if (item[key] != null) input.value = item[key];
+  input.addEventListener("input", () => (item[key] = input.value));
+}
+
+/** Replace `el`'s children; a field that had the focus gets it back in its new copy. */
+function replaceKeepingFocus(el, children) {
+  const focused = el.contains(document.activeElement) ? document.activeElement : null;
+  const selector = focused?.className ? `.${focused.className.split(" ")[0]}` : null;
+  const caret =
+    focused && "selectionStart" in focused ? [focused.selectionStart, focused.selectionEnd] : null;
+  el.replaceChildren(...children);
+  const again = selector ? el.querySelector(selector) : null;
+  if (again) {
+    again.focus();
+    if (caret) again.setSelectionRange(...caret);
+  }
+}
+
+function answerable(item) {
+  if (item.answering) return false;
+  const live = lives.get(view.sessionId);
+  if (live?.consents.has(item.id)) return true;
+  if (item.status === "pending" || item.status === "sent") return true;
+  // Acknowledged over this tab's session before a reload: nobody works on it any more.
+  return (
+    item.status === "executing" && !item.owner && Boolean(live) && !live.client.isHandling(item.id)
+  );
+}
+
+async function answerTool(item, allowed) {
+  item.answering = true;
+  item.status = allowed ? "executing" : "rejected";
+  scheduleRender(item);
+  const live = lives.get(view.sessionId);
+  const resolve = live?.consents.get(item.id);
+  if (resolve) {
+    live.consents.delete(item.id);
+    resolve(allowed); // the SessionClient acks, runs and answers (or nacks) over /v1/session
+    return;
+  }
+  if (live && live.status === "open") {
+    // Known from the archive (the frame was handled before a reload): same flow, same channel.
+    live.preAnswers.set(item.id, allowed);
+    live.client.handleToolCall({ id: item.id, name: item.name, arguments: item.args ?? {} });
+    return;
+  }
+  try {
+    if (!allowed) {
+      await rpc.rtcUpdateStatus(item.id, "rejected", {
+        clientId: TAB_ID,
+        reason: DECLINED_BY_USER,
+      });
+      return;
+    }
+    await rpc.rtcUpdateStatus(item.id, "executing", { clientId: TAB_ID });
+    let outcome;
+    try {
+      outcome = { success: true, result: await runTool(item.name, item.args, item.id) };
+    } catch (error) {
+      outcome = { success: false, error: error.message };
+    }
+    await rpc.rtcSubmitResult(item.id, { ...outcome, clientId: TAB_ID });
+  } catch (error) {
+    showNotice(`Could not answer the tool call: ${error.message}`);
+  }
+}
+
+const mediaUrls = new Map(); // storage_ref -> Promise<object URL>
+
+function mediaUrl(media) {
+  if (media.data) return Promise.resolve(`data:${media.mime_type};base64,${media.data}`);
+  if (media.storage_ref) {
+    if (!mediaUrls.has(media.storage_ref)) {
+      const url = fetchMedia(media.storage_ref, { token }).then((blob) =>
+        URL.createObjectURL(blob),
+      );
+      url.catch(() => mediaUrls.delete(media.storage_ref));
+      mediaUrls.set(media.storage_ref, url);
+    }
+    return mediaUrls.get(media.storage_ref);
+  }
+  return Promise.resolve(null);
+}
+
+function renderParts(parts, localUrls = null) {
+  const box = h("div", { class: "parts" });
+  parts.forEach((part, index) => {
+    if (part.type === "text") {
+      if (part.text) box.append(h("div", { class: "markdown" }, renderMarkdown(part.text)));
+      return;
+    }
+    const media = part.media ?? {};
+    const label = media.filename ?? `${part.type} (${media.mime_type ?? "?"})`;
+    let node;
+    if (part.type === "image") node = h("img", { class: "media", alt: label, title: label });
+    else if (part.type === "audio")
+      node = h("audio", { class: "media", controls: true, title: label });
+    else if (part.type === "video")
+      node = h("video", { class: "media", controls: true, title: label });
+    else node = h("a", { class: "file", text: `⇩ ${label}`, download: media.filename ?? "file" });
+    const local = localUrls?.[index];
+    const source = local ? Promise.resolve(local) : mediaUrl(media);
+    source.then(
+      (url) => {
+        if (!url) return;
+        if (node.tagName === "A") node.href = url;
+        else node.src = url;
+      },
+      () => node.replaceWith(h("span", { class: "file", text: `${label} (unavailable)` })),
+    );
+    box.append(
+      h(
+        "figure",
+        { dataset: { type: part.type } },
+        node,
+        part.type === "file" ? null : h("figcaption", { text: label }),
+      ),
+    );
+  });
+  return box;
+}
+
+function renderHeader() {
+  const session = view.sessionId ? sidebar.sessions.get(view.sessionId) : null;
+  const title = view.sessionId ? session?.title || "Untitled conversation" : "New conversation";
+  $("title").textContent = title;
+  document.title = `${title} · Portico`;
+  const mode = $("mode");
+  if (!view.sessionId) {
+    mode.textContent = "";
+    mode.dataset.mode = "new";
+  } else if (lives.has(view.sessionId)) {
+    mode.textContent = "live · /v1/session";
+    mode.dataset.mode = "live";
+    mode.title =
+      "This tab holds the conversation's resumable session: exactly-once streaming, tool consent, attachments.";
+  } else {
+    mode.textContent = "archive · /v1/rpc";
+    mode.dataset.mode = "archive";
+    mode.title =
+      "Continued over RPC: messages go through v1.message.send and replies stream as live chunks.";
+  }
+  $("file").disabled = Boolean(view.sessionId) && !lives.has(view.sessionId);
+  $("file").parentElement.title = $("file").disabled
+    ? "Attachments need a live session: start a new conversation"
+    : "Attach files";
+}
+
+function renderSidebar() {
+  const list = $("sessions");
+  const sessions = [...sidebar.sessions.values()].sort(
+    (a, b) => (b.created_at ?? "").localeCompare(a.created_at ?? "") || b.id.localeCompare(a.id),
+  );
+  const wanted = new Set(sessions.map((s) => s.id));
+  for (const [id, el] of sidebar.elements) {
+    if (!wanted.has(id)) {
+      el.remove();
+      sidebar.elements.delete(id);
+    }
+  }
+  sessions.forEach((session, index) => {
+    let el = sidebar.elements.get(session.id);
+    if (!el) {
+      el = h("li", { dataset: { sessionId: session.id } });
+      sidebar.elements.set(session.id, el);
+    }
+    if (sidebar.editing !== session.id) fillSessionItem(el, session);
+    el.classList.toggle("current", session.id === view.sessionId);
+    if (list.children[index] !== el) list.insertBefore(el, list.children[index] ?? null);
+  });
+  $("more-sessions").hidden = !sidebar.nextCursor;
+}
+
+function fillSessionItem(el, session) {
+  const title = session.title || "Untitled conversation";
+  const confirming = sidebar.confirmDelete === session.id;
+  const forked = session.parent_session_id
+    ? h("span", { class: "forked", title: "forked from another conversation", text: "⑂" })
+    : null;
+  el.replaceChildren(
+    ...[
+      h("a", {
+        class: "session-title",
+        href: `#s=${encodeURIComponent(session.id)}`,
+        title,
+        text: title,
+      }),
+      forked,
+      h("button", {
+        type: "button",
+        class: "rename",
+        title: "Rename",
+        "aria-label": "Rename",
+        text: "✎",
+        onclick: () => startRename(session.id),
+      }),
+      h("button", {
+        type: "button",
+        class: confirming ? "delete confirm" : "delete",
+        title: confirming ? "Click again to delete" : "Delete",
+        "aria-label": confirming ? "Confirm delete" : "Delete",
+        text: confirming ? "Delete?" : "✕",
+        onclick: () => deleteSession(session.id),
+      }),
+    ].filter(Boolean),
+  );
+}
+
+function startRename(sessionId) {
+  const el = sidebar.elements.get(sessionId);
+  const session = sidebar.sessions.get(sessionId);
+  if (!el || !session) return;
+  sidebar.editing = sessionId;
+  const input = h("input", {
+    class: "rename-input",
+    type: "text",
+    maxlength: "256",
+    "aria-label": "Conversation title",
+  });
+  input.value = session.title;
+  let done = false;
+  const finish = async (save) => {
+    if (done) return;
+    done = true;
+    sidebar.editing = null;
+    const title = input.value.trim();
+    if (save && title && title !== session.title) {
+      fillSessionItem(el, { ...session, title });
+      try {
+        await rpc.sessionUpdate(sessionId, { title });
+      } catch (error) {
+        showNotice(`Could not rename: ${error.message}`);
+      }
+    }
+    renderSidebar();
+  };
+  input.addEventListener("keydown", (event) => {
+    if (event.key === "Enter") finish(true);
+    if (event.key === "Escape") finish(false);
+  });
+  input.addEventListener("blur", () => finish(true));
+  el.replaceChildren(input);
+  input.focus();
+  input.select();
+}
+
+async function deleteSession(sessionId) {
+  if (sidebar.confirmDelete !== sessionId) {
+    sidebar.confirmDelete = sessionId;
+    renderSidebar();
+    setTimeout(() => {
+      if (sidebar.confirmDelete === sessionId) {
+        sidebar.confirmDelete = null;
+        const session = sidebar.sessions.get(sessionId);
+        const el = sidebar.elements.get(sessionId);
+        if (session && el && sidebar.editing !== sessionId) fillSessionItem(el, session);
+      }
+    }, 4000);
+    return;
+  }
+  sidebar.confirmDelete = null;
+  try {
+    await rpc.sessionUpdate(sessionId, { deletedAt: new Date() }); // the update removes it
+  } catch (error) {
+    showNotice(`Could not delete: ${error.message}`);
+  }
+}
+
+// -- connection indicator -----------------------------------------------------------------
+
+const connection = { rpc: "connecting", drops: 0 };
+
+function renderConnection() {
+  const live = lives.get(view.sessionId);
+  const states = [connection.rpc, live?.status].filter(Boolean);
+  let state = "open";
+  if (states.includes("closed") && connection.rpc === "closed") state = "offline";
+  else if (states.includes("dropped")) state = "reconnecting";
+  else if (states.includes("connecting")) state = "connecting";
+  const el = $("connection");
+  el.dataset.state = state;
+  el.dataset.reconnects = String(connection.drops);
+  const labels = {
+    open: "Connected",
+    connecting: "Connecting…",
+    reconnecting: "Reconnecting…",
+    offline: "Offline",
+  };
+  const drops = connection.drops
+    ? ` · ${connection.drops} reconnect${connection.drops === 1 ? "" : "s"}`
+    : "";
+  el.querySelector(".label").textContent = labels[state] + (state === "open" ? drops : "");
+  el.title = `/v1/rpc: ${connection.rpc}${live ? ` · /v1/session: ${live.status}` : ""}`;
+}
+
+function busy() {
+  const live = lives.get(view.sessionId);
+  return Boolean(live?.openTurns) || Boolean(runningTurns.get(view.sessionId)?.size);
+}
+
+function renderBusy() {
+  const running = busy();
+  $("stop").hidden = !running;
+  $("send").disabled = running || view.attachments.some((a) => a.status === "uploading");
+  renderConnection();
+}
+
+// -- composer -----------------------------------------------------------------------------------
+
+async function send() {
+  const input = $("input");
+  const text = input.value.trim();
+  const ready = view.attachments.filter((a) => a.status === "ready");
+  if ((!text && !ready.length) || busy()) return;
+  const cmid = crypto.randomUUID();
+  let live = lives.get(view.sessionId);
+  try {
+    if (!view.sessionId) live = await openLive();
+  } catch (error) {
+    showNotice(`Could not open a session: ${error.message}`);
+    return;
+  }
+  const sessionId = view.sessionId;
+  const first = ![...view.items.values()].some((item) => item.kind === "user");
+  const item = newItem(`u:${cmid}`, "user");
+  Object.assign(item, {
+    text,
+    status: "sending",
+    parts: ready.map((a) => a.part),
+    localUrls: ready.map((a) => a.localUrl),
+  });
+  render(item);
+  input.value = "";
+  resizeInput();
+  view.attachments = [];
+  renderAttachments();
+  scrollToBottom();
+  if (first && !sidebar.sessions.get(sessionId)?.title) {
+    const title = (text || ready[0]?.file.name || "Attachment").replace(/\s+/g, " ").slice(0, 60);
+    rpc.sessionUpdate(sessionId, { title }).catch(() => {});
+  }
+  if (live) {
+    try {
+      const turn = live.client.startTurn(text || null, {
+        parts: item.parts.length ? item.parts : null,
+        metadata: { client_message_id: cmid },
+      });
+      live.openTurns += 1;
+      renderBusy();
+      turn
+        .reply()
+        .then((reply) => {
+          const refusal = reply.frames.find((f) => f.type === "error" && f.turn_id == null);
+          if (refusal && view.sessionId === sessionId) {
+            item.status = "failed";
+            item.error = refusal.error.message;
+            render(item);
+          }
+        })
+        .catch(() => {})
+        .finally(() => {
+          live.openTurns -= 1;
+          renderBusy();
+        });
+    } catch (error) {
+      item.status = "failed";
+      item.error = error.message;
+      render(item);
+    }
+    return;
+  }
+  try {
+    await rpc.messageSend(text || "(attachment)", { clientId: cmid, serverSessionId: sessionId });
+  } catch (error) {
+    item.status = "failed";
+    item.error = error.message;
+    render(item);
+  }
+}
+
+async function stop() {
+  const live = lives.get(view.sessionId);
+  try {
+    if (live?.openTurns) live.client.interrupt();
+    else await rpc.turnStop(view.sessionId);
+  } catch (error) {
+    showNotice(`Could not stop: ${error.message}`);
+  }
+}
+
+async function addAttachments(files) {
+  if (!files.length) return;
+  if (view.sessionId && !lives.has(view.sessionId)) {
+    showNotice("Attachments need a live session: start a new conversation to attach files.");
+    return;
+  }
+  try {
+    if (!view.sessionId) await openLive();
+  } catch (error) {
+    showNotice(`Could not open a session: ${error.message}`);
+    return;
+  }
+  const sessionId = view.sessionId;
+  for (const file of files) {
+    const attachment = {
+      file,
+      status: "uploading",
+      localUrl: partType(file.type) === "file" ? null : URL.createObjectURL(file),
+      part: null,
+    };
+    view.attachments.push(attachment);
+    renderAttachments();
+    uploadFile(file, { sessionId, token })
+      .then((part) => {
+        attachment.part = part;
+        attachment.status = "ready";
+      })
+      .catch((error) => {
+        attachment.status = "failed";
+        attachment.error = error.message;
+      })
+      .finally(renderAttachments);
+  }
+}
+
+function clearAttachments() {
+  view.attachments = [];
+  renderAttachments();
+}
+
+function renderAttachments() {
+  const box = $("attachments");
+  box.replaceChildren(
+    ...view.attachments.map((attachment) => {
+      const remove = () => {
+        view.attachments = view.attachments.filter((a) => a !== attachment);
+        renderAttachments();
+      };
+      const preview =
+        attachment.localUrl && attachment.file.type.startsWith("image/")
+          ? h("img", { src: attachment.localUrl, alt: attachment.file.name })
+          : h("span", { class: "icon", text: "▤" });
+      const status =
+        attachment.status === "failed" ? `failed: ${attachment.error}` : attachment.status;
+      return h(
+        "div",
+        { class: "attachment", dataset: { status: attachment.status } },
+        preview,
+        h("span", { class: "name", text: attachment.file.name }),
+        h("span", { class: "status", text: status }),
+        h("button", {
+          type: "button",
+          class: "remove",
+          "aria-label": `Remove ${attachment.file.name}`,
+          text: "×",
+          onclick: remove,
+        }),
+      );
+    }),
+  );
+  renderBusy();
+}
+
+function resizeInput() {
+  const input = $("input");
+  input.style.height = "auto";
+  input.style.height = `${Math.min(input.scrollHeight, 200)}px`;
+}
+
+function scrollToBottom() {
+  const list = $("messages");
+  list.scrollTop = list.scrollHeight;
+}
+
+function showNotice(text) {
+  const notice = $("notice");
+  notice.textContent = text;
+  notice.hidden = false;
+}
+
+function hideNotice() {
+  $("notice").hidden = true;
+}
+
+// -- wiring -------------------------------------------------------------------------------------
+
+$("composer").addEventListener("submit", (event) => {
+  event.preventDefault();
+  send();
+});
+$("input").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+    event.preventDefault();
+    send();
+  }
+});
+$("input").addEventListener("input", resizeInput);
+$("stop").addEventListener("click", stop);
+$("new-chat").addEventListener("click", () => navigate(null));
+$("more-sessions").addEventListener("click", () =>
+  loadMoreSessions().catch((e) => showNotice(e.message)),
+);
+$("file").addEventListener("change", (event) => {
+  addAttachments([...event.target.files]);
+  event.target.value = "";
+});
+for (const button of document.querySelectorAll(".suggest")) {
+  button.addEventListener("click", () => {
+    $("input").value = button.textContent;
+    send();
+  });
+}
+$("token").value = token ?? "";
+$("token-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const value = $("token").value.trim();
+  if (value) localStorage.setItem(TOKEN_KEY, value);
+  else localStorage.removeItem(TOKEN_KEY);
+  location.reload();
+});
+
+let dragDepth = 0;
+const hasFiles = (event) => [...(event.dataTransfer?.types ?? [])].includes("Files");
+window.addEventListener("dragenter", (event) => {
+  if (!hasFiles(event)) return;
+  dragDepth += 1;
+  $("drop").hidden = false;
+});
+window.addEventListener("dragleave", () => {
+  dragDepth = Math.max(0, dragDepth - 1);
+  if (!dragDepth) $("drop").hidden = true;
+});
+window.addEventListener("dragover", (event) => {
+  if (hasFiles(event)) event.preventDefault();
+});
+window.addEventListener("drop", (event) => {
+  event.preventDefault();
+  dragDepth = 0;
+  $("drop").hidden = true;
+  addAttachments([...(event.dataTransfer?.files ?? [])]);
+});
+window.addEventListener("popstate", () => select(hashSession()));
+window.addEventListener("hashchange", () => {
+  const id = hashSession();
+  if (id !== view.sessionId) select(id);
+});
+
+renderSidebar();
+renderConnection();
+rpc.connect().catch((error) => showNotice(`Could not connect to /v1/rpc: ${error.message}`));
+select(hashSession());
