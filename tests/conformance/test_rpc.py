@@ -742,3 +742,48 @@ async def test_a_repeated_client_id_into_an_existing_session_is_a_conflict(alice
     assert error["details"] == {"session_id": session_id, "message_id": first["message_id"]}
     messages = (await alice.call("v1.message.list", {"session_id": session_id}))["items"]
     assert [m["content_data"] for m in messages if m["role"] == "user"] == ["hi"]
+
+
+async def test_a_ping_gets_a_pong(alice: RpcProbe) -> None:
+    await alice.send({"type": "ping"})
+    assert await alice.next_frame() == {"type": "pong"}
+
+
+async def test_send_takes_media_parts_with_the_ws_rules(alice: RpcProbe) -> None:
+    image = {"type": "image", "media": {"mime_type": "image/png", "data": "aGVsbG8="}}
+    sent = await alice.call(
+        "v1.message.send",
+        {
+            "content_data": "",
+            "client_id": "with-image",
+            "parts": [{"type": "text", "text": "look"}, image],
+        },
+    )
+    stored = await alice.call("v1.message.get", {"message_id": sent["message_id"]})
+    assert [p["type"] for p in stored["parts"]] == ["text", "image"]
+    assert stored["parts"][1]["media"]["mime_type"] == "image/png"
+    for params, field in (
+        ({"content_data": "", "client_id": "empty"}, "params.content_data"),
+        (
+            {
+                "content_data": "x",
+                "client_id": "bad",
+                "parts": [{"type": "image", "media": {"mime_type": "image/png"}}],
+            },
+            "params.parts",
+        ),
+        (
+            {"content_data": "x", "client_id": "worse", "parts": [{"type": "sticker"}]},
+            "params.parts[0].type",
+        ),
+    ):
+        error = await alice.error("v1.message.send", params)
+        assert (error["code"], error["details"]) == ("invalid_request", {"field": field})
+    foreign = {
+        "type": "image",
+        "media": {"mime_type": "image/png", "storage_ref": "omnia://sessions/sess-x/media/med-y"},
+    }
+    error = await alice.error(
+        "v1.message.send", {"content_data": "x", "client_id": "ref", "parts": [foreign]}
+    )
+    assert error["code"] == "invalid_request"

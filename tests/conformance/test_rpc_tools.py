@@ -78,6 +78,8 @@ async def test_an_rtc_goes_pending_sent_executing_completed_and_the_turn_continu
         {"query": "current"},
         rtc["turn_id"],
     )
+    # What a client shows when it asks the user travels with the Rtc.
+    assert (rtc["consent_message"], rtc["categories"]) == ("Allow location access?", ["location"])
     # The call is archived as a `toolcall_input` message the Rtc points at.
     request = next(m for m in probe.entities("message") if m["content_type"] == "toolcall_input")
     assert rtc["message_id"] == request["id"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 from portico.config import AgentSettings
-from portico.core.conversations import AGENT_PROMPT, Conversations, SendRequest
+from portico.core.conversations import Conversations, SendRequest
 from portico.core.engine import Engine
 from portico.core.tools import ClientToolBroker
-from portico.runtime.base import Done, TurnInput, TurnStream
+from portico.runtime.base import AGENT_PROMPT, Done, TurnInput, TurnStream
 from portico.store.memory import MemoryStore
 
 

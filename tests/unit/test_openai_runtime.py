@@ -14,7 +14,16 @@ import pytest
 
 from portico.core.compaction import model_summary_items, summarize
 from portico.core.model import ContentPart, MediaContent
-from portico.runtime.base import Chunk, ClientTool, Done, Failure, ToolCall, ToolOutcome, Usage
+from portico.runtime.base import (
+    AGENT_PROMPT,
+    Chunk,
+    ClientTool,
+    Done,
+    Failure,
+    ToolCall,
+    ToolOutcome,
+    Usage,
+)
 from portico.runtime.openai import OpenAIRuntime
 from support.fake_openai import (
     ENV,
@@ -556,3 +565,23 @@ async def test_a_tool_call_is_never_a_stray_event(fake: FakeOpenAI) -> None:
     events, _ = await drive(runtime(fake, tools=[LOCATION_TOOL]), turn_input(), completed(1))
     assert {type(e).__name__ for e in events} <= {"Chunk", "Usage", "ToolCall", "Done"}
     assert isinstance(events[1], ToolCall)
+
+
+async def test_an_agent_prompt_is_a_system_instruction_for_this_message_only(
+    fake: FakeOpenAI,
+) -> None:
+    fake.push(text("Bonjour"))
+    model = runtime(fake, system_prompt="You are terse.")
+    earlier = (message("before"), message("ok", role="assistant", content_type="markdown"))
+    turn = msgspec.structs.replace(
+        turn_input(message("hi"), history=earlier), directives={AGENT_PROMPT: "Answer in French."}
+    )
+    await drive(model, turn)
+    (request,) = fake.requests
+    assert request.body["messages"] == [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "before"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "hi"},
+    ]

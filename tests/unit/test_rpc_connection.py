@@ -229,7 +229,7 @@ def test_unknown_method_is_method_not_found() -> None:
         b'{"id": 5, "method": "v1.session.list"}',
         b'{"id": "", "method": "v1.session.list"}',
         b'{"type": "connect"}',
-        b'{"type": "ping"}',
+        b'{"type": "subscribe"}',
         b'"text"',
     ],
 )
@@ -455,3 +455,14 @@ def test_an_unknown_param_is_refused_naming_it() -> None:
     }
     assert conn.receive_text(json.dumps(frame)) == []
     assert drain(conn)[0]["error"]["details"] == {"field": "params.session_id"}
+
+
+def test_a_ping_is_answered_with_a_pong_whatever_the_rate_limit() -> None:
+    conn = RpcConnection(max_send_queue_bytes=1 << 20, requests_per_second=1, request_burst=1)
+    conn.receive_text(b'{"type": "connect"}')
+    conn.accept(user_id="u", epoch="e", offset=0, recovered=False)
+    conn.replay_done()
+    drain(conn)
+    for _ in range(3):
+        assert conn.receive_text(b'{"type": "ping"}') == []
+    assert drain(conn) == [{"type": "pong"}] * 3

@@ -16,9 +16,9 @@ from typing import Any, Generic, Literal, TypeVar
 import msgspec
 
 from portico.core.engine import Engine, UserMessage
-from portico.core.model import Message, Session, ToolCallRecord, Turn, new_id
+from portico.core.model import ContentPart, Message, Session, ToolCallRecord, Turn, new_id
 from portico.core.tools import ClientToolBroker
-from portico.core.validation import split_metadata
+from portico.core.validation import check_parts, split_metadata
 from portico.errors import (
     ClientIdConflict,
     DuplicateClientId,
@@ -30,10 +30,9 @@ from portico.errors import (
     SessionNotFound,
     TurnNotFound,
 )
+from portico.runtime.base import AGENT_PROMPT
 
 E = TypeVar("E")
-# The directive a runtime reads `message.send`'s `agent_prompt` from.
-AGENT_PROMPT = "agent_prompt"
 
 
 class Page(msgspec.Struct, Generic[E], frozen=True):
@@ -51,6 +50,7 @@ def page_of(found: Sequence[E], limit: int, cursor_of: Callable[[E], str]) -> Pa
 class SendRequest(msgspec.Struct, frozen=True, kw_only=True):
     content: str
     client_id: str
+    parts: tuple[ContentPart, ...] = ()
     agent_prompt: str = ""  # an instruction for the agent with this message only
     server_session_id: str = ""
     client_session_id: str = ""
@@ -212,6 +212,7 @@ class Conversations:
             forwarded, directives = split_metadata(request.metadata)
         except InvalidMessage as exc:
             raise InvalidRequest(exc.message, field="params.metadata") from None
+        _check_content(request)
         if request.agent_prompt:
             directives = {**directives, AGENT_PROMPT: request.agent_prompt}
         session = await self._session_for_send(principal, request)
@@ -220,6 +221,7 @@ class Conversations:
             agent=session.agent,
             session_id=session.id,
             content=request.content,
+            parts=request.parts,
             metadata=forwarded,
             directives=directives,
             client_id=request.client_id,
@@ -332,3 +334,12 @@ def _copy_into(session_id: str, message: Message) -> Message:
         parent_message_id=message.id,
         global_offset=0,
     )
+
+
+def _check_content(request: SendRequest) -> None:
+    if not request.content and not request.parts:
+        raise InvalidRequest("a message needs content_data or parts", field="params.content_data")
+    try:
+        check_parts(request.parts)
+    except InvalidMessage as exc:
+        raise InvalidRequest(exc.message, field="params.parts") from None

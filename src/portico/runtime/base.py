@@ -17,6 +17,10 @@ import msgspec
 from portico.core.model import ContentPart, MediaContent, Message
 from portico.errors import MediaNotEnabled
 
+# The directive carrying RPC `message.send`'s `agent_prompt`: an instruction from the
+# client application for this one message.
+AGENT_PROMPT = "agent_prompt"
+
 
 class Chunk(msgspec.Struct, frozen=True):
     text: str

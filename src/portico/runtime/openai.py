@@ -22,6 +22,7 @@ import aiohttp
 from portico.config import AgentSettings
 from portico.core.model import Message
 from portico.runtime.base import (
+    AGENT_PROMPT,
     Chunk,
     Done,
     Failure,
@@ -193,6 +194,10 @@ class OpenAIRuntime:
         system = self._settings.system_prompt
         opening: list[ChatMessage] = [{"role": "system", "content": system}] if system else []
         opening.extend(await mapper.history(await turn.history()))
+        # RPC `message.send`'s `agent_prompt`: an instruction for this message only,
+        # so it is not in the archive's history and later turns do not see it.
+        if prompt := turn.directives.get(AGENT_PROMPT):
+            opening.append({"role": "system", "content": prompt})
         opening.append(await mapper.user(turn.message))
         return opening
 

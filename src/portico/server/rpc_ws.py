@@ -262,6 +262,7 @@ def method_handlers(services: Services) -> dict[str, Handler]:
         request = SendRequest(
             agent_prompt=p.agent_prompt,
             content=p.content_data,
+            parts=p.parts,
             client_id=p.client_id,
             server_session_id=p.server_session_id,
             client_session_id=p.client_session_id,

@@ -72,9 +72,9 @@
  *   `session.close/open/update`, `rtc.submit_result`, `rtc.update_status`); otherwise it
  *   rejects with `RpcConnectionLostError` (outcome unknown). Never repeated:
  *   `session.fork`, `session.compact`, `turn.stop`.
- * - `/v1/rpc` has no ping frame and browsers cannot send WebSocket pings, so after
- *   `heartbeatInterval` s of silence the client sends a cheap query, and drops a link that
- *   stays silent for `deadAfter` intervals.
+ * - Browsers cannot send WebSocket pings, so after `heartbeatInterval` s of silence the
+ *   client sends Portico's `{"type": "ping"}` frame (answered with `pong`), and drops a
+ *   link that stays silent for `deadAfter` intervals.
  * - Errors: `RpcCallError` (`code`, `message`, `details`) for an error reply;
  *   `RpcAuthenticationError` (terminal), `RpcConnectError` (first connect failed),
  *   `RpcConnectionLostError`, `RpcTimeoutError` (`requestTimeout`).
@@ -1069,6 +1069,7 @@ class RpcLink {
     };
     ws.onmessage = (event) => {
       this.lastReceived = now();
+      this.probing = false;
       this.client._onFrame(this, event.data);
       this._schedule();
     };
@@ -1107,11 +1108,11 @@ class RpcLink {
       return this.abort();
     }
     if (this.ready && !this.probing) {
-      // No ping frame in this protocol: any reply proves the link alive.
+      // Any frame back proves the link alive; `pong` is the cheapest one.
       this.probing = true;
-      const id = `probe-${this.client._ids++}`;
-      const data = JSON.stringify({ id, method: "v1.session.list", params: { limit: 1 } });
-      this.request(id, data).finally(() => (this.probing = false));
+      try {
+        this.ws.send(JSON.stringify({ type: "ping" }));
+      } catch {}
     }
     this._schedule();
   }

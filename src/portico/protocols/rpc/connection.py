@@ -120,6 +120,9 @@ class RpcConnection:
             return self._malformed("the frame is not a JSON object")
         if self.state is State.AWAIT_CONNECT:
             return self._first_frame(frame)
+        if frame.type == "ping":
+            self._write(f.PongFrame())
+            return []
         if frame.type == "connect":
             return self._malformed("already connected")
         if frame.type is not None:

@@ -106,6 +106,9 @@ class WireRtc(msgspec.Struct, frozen=True):
     client_id: str
     created_at: str | None
     updated_at: str | None
+    # Portico additions: what a client shows when it asks the user for consent.
+    consent_message: str | None = None
+    categories: tuple[str, ...] = ()
 
 
 WireEntity = WireSession | WireMessage | WireTurn | WireRtc
@@ -186,6 +189,8 @@ def rtc_wire(call: ToolCallRecord) -> WireRtc:
         client_id=call.client_id,
         created_at=rfc3339(call.created_at),
         updated_at=rfc3339(call.updated_at),
+        consent_message=call.consent_message,
+        categories=call.categories,
     )
 
 

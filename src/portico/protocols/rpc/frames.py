@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from portico.core.model import ContentPart
+
 PROTOCOL_VERSION = 1
 
 
@@ -84,6 +86,8 @@ class SessionCompact(SessionRef, frozen=True, kw_only=True):
 class MessageSend(_Params, frozen=True, kw_only=True):
     content_data: str
     client_id: str
+    # Portico addition: media parts as on /ws (uploads by `storage_ref`, `url`, `data`).
+    parts: tuple[ContentPart, ...] = ()
     client_session_id: str = ""
     server_session_id: str = ""
     agent_prompt: str = ""
@@ -207,6 +211,11 @@ class LiveFrame(msgspec.Struct, frozen=True, tag_field="type", tag="live"):
     live: Live
 
 
+class PongFrame(msgspec.Struct, frozen=True, tag_field="type", tag="pong"):
+    """The answer to a client `ping` (Portico addition: browsers cannot send WebSocket
+    pings, and a page must still find out that a connection died)."""
+
+
 class ErrorFrame(msgspec.Struct, frozen=True, tag_field="type", tag="error"):
     """A frame-level error: no request id to answer (malformed frame, auth failure)."""
 
@@ -224,7 +233,9 @@ class Failed(msgspec.Struct, frozen=True):
     error: ErrorBody
 
 
-ServerFrame = Connected | UpdateFrame | GapFrame | LiveFrame | ErrorFrame | Result | Failed
+ServerFrame = (
+    Connected | UpdateFrame | GapFrame | LiveFrame | PongFrame | ErrorFrame | Result | Failed
+)
 
 
 # -- the client frames as documented (decoding goes through `ClientFrame`) ----------------
@@ -238,6 +249,10 @@ class ConnectFrame(
     epoch: str | None = None
 
 
+class PingFrame(msgspec.Struct, frozen=True, tag_field="type", tag="ping"):
+    """Any time after `connected`; answered with `pong`, never rate-limited."""
+
+
 class RequestFrame(msgspec.Struct, frozen=True):
     """`params` follows the method's own schema (`x-rpc-methods` in the document)."""
 
@@ -247,5 +262,14 @@ class RequestFrame(msgspec.Struct, frozen=True):
 
 
 # Requests, replies and failures carry no `type`: the documents list the frames as tuples.
-DOCUMENTED_CLIENT_FRAMES = (ConnectFrame, RequestFrame)
-SERVER_FRAMES = (Connected, UpdateFrame, GapFrame, LiveFrame, ErrorFrame, Result, Failed)
+DOCUMENTED_CLIENT_FRAMES = (ConnectFrame, PingFrame, RequestFrame)
+SERVER_FRAMES = (
+    Connected,
+    UpdateFrame,
+    GapFrame,
+    LiveFrame,
+    PongFrame,
+    ErrorFrame,
+    Result,
+    Failed,
+)
