@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -213,16 +213,32 @@ class TurnRunner:
             content = content if terminal.content is None else terminal.content
             parts = terminal.parts
         trigger = self._trigger_for(terminal)
+        if self._reply_opened is not None:
+            # The reply's insert must have landed before its final update is queued:
+            # otherwise the turn's end would be written (and pushed) before the reply.
+            await asyncio.wait({self._reply_opened})
+        writes: list[Awaitable[None]] = []
         if content or parts or self._reply_opened is not None:
             failed = trigger in (TurnTrigger.FAIL, TurnTrigger.INTERRUPT)
-            await self._archive_reply(content, parts or (), failed=failed)
+            writes.append(self._archive_reply(content, parts or (), failed=failed))
         event = self._terminal_event(terminal, content, parts)
         if isinstance(event, TurnFailed):
             self.turn = msgspec.structs.replace(
                 self.turn, error_code=event.code, error_message=event.message
             )
-        await self._transition(trigger)
+        self._advance(trigger)
+        writes.append(self._store.save_turn(self.turn))
+        await self._write_all(writes)
         self.emit(event)
+
+    async def _write_all(self, writes: list[Awaitable[None]]) -> None:
+        """The reply and the turn's end, queued together so they share one commit (in
+        this order); a failure is logged and the client still gets its terminal event."""
+        for outcome in await asyncio.gather(*writes, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                log.error("archiving the turn's end failed turn=%s", self.turn.id, exc_info=outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
     def _trigger_for(self, terminal: Done | Failure | None) -> TurnTrigger:
         if terminal is None:
@@ -298,10 +314,6 @@ class TurnRunner:
         except StoreError:
             log.exception("archiving the turn's start failed turn=%s", self.turn.id)
         return True
-
-    async def _transition(self, trigger: TurnTrigger) -> None:
-        self._advance(trigger)
-        await self._store.save_turn(self.turn)
 
     def _advance(self, trigger: TurnTrigger) -> None:
         now = self._clock()
