@@ -210,12 +210,14 @@ async def test_done_content_and_parts_replace_the_chunks() -> None:
     assert [m.content for m in await engine.store.list_messages("s1")] == ["hi", "final"]
 
 
-async def test_turn_states_go_pending_running_completed() -> None:
+async def test_a_submitted_turn_is_archived_running_then_completed() -> None:
+    # It starts at once, so it is archived running (no pending record, one write less);
+    # RPC turns that wait are archived pending (test_enqueued_messages_wait...).
     runtime = GatedRuntime()
     engine = make_engine(runtime)
     recorder = Recorder()
     turn = await engine.submit(user_message(), recorder)
-    assert turn.state is TurnState.PENDING
+    assert turn.state is TurnState.RUNNING
     await wait_for(runtime.streaming)
     assert await stored_state(engine, turn) is TurnState.RUNNING
     runtime.release.set()

@@ -399,7 +399,13 @@ class Engine:
         the runner waits for this write before the turn ends, and a history read waits
         for it too (the message's `global_offset` is known only then).
         """
-        turn, unsaved = self._new_turn(session, message)
+        pending, unsaved = self._new_turn(session, message)
+        # It starts now: archived as running at once, one write fewer per turn.
+        turn = msgspec.structs.replace(
+            pending,
+            state=next_turn_state(pending.state, TurnTrigger.START),
+            started_at=pending.created_at,
+        )
         archived = asyncio.ensure_future(self.store.begin_turn(turn, unsaved))
 
         async def history_before(before: Message) -> tuple[Message, ...]:

@@ -123,8 +123,9 @@ class TurnRunner:
         # The `running` record is written behind the runtime's first steps: the first
         # chunk must not wait for the archive. Archive writes are queued in order, so
         # the turn's end still lands after it.
-        self._advance(TurnTrigger.START)
-        self._started = asyncio.ensure_future(self._store.save_turn(self.turn))
+        if self.turn.state is TurnState.PENDING:  # else the engine archived it running
+            self._advance(TurnTrigger.START)
+            self._started = asyncio.ensure_future(self._store.save_turn(self.turn))
         terminal: Done | Failure | None = None
         if not self._stop_requested:
             stream = self._runtime.run(self._input)
