@@ -452,3 +452,92 @@ async def test_server_idle_close_is_4000(http: aiohttp.ClientSession, tmp_path: 
         assert (await probe.closed(5))[0] == 4000
     finally:
         server.stop()
+
+
+# -- the `audio` capability: media items in binary frames --------------------------------------
+
+PCM = {"codec": "pcm16", "sample_rate": 24000, "channels": 1}
+
+
+def media_payload(size: int) -> bytes:
+    """What the scripted `media_chunk` step streams: the pattern i % 256."""
+    return (bytes(range(256)) * (size // 256 + 1))[:size]
+
+
+async def test_audio_items_arrive_in_binary_frames_between_start_and_end(
+    http: aiohttp.ClientSession, proxy: FaultProxy
+) -> None:
+    client = Client(http, proxy)
+    ready = await client.open(capabilities=["audio"], audio={"output": [{"codec": "x"}, PCM]})
+    assert "audio" in ready["capabilities"]
+    assert ready["audio"] == {"input": None, "output": PCM}  # the first format it can send
+    await client.p.message("sound", **scenario("media"))
+    frames = await client.p.turn()
+    start, end, done = frames
+    assert start["type"] == "audio_start"
+    assert start["format"] == {"codec": "pcm16", "mime_type": "audio/pcm"}
+    assert end == {
+        "type": "audio_end",
+        "seq": end["seq"],
+        "turn_id": start["turn_id"],
+        "item_id": start["item_id"],
+    }
+    assert done["type"] == "done"
+    binary = client.p.binary
+    assert [b.media_id for b in binary] == [start["item_id"]] * 4
+    assert [b.sequence for b in binary] == [0, 1, 2, 3]
+    assert [b.is_last for b in binary] == [False, False, False, True]
+    assert binary[0].metadata.mime_type == "audio/pcm"
+    assert binary[0].metadata.session_id == client.session_id
+    assert binary[1].metadata.mime_type is None  # metadata on the first frame only
+    assert b"".join(b.payload for b in binary) == media_payload(200000)
+    # Binary frames sit between the item's start and end, and are never numbered.
+    kinds = [f if isinstance(f, dict) else "binary" for f in client.p.received_all]
+    order = [k["type"] if isinstance(k, dict) else k for k in kinds]
+    first, last = order.index("audio_start"), order.index("audio_end")
+    assert order[first + 1 : last].count("binary") == 4
+    assert client.p.numbered_seqs() == [1, 2, 3]
+
+
+async def test_without_the_audio_capability_media_are_dropped(
+    http: aiohttp.ClientSession, proxy: FaultProxy
+) -> None:
+    client = Client(http, proxy)
+    ready = await client.open(audio={"output": [PCM]})  # formats alone do not ask for it
+    assert "audio" not in ready["capabilities"]
+    assert "audio" not in ready  # null stays off the wire
+    await client.p.message("sound", **scenario("media"))
+    frames = await client.p.turn()
+    assert [f["type"] for f in frames] == ["done"]
+    assert client.p.binary == []
+
+
+async def test_a_drop_mid_item_loses_it_and_the_next_item_starts_fresh(
+    http: aiohttp.ClientSession, proxy: FaultProxy
+) -> None:
+    client = Client(http, proxy)
+    await client.open(capabilities=["audio"], audio={"output": [PCM]})
+    # The connection drops with the first item's second binary frame.
+    proxy.add_rule(Rule(cut(), direction=SERVER_TO_CLIENT, kind="binary", nth=2))
+    await client.p.message("sound", **scenario("media_twice"))
+    await wait_dropped(client.p)
+    assert [b.sequence for b in client.p.binary] == [0]  # what arrived of the first item
+    await client.resume()
+    frames = await client.p.turn()
+    received = client.p.received
+    starts = [f for f in received if f["type"] == "audio_start"]
+    ends = [f for f in received if f["type"] == "audio_end"]
+    # Control messages exactly once, in order, across the drop.
+    assert client.p.numbered_seqs() == list(range(1, len(client.p.numbered_seqs()) + 1))
+    assert [s["item_id"] for s in starts] == [e["item_id"] for e in ends]
+    assert len({s["item_id"] for s in starts}) == len(starts) == 2
+    assert frames[-1]["type"] == "done"
+    assert sum(f["type"] == "done" for f in received) == 1
+    # The second item: a new id, all its frames from sequence 0, metadata on the first.
+    fresh = [b for b in client.p.binary if b.media_id == starts[1]["item_id"]]
+    assert [b.sequence for b in fresh] == [0, 1, 2]
+    assert fresh[0].metadata.mime_type == "audio/pcm"
+    assert b"".join(b.payload for b in fresh) == media_payload(1000)
+    assert ends[1].get("lost") is None
+    # Binary frames are never resent: nothing of the first item on the new connection.
+    assert not [b for b in client.p.binary if b.media_id == starts[0]["item_id"]]

@@ -226,7 +226,9 @@ def test_main_flow_streams_tools_media_and_uploads(page: Page) -> None:
     picture = ask(page, "draw").locator("img.media")
     expect(picture).to_be_visible()
     assert picture.evaluate("(img) => img.decode().then(() => img.naturalWidth)") == 96
+    # The sound is streamed: audio_start, binary OMNI frames, audio_end, played from a Blob.
     sound = ask(page, "beep").locator("audio.media")
+    expect(sound).to_have_attribute("src", re.compile(r"^blob:"))
     duration = sound.evaluate(
         """(audio) => new Promise((resolve, reject) => {
             const ready = () => audio.play().then(() => resolve(audio.duration), reject);

@@ -142,6 +142,30 @@ async def test_ask_collects_the_streamed_reply(server: ServerProcess) -> None:
         assert not reply.cancelled
 
 
+async def test_audio_items_come_with_the_reply_when_asked_for(server: ServerProcess) -> None:
+    pcm = f.AudioFormat(codec="pcm16", sample_rate=24000, channels=1)
+    async with make_client(server, audio_output=[pcm]) as client, asyncio.timeout(WITHIN):
+        assert "audio" in client.capabilities
+        assert client.ready is not None
+        assert client.ready.audio == f.AudioChoice(output=pcm)
+        reply = await client.ask("sound", metadata={"mock_scenario": "media"})
+        assert kinds(reply.frames) == ["AudioStart", "AudioEnd", "Done"]
+        (item,) = reply.audio
+        assert item.complete
+        assert item.turn_id == reply.turn_id
+        assert item.format.mime_type == "audio/pcm"
+        assert item.data == (bytes(range(256)) * 782)[:200000]
+        assert client.take_audio(item.item_id) is None  # taken once
+
+
+async def test_without_audio_output_media_never_arrive(server: ServerProcess) -> None:
+    async with make_client(server) as client, asyncio.timeout(WITHIN):
+        assert "audio" not in client.capabilities
+        reply = await client.ask("sound", metadata={"mock_scenario": "media"})
+        assert kinds(reply.frames) == ["Done"]
+        assert reply.audio == ()
+
+
 async def test_messages_outside_a_turn_object_arrive_by_iteration_in_order(
     server: ServerProcess,
 ) -> None:

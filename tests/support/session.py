@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import jsonschema
 
+from portico.protocols.omnia.binary import BinaryFrame, decode_frame
 from portico.protocols.session.frames import server_frame_decoder
 
 ASYNCAPI = Path(__file__).resolve().parents[2] / "docs" / "asyncapi" / "session.json"
@@ -50,6 +51,10 @@ class SessionProbe:
         self.handled = 0  # the last server seq this probe handled
         self.next_seq = 1
         self.received: list[dict[str, Any]] = []
+        # Binary (media) frames, decoded, in arrival order; `received_all` interleaves
+        # them (as `BinaryFrame`s) with the text frames, for ordering checks.
+        self.binary: list[BinaryFrame] = []
+        self.received_all: list[dict[str, Any] | BinaryFrame] = []
 
     @classmethod
     async def connect(cls, http: aiohttp.ClientSession, url: str) -> SessionProbe:
@@ -80,7 +85,13 @@ class SessionProbe:
         await self.send({"type": "ack", "seq": self.handled if seq is None else seq})
 
     async def recv(self, within: float = RECEIVE_TIMEOUT) -> dict[str, Any]:
+        """The next text frame; binary frames on the way are decoded into `binary`."""
         msg = await asyncio.wait_for(self.ws.receive(), within)
+        while msg.type is aiohttp.WSMsgType.BINARY:
+            frame = decode_frame(msg.data)
+            self.binary.append(frame)
+            self.received_all.append(frame)
+            msg = await asyncio.wait_for(self.ws.receive(), within)
         if msg.type is not aiohttp.WSMsgType.TEXT:
             raise Closed(
                 self.ws.close_code if msg.type is not aiohttp.WSMsgType.CLOSE else msg.data,
@@ -88,6 +99,7 @@ class SessionProbe:
             )
         frame = check_frame(msg.data)
         self.received.append(frame)
+        self.received_all.append(frame)
         seq = frame.get("seq")
         if isinstance(seq, int) and frame["type"] != "ack":  # an ack's seq is the peer's
             assert seq <= self.handled + 1, f"gap: got {seq} after {self.handled}"

@@ -621,21 +621,24 @@ async def test_demo_draws_a_png_picture() -> None:
     assert zlib.decompress(data[41 : 41 + struct.unpack(">I", data[33:37])[0]])  # the IDAT
 
 
-async def test_demo_beeps_a_wav_sound() -> None:
+async def test_demo_streams_its_beep_as_wav_media_chunks() -> None:
     events = await drive(DemoRuntime(word_delay=0), demo_turn("beep"))
     assert reply_text(events) == SOUND_TEXT
     done = events[-1]
     assert isinstance(done, Done)
-    assert done.parts is not None
-    (part,) = done.parts
-    assert part.type == "audio"
-    assert part.media is not None
-    data = base64.b64decode(part.media.data or "")
+    assert done.parts is None  # the sound is streamed, not a part of `done`
+    media = [event for event in events if isinstance(event, MediaChunk)]
+    assert len(media) > 1
+    assert len({chunk.media_id for chunk in media}) == 1  # one item
+    assert all(len(chunk.media_id.encode()) <= 12 for chunk in media)  # fits an OMNI MediaID
+    assert {chunk.mime_type for chunk in media} == {"audio/wav"}
+    assert [chunk.sequence for chunk in media] == list(range(len(media)))
+    assert [chunk.is_last for chunk in media] == [False] * (len(media) - 1) + [True]
+    data = b"".join(chunk.data for chunk in media)
     with wave.open(io.BytesIO(data)) as sound:
-        assert sound.getframerate() == part.media.sample_rate == 8000
+        assert sound.getframerate() == 8000
         assert sound.getnchannels() == 1
         assert sound.getnframes() / sound.getframerate() == pytest.approx(0.5)
-    assert part.media.duration_ms == 500
 
 
 async def test_demo_describes_attachments_it_read() -> None:

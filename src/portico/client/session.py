@@ -35,6 +35,14 @@ Where frames go. Every numbered server message is delivered once, in order:
   What nobody reads waits there (late errors answering a tool result, frames
   of turns started with `send_message()`), so read the stream if you use those.
 
+Audio (the `audio` capability): pass `audio_output=[f.AudioFormat(codec="pcm16")]`
+(the formats you accept, preferred first) and the agent's streamed media reach
+you as items: an `audio_start` frame, the bytes in binary frames (never
+numbered, never resent), an `audio_end` frame. `Reply.audio` has a turn's items
+with their bytes (`AudioItem`; `complete` is False for an item cut by a
+dropped connection: discard it); when iterating a `Turn` yourself, take an
+item's bytes with `client.take_audio(end.item_id)` on its `audio_end`.
+
 Registered tools are declared in `hello` (register them before connecting) and
 answered by the client: it acknowledges the call, asks the tool's `consent`
 callback if it has one, runs the function and sends its result. The
@@ -63,7 +71,8 @@ import msgspec
 from aiohttp import WSMsgType
 
 from portico.core.model import ContentPart
-from portico.errors import BufferOverflow, ProtocolViolation
+from portico.errors import BinaryFrameError, BufferOverflow, ProtocolViolation
+from portico.protocols.omnia.binary import decode_frame
 from portico.protocols.session import frames as f
 from portico.protocols.session.channel import Channel
 from portico.protocols.session.connection import (
@@ -98,7 +107,17 @@ CLOSE_RATE_LIMITED: Final = 4429
 # frames, so a few in a row without a working connection in between is a client bug.
 CLIENT_FAULT_CLOSES: Final = frozenset({CLOSE_TOO_LARGE, CLOSE_PROTOCOL_ERROR})
 MAX_CLIENT_FAULTS: Final = 3
-_SERVER_FRAMES = (f.Chunk, f.Done, f.ToolCall, f.ServerToolResult, f.Transcript, f.Error)
+_SERVER_FRAMES = (
+    f.Chunk,
+    f.Done,
+    f.ToolCall,
+    f.ServerToolResult,
+    f.Transcript,
+    f.AudioStart,
+    f.AudioEnd,
+    f.Error,
+)
+MAX_FINISHED_AUDIO: Final = 64  # finished items kept for `take_audio`; the oldest go first
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -186,11 +205,34 @@ class ConnectionStatus:
 
 
 @dataclass(frozen=True)
+class AudioItem:
+    """One media item the agent streamed (audio, or an image), with its bytes."""
+
+    item_id: str
+    turn_id: str
+    format: f.AudioFormat  # `mime_type` says what the bytes are
+    data: bytes
+    # Every binary frame arrived, in order, through the one marked last, and the
+    # server did not end the item `lost`. An incomplete item is not worth playing.
+    complete: bool
+
+
+@dataclass
+class _AudioBuffer:
+    start: f.AudioStart
+    data: bytearray
+    next_index: int = 0
+    saw_last: bool = False
+    gap: bool = False
+
+
+@dataclass(frozen=True)
 class Reply:
     """One turn's frames, collected by `ask()` or `Turn.reply()`."""
 
     turn_id: str | None
     frames: tuple[ServerMessage, ...]
+    audio: tuple[AudioItem, ...] = ()  # the turn's media items, in order
 
     @property
     def done(self) -> f.Done | None:
@@ -286,7 +328,12 @@ class Turn:
     async def reply(self) -> Reply:
         """The rest of the turn's frames (bound the wait with `asyncio.timeout` if needed)."""
         frames = [frame async for frame in self]
-        return Reply(self.turn_id, tuple(frames))
+        audio = (
+            self._client.take_audio(frame.item_id)
+            for frame in frames
+            if isinstance(frame, f.AudioEnd)
+        )
+        return Reply(self.turn_id, tuple(frames), tuple(item for item in audio if item))
 
 
 # -- one connection ------------------------------------------------------------------------------
@@ -300,6 +347,7 @@ class _Link:
         ws: aiohttp.ClientWebSocketResponse,
         core: SessionConnection,
         on_events: Callable[[_Link, list[Event]], None],
+        on_binary: Callable[[bytes], bool],
     ) -> None:
         self.ws = ws
         self.core = core
@@ -307,6 +355,7 @@ class _Link:
         self.close_code: int | None = None
         self.error: f.ErrorInfo | None = None
         self._on_events = on_events
+        self._on_binary = on_binary
         self._loop = asyncio.get_running_loop()
         self._writable = asyncio.Event()
         self._rearm = asyncio.Event()
@@ -368,8 +417,9 @@ class _Link:
                 self._on_events(self, self.core.receive_text(msg.data, self._loop.time()))
                 self._rearm.set()  # an ack may now be due sooner; silence restarts
             elif msg.type is WSMsgType.BINARY:
-                # Audio is not negotiated by this client, so a binary frame is a violation.
-                self.core.fail(ProtocolViolation("binary frames need the audio capability"))
+                self.core.receive_control(self._loop.time())  # any frame counts as liveness
+                if self.core.state is State.OPEN and not self._on_binary(msg.data):
+                    self.core.fail(ProtocolViolation("binary frames need the audio capability"))
             elif msg.type is WSMsgType.CLOSE:
                 self.close_code = int(msg.data)
                 return
@@ -424,6 +474,7 @@ class SessionClient:
         tools: Iterable[f.ToolSpec | Mapping[str, Any]] = (),
         context: Mapping[str, Any] | None = None,
         capabilities: Sequence[str] = ("tools", "context"),
+        audio_output: Sequence[f.AudioFormat] | None = None,  # given: ask for `audio`
         reconnect: ReconnectPolicy | None = None,
         heartbeat_interval: float = 15.0,  # seconds between pings
         dead_after: float = 2.5,  # heartbeat intervals of silence before the link is dead
@@ -448,6 +499,13 @@ class SessionClient:
         self._tool_specs = [_tool_spec(tool) for tool in tools]
         self._context = dict(context) if context is not None else None
         self._requested = tuple(capabilities)
+        self._audio_offer: f.AudioOffer | None = None
+        if audio_output is not None:
+            self._audio_offer = f.AudioOffer(output=tuple(audio_output))
+            if "audio" not in self._requested:
+                self._requested += ("audio",)
+        self._audio_open: dict[str, _AudioBuffer] = {}
+        self._audio_done: dict[str, AudioItem] = {}
         self._policy = reconnect or ReconnectPolicy()
         self._timing = Timing(
             ack_delay=ack_delay,
@@ -749,7 +807,52 @@ class SessionClient:
                 elif isinstance(frame, _SERVER_FRAMES):
                     self._deliver(frame)
 
+    # -- audio ----------------------------------------------------------------------------------
+
+    def take_audio(self, item_id: str) -> AudioItem | None:
+        """A finished media item (its `audio_end` was delivered), once; None if unknown."""
+        return self._audio_done.pop(item_id, None)
+
+    def _on_binary(self, data: bytes) -> bool:
+        """A binary frame: a chunk of an open media item. False: not acceptable here."""
+        if "audio" not in self.capabilities:
+            return False
+        try:
+            frame = decode_frame(data)
+        except BinaryFrameError:
+            return False
+        item = self._audio_open.get(frame.media_id)
+        if item is None:
+            # The item's audio_start was handled on an earlier connection: the rest of a
+            # lost item, never a new one (a new item starts with a fresh audio_start).
+            return True
+        if frame.sequence != item.next_index:
+            item.gap = True
+        item.next_index = frame.sequence + 1
+        item.saw_last = item.saw_last or frame.is_last
+        item.data += frame.payload
+        return True
+
+    def _audio_frame(self, frame: f.AudioStart | f.AudioEnd) -> None:
+        if isinstance(frame, f.AudioStart):
+            self._audio_open[frame.item_id] = _AudioBuffer(frame, bytearray())
+            return
+        buffer = self._audio_open.pop(frame.item_id, None)
+        if buffer is None:
+            return
+        self._audio_done[frame.item_id] = AudioItem(
+            item_id=frame.item_id,
+            turn_id=frame.turn_id,
+            format=buffer.start.format,
+            data=bytes(buffer.data),
+            complete=buffer.saw_last and not buffer.gap and not frame.lost,
+        )
+        while len(self._audio_done) > MAX_FINISHED_AUDIO:
+            del self._audio_done[next(iter(self._audio_done))]
+
     def _deliver(self, frame: ServerMessage) -> None:
+        if isinstance(frame, f.AudioStart | f.AudioEnd):
+            self._audio_frame(frame)
         if isinstance(frame, f.ToolCall):
             self._start_tool(frame)
         elif isinstance(frame, f.ServerToolResult):
@@ -889,7 +992,7 @@ class SessionClient:
             return _Outcome(failure=exc)
         core = SessionConnection(role=Role.CLIENT, timing=self._timing, now=loop.time())
         core.start(self._hello(credential), self._channel)
-        link = _Link(ws, core, self._on_events)
+        link = _Link(ws, core, self._on_events, self._on_binary)
         self._link = link
         running = asyncio.create_task(link.run())
         try:
@@ -939,6 +1042,7 @@ class SessionClient:
             "agent": self._agent,
             "tools": tuple(specs.values()),
             "capabilities": self._requested,
+            "audio": self._audio_offer,
         }
         if self.session_id is None:
             return f.Hello(context=self._context, **common)
@@ -1024,6 +1128,7 @@ def _describe(exc: BaseException) -> str:
 
 
 __all__ = [
+    "AudioItem",
     "AuthenticationError",
     "ConnectError",
     "ConnectionLostError",

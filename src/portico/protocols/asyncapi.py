@@ -92,7 +92,9 @@ def session_document() -> dict[str, Any]:
         title="Portico: resumable sessions",
         address="/v1/session",
         description="JSON text frames on GET /v1/session (spec/sessions-protocol.md): "
-        "numbered messages with seq/ack and exactly-once resume. Generated from "
+        "numbered messages with seq/ack and exactly-once resume. With the `audio` "
+        "capability, media bytes travel in binary frames with the 32-byte OMNI header "
+        "between `audio_start` and `audio_end` (docs/session.md). Generated from "
         "src/portico/protocols/session/frames.py.",
         client=session.ClientFrame,
         server=session.ServerFrame,

@@ -5,6 +5,14 @@ from __future__ import annotations
 from collections import deque
 
 
+class BinaryData(bytes):
+    """A queued frame to send as a WebSocket binary frame; every other frame is text.
+
+    A marker subclass rather than a (kind, bytes) pair, so the cores and sockets of
+    the text-only protocols stay as they are.
+    """
+
+
 class Outbox:
     """Frames waiting for the socket, bounded in bytes.
 

@@ -20,7 +20,15 @@ from typing import Any
 
 from portico.core.model import ContentPart, MediaContent, message_text, new_id
 from portico.errors import PorticoError
-from portico.runtime.base import Chunk, Done, ToolCall, ToolOutcome, TurnInput, TurnStream
+from portico.runtime.base import (
+    Chunk,
+    Done,
+    MediaChunk,
+    ToolCall,
+    ToolOutcome,
+    TurnInput,
+    TurnStream,
+)
 
 GREETING = (
     "Hello! I'm the Portico demo agent. I run inside the server, so you can try "
@@ -39,7 +47,8 @@ HELP = (
 )
 SLOW_TEXT = " ".join(f"step {n} of 40," for n in range(1, 41)) + " done."
 PICTURE_TEXT = "Here is a picture I drew for you, sent as an image part of my reply."
-SOUND_TEXT = "Here is a short sound, sent as an audio part of my reply: press play."
+SOUND_TEXT = "Here is a short sound, streamed to you as audio: press play."
+SOUND_CHUNK_BYTES = 2048  # the chime streams in several chunks, as a voice agent's audio would
 
 
 class DemoTool:
@@ -210,6 +219,23 @@ def chime_wav(duration: float = 0.5) -> bytes:
     return header + fmt + b"data" + struct.pack("<I", len(data)) + data
 
 
+def sound_chunks() -> list[MediaChunk]:
+    """The chime as streamed media: one item (one media id), several chunks."""
+    data = chime_wav()
+    media_id = new_id("snd")[-12:]  # an OMNI MediaID is at most 12 bytes
+    starts = range(0, len(data), SOUND_CHUNK_BYTES)
+    return [
+        MediaChunk(
+            media_id=media_id,
+            mime_type="audio/wav",
+            data=data[start : start + SOUND_CHUNK_BYTES],
+            sequence=index,
+            is_last=index == len(starts) - 1,
+        )
+        for index, start in enumerate(starts)
+    ]
+
+
 def picture_part() -> ContentPart:
     data = picture_png()
     media = MediaContent(
@@ -322,6 +348,7 @@ class DemoRuntime:
         attachments = await describe_attachments(turn)
         tool = None if attachments else _tool_for(lowered)
         parts: tuple[ContentPart, ...] | None = None
+        media: list[MediaChunk] = []
         if attachments is not None:
             reply, slowness = attachments, 1.0
         elif tool is not None:
@@ -341,9 +368,13 @@ class DemoRuntime:
         elif _DRAW.search(lowered):
             reply, slowness, parts = PICTURE_TEXT, 1.0, (picture_part(),)
         elif _SOUND.search(lowered):
-            reply, slowness, parts = SOUND_TEXT, 1.0, (sound_part(),)
+            # Streamed, not a `done` part: a client with the `audio` capability of
+            # /v1/session plays it; other protocols get it as their media chunks.
+            reply, slowness, media = SOUND_TEXT, 1.0, sound_chunks()
         else:
             reply, slowness = await _reply_for(text, turn)
         async for chunk in self._stream(reply, slowness):
             yield chunk
+        for piece in media:
+            yield piece
         yield Done(parts=parts)

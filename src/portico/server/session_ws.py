@@ -51,6 +51,7 @@ from portico.protocols.session.connection import (
     SessionConnection,
     Timing,
 )
+from portico.protocols.session.media import MediaItems, choose_audio
 from portico.runtime.base import ClientTool
 from portico.server.admission import check_admission
 from portico.server.services import SERVICES, Services
@@ -58,7 +59,7 @@ from portico.server.sockets import ServerSocket, run_socket
 
 log = logging.getLogger("portico.session")
 PROTOCOL = "session"
-SUPPORTED_CAPABILITIES = frozenset({"resume", "tools", "context"})
+SUPPORTED_CAPABILITIES = frozenset({"resume", "tools", "context", "audio"})
 # Credentials never travel in URLs (they end up in logs and browser history).
 CREDENTIAL_QUERY_KEYS = frozenset({"token", "access_token", "credential", "authorization"})
 TRANSPORTS = web.AppKey("session_transports", TransportStates["LiveSession"])
@@ -96,7 +97,7 @@ def session_frame(event: TurnEvent) -> Numbered | None:
         case TurnToolCallTimedOut(call_id=call_id, error=error):
             return f.ServerToolResult(seq=0, call_id=call_id, error=error)
         case TurnMediaChunk():
-            return None  # audio travels only in binary frames once the `audio` capability lands
+            return None  # media travel as items in binary frames: `LiveSession._media_chunk`
     raise AssertionError(f"unhandled turn event {type(event).__name__}")
 
 
@@ -108,6 +109,7 @@ class LiveSession:
         owner: str,
         agent: str,
         capabilities: tuple[str, ...],
+        audio: f.AudioChoice | None = None,
         tools: tuple[ClientTool, ...],
         context: dict[str, Any],
         channel: Channel,
@@ -117,6 +119,8 @@ class LiveSession:
         self.owner = owner
         self.agent = agent
         self.capabilities = capabilities
+        self.audio = audio  # `ready.audio`, fixed at open like the capabilities
+        self.media = MediaItems(session_id)
         self.tools = tools
         self.context = context
         self.channel = channel
@@ -133,12 +137,16 @@ class LiveSession:
         previous, self.socket = self.socket, socket
         if previous is not None:
             previous.replaced()
+        # Items opened while no connection was attached lost their frames: end them
+        # (before the resend, so the client learns it with the backlog).
+        self._end_items()
 
     def detach(self, socket: SessionSocket, window: float) -> None:
         """The connection went away: the resume window starts now."""
         if self.socket is not socket or self.ended:
             return
         self.socket = None
+        self._end_items()  # binary frames are never resent: what was in flight is lost
         self._expiry = asyncio.get_running_loop().call_later(window, self.end)
 
     def end(self) -> None:
@@ -153,8 +161,22 @@ class LiveSession:
 
     def on_turn_event(self, event: TurnEvent) -> None:
         """Number every event into the channel; write it if a connection is attached."""
+        if self.ended:
+            return
+        if isinstance(event, TurnMediaChunk):
+            if "audio" in self.capabilities:
+                self._media_chunk(event)
+            return  # without `audio` the client gets no binary frames: media are dropped
+        if isinstance(event, TurnCompleted | TurnFailed):
+            # Items the agent left open (a cancelled turn) end before the turn does.
+            for end in self.media.end_all(event.turn_id):
+                self._number(end)
         frame = session_frame(event)
-        if frame is None or self.ended:
+        if frame is not None:
+            self._number(frame)
+
+    def _number(self, frame: Numbered) -> None:
+        if self.ended:
             return
         try:
             data = self.channel.send(frame)
@@ -166,6 +188,25 @@ class LiveSession:
             return
         if self.socket is not None:
             self.socket.write(data)
+
+    def _media_chunk(self, event: TurnMediaChunk) -> None:
+        """`audio_start` (numbered) for a new item, the chunk's binary frame (lossy),
+        `audio_end` (numbered) after the item's last chunk."""
+        turn_id, chunk = event.turn_id, event.chunk
+        start, _ = self.media.start(turn_id, chunk)
+        if start is not None:
+            self._number(start)
+        frame = self.media.frame(turn_id, chunk)
+        if self.socket is None or not self.socket.write_binary(frame):
+            self.media.dropped(turn_id, chunk)
+        end = self.media.finish(turn_id, chunk)
+        if end is not None:
+            self._number(end)
+
+    def _end_items(self) -> None:
+        if "audio" in self.capabilities:
+            for end in self.media.end_all():
+                self._number(end)
 
 
 class SessionSocket(ServerSocket):
@@ -193,6 +234,13 @@ class SessionSocket(ServerSocket):
     def write(self, data: bytes) -> None:
         self._core.write_numbered(data)
         self._after_core()
+
+    def write_binary(self, data: bytes) -> bool:
+        """A media frame; False when it was dropped (lossy: see `write_binary` of the core)."""
+        queued = self._core.write_binary(data)
+        if queued:
+            self.wake()
+        return queued
 
     def fail(self, error: PorticoError) -> None:
         self._core.fail(error)
@@ -236,7 +284,8 @@ class SessionSocket(ServerSocket):
         self._after_core()
 
     async def on_binary(self, data: bytes, now: float) -> None:
-        self._core.fail(ProtocolViolation("binary frames need the audio capability"))
+        # Audio input (client to server) is not implemented: `ready.audio.input` is null.
+        self._core.fail(ProtocolViolation("this server accepts no binary frames"))
         self._after_core()
 
     async def on_timer(self, now: float) -> None:
@@ -266,6 +315,7 @@ class SessionSocket(ServerSocket):
             resumed=bool(hello.session_id),
             last_seq=live.channel.handled,
             capabilities=live.capabilities,
+            audio=live.audio,
             heartbeat_ms=round(settings.heartbeat_interval * 1000),
             resume_window_ms=round(settings.resume_window * 1000),
         )
@@ -298,6 +348,7 @@ class SessionSocket(ServerSocket):
             owner=self._principal,
             agent=agent,
             capabilities=capabilities,
+            audio=choose_audio(hello.audio) if "audio" in capabilities else None,
             tools=tuple(ClientTool(t.name, t.description, t.parameters) for t in tools),
             context=dict(hello.context or {}) if "context" in capabilities else {},
             channel=Channel(

@@ -18,18 +18,25 @@ from typing import ClassVar, Protocol
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from portico.protocols.outbox import BinaryData
 from portico.server.services import Services
 
 log = logging.getLogger("portico.ws")
 
 
-def text_frame_header(length: int) -> bytes:
-    """The header of an unmasked, final, uncompressed text frame (RFC 6455 5.2)."""
+def text_frame_header(length: int, *, binary: bool = False) -> bytes:
+    """The header of an unmasked, final, uncompressed text (or binary) frame (RFC 6455 5.2)."""
+    first = 0x82 if binary else 0x81
     if length < 126:
-        return bytes((0x81, length))
+        return bytes((first, length))
     if length < 65536:
-        return bytes((0x81, 126)) + length.to_bytes(2, "big")
-    return bytes((0x81, 127)) + length.to_bytes(8, "big")
+        return bytes((first, 126)) + length.to_bytes(2, "big")
+    return bytes((first, 127)) + length.to_bytes(8, "big")
+
+
+def frame_type(frame: bytes) -> WSMsgType:
+    """Queued frames are text unless a core marked them binary (`BinaryData`)."""
+    return WSMsgType.BINARY if isinstance(frame, BinaryData) else WSMsgType.TEXT
 
 
 class FramedCore(Protocol):
@@ -191,7 +198,7 @@ class ServerSocket(ABC):
         """Compressed frames go through aiohttp's writer, one awaited send each."""
         written = 0
         while (frame := self.core.next_frame()) is not None and not self._ws.closed:
-            await self._ws.send_frame(frame, WSMsgType.TEXT)
+            await self._ws.send_frame(frame, frame_type(frame))
             written += 1
         self._frames_out.inc(written)
         self._waiter = None
@@ -209,7 +216,7 @@ class ServerSocket(ABC):
         """
         frames: list[bytes] = []
         while (frame := self.core.next_frame()) is not None:
-            frames.append(text_frame_header(len(frame)))
+            frames.append(text_frame_header(len(frame), binary=isinstance(frame, BinaryData)))
             frames.append(frame)
         if not frames:
             return 0
@@ -258,7 +265,7 @@ class ServerSocket(ABC):
             async with asyncio.timeout(self._services.settings.close_timeout):
                 if not self.core.overflowed:
                     while (frame := self.core.next_frame()) is not None:
-                        await self._ws.send_frame(frame, WSMsgType.TEXT)
+                        await self._ws.send_frame(frame, frame_type(frame))
                 await self._ws.close(code=code, message=reason)
         except (TimeoutError, ConnectionError):
             if self._transport is not None:

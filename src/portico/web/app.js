@@ -276,6 +276,8 @@ class LiveConversation {
       credential: token,
       agent: AGENT,
       resumeFrom,
+      // The agent's streamed media (the demo's `beep`): played when each item ends.
+      audioOutput: [{ codec: "wav" }, { codec: "pcm16" }, { codec: "mp3" }],
       onState: (state) => sessionStorage.setItem(LIVE_KEY(state.sessionId), JSON.stringify(state)),
     });
     for (const [name, tool] of Object.entries(TOOLS)) {
@@ -286,6 +288,7 @@ class LiveConversation {
       });
     }
     this.client.addEventListener("message", (event) => this.onFrame(event.detail));
+    this.client.addEventListener("media", (event) => this.onMedia(event.detail));
     this.client.addEventListener("status", (event) => this.onStatus(event.detail));
   }
 
@@ -385,6 +388,24 @@ class LiveConversation {
         break;
     }
     renderBusy();
+  }
+
+  /** A streamed media item, whole: shown with its reply (an incomplete one is dropped).
+   * Streamed media are not archived, so a reloaded page no longer shows them. */
+  onMedia(media) {
+    if (!media.complete || view.sessionId !== this.sessionId) return;
+    const mime = media.format.mime_type ?? "";
+    const type = partType(mime);
+    if (type === "file") return; // the demo plays sounds and shows pictures; nothing else
+    const url = URL.createObjectURL(media.blob);
+    later(() => {
+      const item = replyItem(media.turn_id);
+      item.streamed = [
+        ...(item.streamed ?? []),
+        { part: { type, media: { mime_type: mime, filename: `streamed ${type}` } }, url },
+      ];
+      scheduleRender(item);
+    });
   }
 
   refreshReply(turnId) {
@@ -741,7 +762,10 @@ function renderReply(item) {
   if (item.status === "streaming")
     content.append(h("span", { class: "cursor", "aria-hidden": "true" }));
   const children = [h("div", { class: "bubble" }, content)];
-  if (item.parts?.length) children[0].append(renderParts(item.parts));
+  const streamed = item.streamed ?? [];
+  const parts = [...(item.parts ?? []), ...streamed.map((s) => s.part)];
+  const urls = [...(item.parts ?? []).map(() => null), ...streamed.map((s) => s.url)];
+  if (parts.length) children[0].append(renderParts(parts, urls));
   const meta = [];
   if (item.cancelled) meta.push("stopped");
   if (item.gapped && item.final == null) meta.push("catching up…");

@@ -45,6 +45,12 @@
  *   `SessionReplacedError` (4409), `ConnectionLostError` (no connection for
  *   `reconnect.giveUpAfter` s), `ProtocolError` (4400/1009 three times in a row). They reject
  *   `connect()` and pending turns, and arrive as `status` {state: "closed", error}.
+ * - Audio: pass `audioOutput: [{codec: "wav"}, ...]` (formats you accept, preferred first) to
+ *   ask for the `audio` capability. The agent's streamed media (audio, or images) then arrive
+ *   as items: a numbered `audio_start`, binary OMNI frames (never numbered or resent), an
+ *   `audio_end`. Just before an item's `audio_end` is dispatched, a `media` event carries
+ *   {item_id, turn_id, format, blob, complete}: `blob` has the item's bytes and
+ *   `format.mime_type`; `complete` is false for an item cut by a dropped connection.
  * - Browser additions: `snapshot()` is the session's resumable state (session id, both
  *   sequence positions, unacknowledged messages) and `onState` is called whenever it
  *   changes; pass a snapshot as `resumeFrom` to a new client (after a page reload, say) and
@@ -269,6 +275,43 @@ export class Turn {
   }
 }
 
+// -- binary frames ----------------------------------------------------------------------------
+
+const OMNI_HEADER = 32; // bytes: the Omnia binary frame header (docs/session.md)
+const utf8 = new TextDecoder("utf-8", { fatal: true });
+
+/** Decode one OMNI frame: {mediaId, sequence, isLast, metadata, payload}; throws if malformed. */
+export function decodeOmni(buffer) {
+  if (buffer.byteLength < OMNI_HEADER) throw new ProtocolError("invalid header size");
+  const view = new DataView(buffer);
+  const magic = String.fromCharCode(...new Uint8Array(buffer, 0, 4));
+  if (magic !== "OMNI") throw new ProtocolError("invalid magic bytes");
+  if (view.getUint8(4) !== 1) throw new ProtocolError("unsupported binary protocol version");
+  const flags = view.getUint8(5);
+  const metadataLen = view.getUint32(8);
+  const payloadLen = view.getUint32(12);
+  if (OMNI_HEADER + metadataLen + payloadLen !== buffer.byteLength) {
+    throw new ProtocolError("frame length does not match header");
+  }
+  if (view.getUint16(6) !== 1) throw new ProtocolError("unknown binary message type");
+  const id = new Uint8Array(buffer, 20, 12);
+  let end = id.length;
+  while (end > 0 && id[end - 1] === 0) end -= 1;
+  let metadata;
+  try {
+    metadata = JSON.parse(utf8.decode(new Uint8Array(buffer, OMNI_HEADER, metadataLen)));
+  } catch {
+    throw new ProtocolError("invalid metadata");
+  }
+  return {
+    mediaId: utf8.decode(id.subarray(0, end)),
+    sequence: view.getUint32(16),
+    isLast: Boolean(flags & 0x04),
+    metadata,
+    payload: new Uint8Array(buffer, OMNI_HEADER + metadataLen, payloadLen),
+  };
+}
+
 // -- one /v1/session connection --------------------------------------------------------------
 
 class SessionLink {
@@ -292,7 +335,11 @@ class SessionLink {
       this._write(hello);
       this._schedule();
     };
-    ws.onmessage = (event) => this._receive(event.data);
+    ws.binaryType = "arraybuffer"; // media frames: decoded synchronously, in order
+    ws.onmessage = (event) =>
+      event.data instanceof ArrayBuffer
+        ? this._receiveBinary(event.data)
+        : this._receive(event.data);
     ws.onclose = (event) => this._finish(event.code === CLOSE_ABNORMAL ? null : event.code);
     ws.onerror = () => {}; // a close event follows
   }
@@ -326,6 +373,22 @@ class SessionLink {
       throw error;
     }
     this._schedule();
+  }
+
+  /** A binary frame: a chunk of a media item (the `audio` capability). */
+  _receiveBinary(data) {
+    this.lastReceived = now(); // any frame counts as liveness
+    if (this.state !== "open") return;
+    if (!this.client.capabilities.includes("audio")) {
+      return this.fail("binary frames need the audio capability");
+    }
+    let chunk;
+    try {
+      chunk = decodeOmni(data);
+    } catch (error) {
+      return this.fail(error.message);
+    }
+    this.client._mediaChunk(chunk);
   }
 
   _dispatch(frame) {
@@ -450,6 +513,7 @@ export class SessionClient extends EventTarget {
       tools = [], // specs {name, description, parameters} answered by the application
       context = null,
       capabilities = ["tools", "context"],
+      audioOutput = null, // formats [{codec, sample_rate, channels, mime_type}]: ask for audio
       reconnect = new ReconnectPolicy(),
       heartbeatInterval = 15, // seconds between pings, until `ready` announces the server's
       deadAfter = 2.5, // heartbeat intervals of silence before a link is dead
@@ -479,6 +543,9 @@ export class SessionClient extends EventTarget {
     }));
     this._context = context;
     this._requested = [...capabilities];
+    this._audioOutput = audioOutput;
+    if (audioOutput && !this._requested.includes("audio")) this._requested.push("audio");
+    this._mediaItems = new Map(); // item id -> {start, chunks, next, sawLast, gap}
     this._policy = reconnect;
     this._heartbeatInterval = heartbeatInterval;
     this._deadAfter = deadAfter;
@@ -782,7 +849,43 @@ export class SessionClient extends EventTarget {
 
   // -- routing received messages --------------------------------------------------------------
 
+  /** One binary frame of an open item; frames of an item begun elsewhere are ignored. */
+  _mediaChunk(chunk) {
+    const item = this._mediaItems.get(chunk.mediaId);
+    if (!item) return;
+    if (chunk.sequence !== item.next) item.gap = true;
+    item.next = chunk.sequence + 1;
+    item.sawLast ||= chunk.isLast;
+    item.chunks.push(chunk.payload);
+  }
+
+  _mediaFrame(frame) {
+    if (frame.type === "audio_start") {
+      this._mediaItems.set(frame.item_id, {
+        start: frame,
+        chunks: [],
+        next: 0,
+        sawLast: false,
+        gap: false,
+      });
+      return;
+    }
+    const item = this._mediaItems.get(frame.item_id);
+    if (!item) return; // begun before a page reload: its bytes are gone
+    this._mediaItems.delete(frame.item_id);
+    const format = item.start.format ?? {};
+    const detail = {
+      item_id: frame.item_id,
+      turn_id: frame.turn_id,
+      format,
+      blob: new Blob(item.chunks, { type: format.mime_type ?? "application/octet-stream" }),
+      complete: item.sawLast && !item.gap && !frame.lost,
+    };
+    this.dispatchEvent(new CustomEvent("media", { detail }));
+  }
+
   _deliver(frame) {
+    if (frame.type === "audio_start" || frame.type === "audio_end") this._mediaFrame(frame);
     if (frame.type === "tool_call") {
       this._startTool(frame);
     } else if (frame.type === "tool_result") {
@@ -956,6 +1059,7 @@ export class SessionClient extends EventTarget {
       tools: [...specs.values()],
       capabilities: this._requested,
     };
+    if (this._audioOutput) hello.audio = { output: this._audioOutput };
     if (credential != null) hello.credential = credential;
     if (this._agent != null) hello.agent = this._agent;
     if (this.sessionId == null) {

@@ -19,7 +19,7 @@ from enum import Enum
 import msgspec
 
 from portico.errors import BufferOverflow, PorticoError, ProtocolViolation
-from portico.protocols.outbox import Outbox
+from portico.protocols.outbox import BinaryData, Outbox
 from portico.protocols.session import frames as f
 from portico.protocols.session.channel import Channel, Numbered
 
@@ -119,6 +119,20 @@ class SessionConnection:
         """A numbered message the channel just encoded; live only once the handshake is done."""
         if self.state is State.OPEN:
             self._write(data)
+
+    def write_binary(self, data: bytes) -> bool:
+        """A binary (media) frame; False when it was dropped instead of queued.
+
+        Binary frames are lossy: never resent, so never worth closing for. One is
+        queued only while the connection is open and the send queue stays under half
+        its bound, which leaves the other half to the numbered messages: audio alone
+        never makes a slow client overflow (4408).
+        """
+        if self.state is not State.OPEN:
+            return False
+        if not self._outbox.has_room(len(data) + self._timing.max_send_queue_bytes // 2):
+            return False
+        return self._outbox.put(BinaryData(data))
 
     def send(self, frame: Numbered) -> None:
         """Number `frame` on the session's channel and write it."""

@@ -28,6 +28,29 @@ class ToolSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+class AudioFormat(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One audio format: a `codec` (`pcm16`, `wav`, `mp3`, `opus`) and/or a `mime_type`."""
+
+    codec: str | None = None
+    sample_rate: int | None = None  # Hz
+    channels: int | None = None
+    mime_type: str | None = None
+
+
+class AudioOffer(msgspec.Struct, frozen=True, omit_defaults=True):
+    """`hello.audio`: the formats the client accepts, in order of preference."""
+
+    input: tuple[AudioFormat, ...] = ()
+    output: tuple[AudioFormat, ...] = ()
+
+
+class AudioChoice(msgspec.Struct, frozen=True):
+    """`ready.audio`: the format chosen per direction; null where there is none."""
+
+    input: AudioFormat | None = None
+    output: AudioFormat | None = None
+
+
 class ErrorInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     code: str
     message: str
@@ -44,7 +67,7 @@ class Hello(_Frame, frozen=True, tag="hello"):
     credential: str | None = None
     agent: str | None = None
     tools: tuple[ToolSpec, ...] = ()
-    audio: dict[str, Any] | None = None
+    audio: AudioOffer | None = None
     context: dict[str, Any] | None = None
     capabilities: tuple[str, ...] = ()
 
@@ -56,7 +79,7 @@ class Ready(_Frame, frozen=True, tag="ready"):
     capabilities: tuple[str, ...]
     heartbeat_ms: int
     resume_window_ms: int
-    audio: dict[str, Any] | None = None
+    audio: AudioChoice | None = None
 
 
 class Ack(_Frame, frozen=True, tag="ack"):
@@ -157,6 +180,25 @@ class Transcript(_Frame, frozen=True, tag="transcript"):
     text: str
 
 
+class AudioStart(_Frame, frozen=True, tag="audio_start"):
+    """A media item begins; its bytes follow in binary frames whose MediaID is `item_id`."""
+
+    seq: int
+    turn_id: str
+    item_id: str
+    format: AudioFormat
+
+
+class AudioEnd(_Frame, frozen=True, tag="audio_end"):
+    """The item is over. `lost`: some of its binary frames never reached the client
+    (a dropped connection, a full send queue, a cancelled turn); discard it."""
+
+    seq: int
+    turn_id: str
+    item_id: str
+    lost: bool = False
+
+
 class Error(_Frame, frozen=True, tag="error"):
     """Numbered when it answers a message or ends a turn; unnumbered before a close."""
 
@@ -181,10 +223,23 @@ ClientFrame = (
     | End
 )
 ServerFrame = (
-    Ready | Ack | Ping | Pong | Chunk | Done | ToolCall | ServerToolResult | Transcript | Error
+    Ready
+    | Ack
+    | Ping
+    | Pong
+    | Chunk
+    | Done
+    | ToolCall
+    | ServerToolResult
+    | Transcript
+    | AudioStart
+    | AudioEnd
+    | Error
 )
 ClientNumbered = Message | ToolCallAck | ToolCallNack | ClientToolResult | Context | Interrupt | End
-ServerNumbered = Chunk | Done | ToolCall | ServerToolResult | Transcript | Error
+ServerNumbered = (
+    Chunk | Done | ToolCall | ServerToolResult | Transcript | AudioStart | AudioEnd | Error
+)
 
 client_frame_decoder = msgspec.json.Decoder(ClientFrame)
 server_frame_decoder = msgspec.json.Decoder(ServerFrame)

@@ -1,0 +1,131 @@
+"""The server→client half of the `audio` capability, sans-I/O.
+
+The agent's media chunks (`MediaChunk`: audio, or images) become *items*: a
+numbered `audio_start`, one binary OMNI frame per chunk (MediaID = the item id,
+Sequence = the chunk's index in the item, metadata on the first frame only,
+IsLast on the last), and a numbered `audio_end`. The control messages are
+resent across drops; binary frames are not, so an item never spans two
+connections: when the connection changes, every open item ends `lost` and the
+agent's next chunk starts a new item with a new id (spec: "Audio in flight
+during a drop is lost; the agent's next audio starts a new item").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from portico.protocols.omnia.binary import BinaryFrame, BinaryMetadata, encode_frame
+from portico.protocols.session import frames as f
+from portico.runtime.base import MediaChunk
+
+# Codecs the server can name as a MIME type. The server does not transcode: it
+# sends what the agent emits, so it can offer a format exactly when it can say
+# which bytes those are.
+CODEC_MIME_TYPES: Final = {
+    "pcm16": "audio/pcm",
+    "wav": "audio/wav",
+    "mp3": "audio/mpeg",
+    "opus": "audio/opus",
+}
+_MIME_CODECS: Final = {mime: codec for codec, mime in CODEC_MIME_TYPES.items()}
+
+
+def choose_audio(offer: f.AudioOffer | None) -> f.AudioChoice | None:
+    """`ready.audio`: the first output format the client lists whose codec (or MIME
+    type) the server knows, or null when there is none. Audio input is not
+    implemented, so `input` is always null."""
+    if offer is None:
+        return None
+    for fmt in offer.output:
+        if fmt.codec in CODEC_MIME_TYPES or fmt.mime_type in _MIME_CODECS:
+            return f.AudioChoice(output=fmt)
+    return None
+
+
+def item_format(mime_type: str) -> f.AudioFormat:
+    """What `audio_start.format` says about an item: its MIME type, and the codec
+    name when the MIME type is one the registry knows."""
+    base = mime_type.split(";", 1)[0].strip().lower()
+    return f.AudioFormat(codec=_MIME_CODECS.get(base), mime_type=mime_type)
+
+
+@dataclass
+class _Item:
+    item_id: str
+    turn_id: str
+    mime_type: str
+    next_index: int = 0  # the OMNI Sequence of the item's next binary frame
+    lost: bool = False
+
+
+class MediaItems:
+    """One session's open media items (server role). Pure: the adapter numbers the
+    frames it returns and writes the binary frames it asks for."""
+
+    def __init__(self, session_id: str) -> None:
+        self._session_id = session_id
+        self._count = 0  # item ids are a session-wide counter: short (MediaID is 12 bytes)
+        self._open: dict[tuple[str, str], _Item] = {}  # (turn id, runtime media id) -> item
+
+    def start(self, turn_id: str, chunk: MediaChunk) -> tuple[f.AudioStart | None, str]:
+        """The item `chunk` belongs to: (its `audio_start` when it is new, its id)."""
+        key = (turn_id, chunk.media_id)
+        item = self._open.get(key)
+        if item is not None:
+            return None, item.item_id
+        self._count += 1
+        item = _Item(item_id=f"m{self._count}", turn_id=turn_id, mime_type=chunk.mime_type)
+        self._open[key] = item
+        start = f.AudioStart(
+            seq=0, turn_id=turn_id, item_id=item.item_id, format=item_format(chunk.mime_type)
+        )
+        return start, item.item_id
+
+    def frame(self, turn_id: str, chunk: MediaChunk) -> bytes:
+        """The binary frame for `chunk` (after `start`)."""
+        item = self._open[(turn_id, chunk.media_id)]
+        first = item.next_index == 0
+        metadata = (
+            BinaryMetadata(
+                session_id=self._session_id,
+                mime_type=item.mime_type,
+                codec=_MIME_CODECS.get(item.mime_type),
+            )
+            if first
+            else BinaryMetadata()
+        )
+        data = encode_frame(
+            BinaryFrame(
+                chunked=True,
+                is_last=chunk.is_last,
+                sequence=item.next_index,
+                media_id=item.item_id,
+                metadata=metadata,
+                payload=chunk.data,
+            )
+        )
+        item.next_index += 1
+        return data
+
+    def dropped(self, turn_id: str, chunk: MediaChunk) -> None:
+        """A binary frame of the item never reached the client."""
+        self._open[(turn_id, chunk.media_id)].lost = True
+
+    def finish(self, turn_id: str, chunk: MediaChunk) -> f.AudioEnd | None:
+        """`audio_end` when `chunk` is the item's last."""
+        if not chunk.is_last:
+            return None
+        item = self._open.pop((turn_id, chunk.media_id))
+        return f.AudioEnd(seq=0, turn_id=turn_id, item_id=item.item_id, lost=item.lost)
+
+    def end_all(self, turn_id: str | None = None) -> list[f.AudioEnd]:
+        """End open items as lost: every item (the connection changed), or the items of
+        `turn_id` (the turn ended before the agent finished them, e.g. cancelled)."""
+        ended = [
+            key for key, item in self._open.items() if turn_id is None or item.turn_id == turn_id
+        ]
+        return [
+            f.AudioEnd(seq=0, turn_id=item.turn_id, item_id=item.item_id, lost=True)
+            for item in (self._open.pop(key) for key in ended)
+        ]
