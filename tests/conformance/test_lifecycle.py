@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from portico.core.states import TurnState
-from support.archive import open_archive, wait_for_messages, wait_for_streaming_reply
+from support.archive import open_archive, wait_for_messages, wait_for_open_reply
 from support.omnia import OmniaClient, scenario
 from support.server import SCRIPT, ServerProcess
 
@@ -65,7 +65,7 @@ async def test_turns_left_running_by_a_killed_server_are_interrupted_at_start(
     session_id = (await client.connected())["session_id"]
     await client.send({"type": "message", "content": "slow", **scenario("slow")})
     await client.recv()
-    await wait_for_streaming_reply(server.archive_path, session_id)
+    await wait_for_open_reply(server.archive_path, session_id)
     server.stop(signal.SIGKILL)
     server.start()
     try:

@@ -242,12 +242,12 @@ async def test_disconnect_during_a_tool_call_still_ends_the_turn(
     async with open_archive(short_archive_path) as store:
         (record,) = await store.list_tool_calls(session_id)
     assert record.outcome == "denied"
-    # The call and its outcome are archived as messages of the turn, before the reply.
+    # The reply is created with the turn; the call and its outcome follow it.
     assert [(m.role, m.content_type, m.turn_offset) for m in messages] == [
         ("user", "text", 1),
-        ("assistant", "toolcall_input", 2),
-        ("tool", "toolcall_output", 3),
-        ("assistant", "markdown", 4),
+        ("assistant", "markdown", 2),
+        ("assistant", "toolcall_input", 3),
+        ("tool", "toolcall_output", 4),
     ]
-    assert record.message_id == messages[1].id
-    assert messages[-1].content.startswith("status=denied")
+    assert record.message_id == messages[2].id
+    assert messages[1].content.startswith("status=denied")

@@ -138,11 +138,16 @@ async def test_send_creates_a_session_stores_the_message_and_streams_the_reply(
     assert result["session_id"]
     assert result["message_id"]
     session_id = result["session_id"]
-    # The reply's updates: the session, then the user message with its pending turn.
+    # The reply's updates: the session, then (one update) the user message, its turn,
+    # the session's activity and the assistant's reply, created empty and `pending`.
     items = [(i["entity"], i["action"]) for u in reply["updates"] for i in u["items"]]
-    assert items[0] == ("session", "created")
-    assert ("message", "created") in items
-    assert ("turn", "created") in items
+    assert items == [
+        ("session", "created"),
+        ("message", "created"),
+        ("turn", "created"),
+        ("session", "updated"),
+        ("message", "created"),
+    ]
     assert [u["offset"] for u in reply["updates"]] == sorted(u["offset"] for u in reply["updates"])
     turn = await finished(alice, session_id)
     assert turn["status"] == "completed"
@@ -150,12 +155,14 @@ async def test_send_creates_a_session_stores_the_message_and_streams_the_reply(
     pushed = {u["offset"]: u for u in alice.updates}
     assert all(pushed[u["offset"]] == u for u in reply["updates"])
     assert alice.offsets() == list(range(1, len(alice.updates) + 1))
-    # Live chunks follow the reply message's `created` update; its final content comes last.
+    # Live chunks follow the reply message's `created` update (already in the send's
+    # reply); its final content comes last.
     messages = alice.entities("message")
     user, streaming, final = messages[0], messages[1], messages[-1]
     assert (user["role"], user["content_type"], user["content_data"]) == ("user", "text", "hello")
     assert (user["client_id"], user["global_offset"], user["turn_id"]) == ("c1", 1, turn["id"])
-    assert (streaming["role"], streaming["status"]) == ("assistant", "streaming")
+    assert (streaming["role"], streaming["status"]) == ("assistant", "pending")
+    assert streaming["global_offset"] == 2
     assert (final["id"], final["status"], final["content_type"]) == (
         streaming["id"],
         "completed",

@@ -1203,3 +1203,39 @@ async def test_begin_turn_can_refuse_a_client_id_the_owner_already_used(store: S
     unchecked = msgspec.structs.replace(make_message("s2", n=4), client_id="c1")
     await store.begin_turn(make_turn("t4", session_id="s2"), unchecked)
     assert [m.client_id for m in await store.list_messages("s2")] == ["c1"]
+
+
+async def test_begin_turn_can_create_the_turns_reply_in_the_same_write(store: Store) -> None:
+    await store.create_session(make_session("s1"))
+    turn = make_turn("t1")
+    reply = Message(
+        id="r1",
+        session_id="s1",
+        turn_id="t1",
+        role="assistant",
+        content="",
+        content_type="markdown",
+        status="pending",
+        created_at=1.0,
+        updated_at=1.0,
+        turn_offset=2,
+    )
+    with collecting_updates() as updates:
+        user = await store.begin_turn(turn, make_message("s1", n=1), reply=reply)
+    stored = await store.list_messages("s1")
+    assert [(m.id, m.global_offset, m.status) for m in stored] == [
+        (user.id, 1, "completed"),
+        ("r1", 2, "pending"),
+    ]
+    (update,) = updates
+    assert [(i.entity, i.action, i.entity_id) for i in update.items] == [
+        ("message", "created", user.id),
+        ("turn", "created", "t1"),
+        ("session", "updated", "s1"),
+        ("message", "created", "r1"),
+    ]
+    # A server stopped under the turn leaves the reply `pending`: it fails at the next start.
+    assert await store.interrupt_unfinished_turns(5.0) == 1
+    failed = await store.get_message("r1")
+    assert failed is not None
+    assert (failed.status, failed.updated_at) == ("failed", 5.0)

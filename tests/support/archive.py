@@ -11,6 +11,8 @@ from pathlib import Path
 from portico.core.model import Message, ToolCallRecord
 from portico.store.sqlite import SqliteStore
 
+OPEN = ("pending", "streaming")  # a reply still being written
+
 
 @asynccontextmanager
 async def open_archive(path: Path) -> AsyncIterator[SqliteStore]:
@@ -31,23 +33,23 @@ async def wait_for_messages(
     while True:
         async with open_archive(path) as store:
             messages = await store.list_messages(session_id)
-        settled = all(m.status != "streaming" for m in messages)
+        settled = all(m.status not in OPEN for m in messages)
         if (len(messages) >= count and settled) or time.monotonic() > deadline:
             return messages
         await asyncio.sleep(0.05)
 
 
-async def wait_for_streaming_reply(path: Path, session_id: str, within: float = 10.0) -> Message:
-    """Poll until the session's reply in progress is archived as `streaming`."""
+async def wait_for_open_reply(path: Path, session_id: str, within: float = 10.0) -> Message:
+    """Poll until the session's reply in progress is archived (`pending` or `streaming`)."""
     deadline = time.monotonic() + within
     while True:
         async with open_archive(path) as store:
             messages = await store.list_messages(session_id)
-        streaming = [m for m in messages if m.status == "streaming"]
-        if streaming:
-            return streaming[0]
+        open_replies = [m for m in messages if m.status in OPEN]
+        if open_replies:
+            return open_replies[0]
         if time.monotonic() > deadline:
-            raise AssertionError(f"no streaming reply in {session_id}: {messages}")
+            raise AssertionError(f"no reply in progress in {session_id}: {messages}")
         await asyncio.sleep(0.05)
 
 

@@ -347,8 +347,12 @@ async def test_spec_failure_code_passes_through() -> None:
     stored = await engine.store.get_turn(turn.id)
     assert stored is not None
     assert (stored.state, stored.error_code) == (TurnState.FAILED, "PROVIDER_UNAVAILABLE")
-    # Nothing was said, so nothing but the user's message is archived.
-    assert [m.role for m in await engine.store.list_messages("s1")] == ["user"]
+    # The reply was created with the turn; nothing was said, so it ends empty and failed.
+    messages = await engine.store.list_messages("s1")
+    assert [(m.role, m.content, m.status) for m in messages] == [
+        ("user", "hi", "completed"),
+        ("assistant", "", "failed"),
+    ]
 
 
 # -- turns outlive listeners; cancel and shutdown -------------------------------------------
@@ -629,7 +633,14 @@ async def test_a_stop_racing_the_turns_end_leaves_exactly_one_terminal_state(
 class LosingStore(MemoryStore):
     """An archive that cannot take a turn's user message."""
 
-    async def begin_turn(self, turn: Turn, message: Message) -> Message:
+    async def begin_turn(
+        self,
+        turn: Turn,
+        message: Message,
+        *,
+        reply: Message | None = None,
+        unique_client_id: bool = False,
+    ) -> Message:
         raise StoreError("disk full")
 
 
@@ -653,4 +664,5 @@ async def test_history_waits_for_the_message_to_be_archived() -> None:
     await run_turn(engine, user_message(content="first"))
     await run_turn(engine, user_message(content="second"))
     second = runtime.inputs[-1]
-    assert [m.content for m in await second.history()] == ["first"]
+    history = [(m.role, m.content) for m in await second.history()]
+    assert history == [("user", "first"), ("assistant", "")]  # the first turn said nothing

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from portico.core.compaction import model_summary_items, summarize
-from portico.core.model import ContentPart, MediaContent
+from portico.core.model import ContentPart, MediaContent, Message
 from portico.runtime.base import (
     AGENT_PROMPT,
     Chunk,
@@ -584,4 +584,38 @@ async def test_an_agent_prompt_is_a_system_instruction_for_this_message_only(
         {"role": "assistant", "content": "ok"},
         {"role": "system", "content": "Answer in French."},
         {"role": "user", "content": "hi"},
+    ]
+
+
+async def test_a_turns_reply_is_sent_after_its_tool_calls(fake: FakeOpenAI) -> None:
+    # The archive creates a turn's reply with the turn, ahead of the tool calls the
+    # agent then makes; the model must read them in the order they happened.
+    def of_turn(turn_id: str, *messages: Message) -> list[Message]:
+        return [msgspec.structs.replace(m, turn_id=turn_id) for m in messages]
+
+    history = (
+        *of_turn(
+            "t1",
+            message("where am I?"),
+            message("You are in Oslo.", role="assistant", content_type="markdown"),
+            call_message("call-a", "get_location", {}),
+            output_message("call-a", "completed", {"city": "Oslo"}),
+        ),
+        *of_turn(
+            "t2",
+            message("thanks"),
+            message("You're welcome.", role="assistant", content_type="markdown"),
+        ),
+    )
+    fake.push(text("ok"))
+    await drive(runtime(fake), turn_input(message("bye"), history=history))
+    roles = [(m["role"], m.get("content")) for m in fake.bodies[0]["messages"]]
+    assert roles == [
+        ("user", "where am I?"),
+        ("assistant", None),  # the tool call
+        ("tool", '{"city": "Oslo"}'),
+        ("assistant", "You are in Oslo."),
+        ("user", "thanks"),
+        ("assistant", "You're welcome."),
+        ("user", "bye"),
     ]

@@ -244,14 +244,12 @@ class Conversations:
         if not self._engine.has_agent(agent):
             raise InvalidRequest(f"no agent named {agent!r}", field="params.agent")
         session_id = new_id("sess")
-        session = await self._engine.open_session(
-            principal=principal, agent=agent, session_id=session_id
+        return await self._engine.open_session(
+            principal=principal,
+            agent=agent,
+            session_id=session_id,
+            client_session_id=request.client_session_id,
         )
-        if request.client_session_id:
-            session = await self._store.update_session(
-                msgspec.structs.replace(session, client_session_id=request.client_session_id)
-            )
-        return session
 
     async def message(self, principal: str, message_id: str) -> Message:
         message = await self._store.get_message(message_id) if message_id else None

@@ -107,10 +107,19 @@ def check_declaration(declare: dict[str, Any], agent: AgentSettings) -> None:
                 )
 
 
+class OpenReply(NamedTuple):
+    """A turn's reply, created `pending` with the turn so that its `created` update is
+    out before the first chunk (RPC live chunks wait for it), and the write doing so."""
+
+    message: Message
+    written: asyncio.Future[Any]
+
+
 class Queued(NamedTuple):
     session: Session
     turn: Turn
     turn_input: TurnInput
+    reply: OpenReply | None
 
 
 class Engine:
@@ -145,6 +154,7 @@ class Engine:
         self._background = Background("archiving in the background")
         self._stopping = False  # shutting down: waiting turns stay pending
         self._compacting: set[str] = set()  # sessions with a compaction queued
+        self._claimed: set[str] = set()  # sessions whose next turn is being archived
 
     async def start(self) -> None:
         interrupted = await self.store.interrupt_unfinished_turns(self._clock())
@@ -194,10 +204,10 @@ class Engine:
         if session.id in self._running:
             raise TurnInProgress(session.id)
         self._running[session.id] = None
-        turn, turn_input = self._archive_behind(session, message)
+        turn, turn_input, reply = self._archive_behind(session, message)
         if listener is not None:
             self.attach(session.id, listener)
-        self._start_runner(session, turn, turn_input)
+        self._start_runner(session, turn, turn_input, reply)
         return turn
 
     async def enqueue(self, session: Session, message: UserMessage) -> Message:
@@ -208,10 +218,27 @@ class Engine:
         absorbs the rest, which end `merged` into it. The caller checked ownership.
         """
         await self._check_media(message)
-        turn, turn_input = await self._archive_user_message(session, message)
-        self._backlog.setdefault(session.id, []).append(Queued(session, turn, turn_input))
+        # Only a turn that will start at once gets its reply with its first write: one
+        # that waits may end merged, and its reply would stay empty.
+        starts_now = not self._busy_or_claimed(session.id)
+        if starts_now:
+            self._claimed.add(session.id)
+        try:
+            turn, turn_input, reply = await self._archive_user_message(
+                session, message, with_reply=starts_now
+            )
+        finally:
+            self._claimed.discard(session.id)
+        self._backlog.setdefault(session.id, []).append(Queued(session, turn, turn_input, reply))
         self._start_waiting(session.id)
         return turn_input.message
+
+    def _busy_or_claimed(self, session_id: str) -> bool:
+        return (
+            session_id in self._running
+            or bool(self._backlog.get(session_id))
+            or session_id in self._claimed
+        )
 
     def _start_waiting(self, session_id: str) -> None:
         if session_id in self._running or self._stopping:
@@ -221,11 +248,12 @@ class Engine:
             return
         first, latest = waiting[0], waiting[-1]
         for absorbed in waiting[1:]:
-            self._end_waiting(absorbed.turn, TurnTrigger.MERGE, merged_into=first.turn.id)
+            self._end_waiting(absorbed, TurnTrigger.MERGE, merged_into=first.turn.id)
         turn_input = msgspec.structs.replace(latest.turn_input, turn_id=first.turn.id)
-        self._start_runner(first.session, first.turn, turn_input)
+        self._start_runner(first.session, first.turn, turn_input, first.reply)
 
-    def _end_waiting(self, turn: Turn, trigger: TurnTrigger, *, merged_into: str = "") -> None:
+    def _end_waiting(self, queued: Queued, trigger: TurnTrigger, *, merged_into: str = "") -> None:
+        turn = queued.turn
         ended = msgspec.structs.replace(
             turn,
             state=next_turn_state(turn.state, trigger),
@@ -235,6 +263,12 @@ class Engine:
         # Not awaited: the caller is starting or stopping a turn right now; the write is
         # queued behind the turn's own and tracked so it is neither lost nor unlogged.
         self._background.spawn(self.store.save_turn(ended))
+        if queued.reply is not None:  # it never ran: its reply ends empty
+            done = msgspec.structs.replace(queued.reply.message, status="completed")
+            self._background.spawn(self._update_message(done))
+
+    async def _update_message(self, message: Message) -> None:
+        await self.store.update_message(message)
 
     def compact(self, session: Session, instruction: str) -> bool:
         """Queue a compaction of the session's history; False when one is queued already
@@ -283,7 +317,7 @@ class Engine:
         """RPC `turn.stop`: cancel the running turn and every waiting one; False if none."""
         waiting = self._backlog.pop(session_id, [])
         for queued in waiting:
-            self._end_waiting(queued.turn, TurnTrigger.CANCEL)
+            self._end_waiting(queued, TurnTrigger.CANCEL)
         return await self.cancel(session_id) or bool(waiting)
 
     async def _check_media(self, message: UserMessage) -> None:
@@ -324,6 +358,7 @@ class Engine:
         agent: str,
         session_id: str,
         declare: dict[str, Any] | None = None,
+        client_session_id: str = "",
     ) -> Session:
         """Create the session unless it exists; return what is stored under the id."""
         settings = self._agents.get(agent)
@@ -341,18 +376,21 @@ class Engine:
                 updated_at=now,
                 last_activity_at=now,
                 root_session_id=session_id,
+                client_session_id=client_session_id,
                 declare=declare,
             )
         )
 
     async def _archive_user_message(
-        self, session: Session, message: UserMessage
-    ) -> tuple[Turn, TurnInput]:
+        self, session: Session, message: UserMessage, *, with_reply: bool
+    ) -> tuple[Turn, TurnInput, OpenReply | None]:
         turn, unsaved = self._new_turn(session, message)
+        reply = _pending_reply(turn) if with_reply else None
         stored = await self.store.begin_turn(
-            turn, unsaved, unique_client_id=message.unique_client_id
+            turn, unsaved, reply=reply, unique_client_id=message.unique_client_id
         )
-        return turn, self._turn_input(session, message, stored, self._history_before)
+        turn_input = self._turn_input(session, message, stored, self._history_before)
+        return turn, turn_input, None if reply is None else OpenReply(reply, _done_future())
 
     def _new_turn(self, session: Session, message: UserMessage) -> tuple[Turn, Message]:
         """A pending turn and its user message, not archived yet."""
@@ -392,7 +430,9 @@ class Engine:
             context=message.context,
         )
 
-    def _archive_behind(self, session: Session, message: UserMessage) -> tuple[Turn, TurnInput]:
+    def _archive_behind(
+        self, session: Session, message: UserMessage
+    ) -> tuple[Turn, TurnInput, OpenReply]:
         """Archive the message and its turn without waiting: the runtime starts at once.
 
         Archive writes are queued in order, so the turn's own writes land after these;
@@ -406,13 +446,15 @@ class Engine:
             state=next_turn_state(pending.state, TurnTrigger.START),
             started_at=pending.created_at,
         )
-        archived = asyncio.ensure_future(self.store.begin_turn(turn, unsaved))
+        reply = _pending_reply(turn)
+        archived = asyncio.ensure_future(self.store.begin_turn(turn, unsaved, reply=reply))
 
         async def history_before(before: Message) -> tuple[Message, ...]:
             return await self._history_before(await archived)
 
         turn_input = self._turn_input(session, message, unsaved, history_before)
-        return turn, msgspec.structs.replace(turn_input, archived=archived)
+        turn_input = msgspec.structs.replace(turn_input, archived=archived)
+        return turn, turn_input, OpenReply(reply, archived)
 
     async def _history_before(self, before: Message) -> tuple[Message, ...]:
         """At most HISTORY_LIMIT messages before `before`, from the latest summary on."""
@@ -425,10 +467,14 @@ class Engine:
         )
         return tuple(since_latest_summary(found))
 
-    def _start_runner(self, session: Session, turn: Turn, turn_input: TurnInput) -> None:
+    def _start_runner(
+        self, session: Session, turn: Turn, turn_input: TurnInput, reply: OpenReply | None
+    ) -> None:
         runner = TurnRunner(
             turn=turn,
             turn_input=turn_input,
+            reply=None if reply is None else reply.message,
+            reply_written=None if reply is None else reply.written,
             runtime=self._runtimes[session.agent],
             store=self.store,
             tools=self._tools,
@@ -519,3 +565,25 @@ def _remove_listener(table: dict[str, list[Listener]], key: str, listener: Liste
         listeners.remove(listener)
         if not listeners:
             del table[key]
+
+
+def _pending_reply(turn: Turn) -> Message:
+    """The turn's reply before its first word: `pending`, empty, the turn's second message."""
+    return Message(
+        id=new_id("msg"),
+        session_id=turn.session_id,
+        turn_id=turn.id,
+        role="assistant",
+        content="",
+        content_type="markdown",
+        status="pending",
+        created_at=turn.created_at,
+        updated_at=turn.created_at,
+        turn_offset=2,
+    )
+
+
+def _done_future() -> asyncio.Future[Any]:
+    done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done

@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 
@@ -56,6 +57,8 @@ class TurnRunner:
         listeners: Callable[[], list[Listener]],
         clock: Callable[[], float],
         telemetry: Telemetry,
+        reply: Message | None = None,
+        reply_written: asyncio.Future[Any] | None = None,
     ) -> None:
         self.turn = turn
         self._telemetry = telemetry
@@ -69,13 +72,14 @@ class TurnRunner:
         self._clock = clock
         self._text: list[str] = []
         self._chunks = 0
-        # The reply is archived as a `streaming` message at its first chunk (readers
-        # and RPC clients see it while it grows) and completed at the end.
-        self.reply_id = new_id("msg")
+        # The reply is archived before its first chunk: by the engine with the turn
+        # (`reply`, `pending`) or here as a `streaming` message at the first chunk; it
+        # is completed at the end. Readers and RPC clients see it while it grows.
+        self.reply_id = new_id("msg") if reply is None else reply.id
         # The turn's messages are numbered from 1 (the user's); tool calls take numbers too.
-        self._offsets = itertools.count(2)
-        self._reply_offset: int | None = None
-        self._reply_opened: asyncio.Future[Message] | None = None
+        self._reply_offset: int | None = None if reply is None else reply.turn_offset
+        self._offsets = itertools.count(2 if reply is None else reply.turn_offset + 1)
+        self._reply_opened: asyncio.Future[Any] | None = reply_written
         # Why a cancellation arrived: a user's stop, or the server shutting down.
         self.stop_trigger = TurnTrigger.INTERRUPT
         self._stop_requested = False
@@ -189,7 +193,8 @@ class TurnRunner:
             self._text.append(event.text)
             if self._first_chunk is None:
                 self._first_chunk = time.perf_counter() - self._created
-                self._open_reply()
+                if self._reply_opened is None:
+                    self._open_reply()
             self.emit(TurnChunk(session_id, turn_id, event.text, self.reply_id, self._chunks))
             self._chunks += 1
             return None

@@ -82,7 +82,7 @@ class ChatMapper:
     async def history(self, messages: Sequence[Message]) -> list[ChatMessage]:
         answers = _answers(messages)
         chat: list[ChatMessage] = []
-        for message in messages:
+        for message in _replies_last(messages):
             chat.extend(await self._mapped(message, answers))
         return chat
 
@@ -128,6 +128,28 @@ class ChatMapper:
         if media.detail:
             image["detail"] = media.detail
         return {"type": "image_url", "image_url": image}
+
+
+def _replies_last(messages: Sequence[Message]) -> list[Message]:
+    """Archive order, except that a turn's reply follows the turn's tool calls.
+
+    The reply is archived when its turn starts (so clients see it before its first
+    word), ahead of the tool calls the agent makes before answering; the model must
+    read them in the order they happened.
+    """
+    ordered: list[Message] = []
+    held: dict[str, Message] = {}  # turn id -> its reply, until the turn's next message
+    for message in messages:
+        is_reply = message.role == "assistant" and message.content_type == "markdown"
+        if is_reply and message.turn_id:
+            held[message.turn_id] = message
+            continue
+        if held and message.turn_id not in held:
+            ordered.extend(held.values())
+            held.clear()
+        ordered.append(message)
+    ordered.extend(held.values())
+    return ordered
 
 
 def _note(text: str) -> dict[str, Any]:

@@ -11,12 +11,13 @@ what:
 | update_session               | session updated                                       |
 | append_message               | message created                                       |
 | update_message               | message updated                                       |
-| begin_turn                   | message created, turn created, session updated (one) |
+| begin_turn                   | message created, turn created, session updated, and  |
+|                              | message created for the reply when given (one update) |
 | create_turn / save_turn      | turn created (new id) or turn updated                 |
 | save_tool_call               | rtc created (new id) or rtc updated                   |
 | fork_session                 | session created, then message created per message     |
 | interrupt_unfinished_turns   | turn updated per turn, message updated per reply left |
-|                              | streaming (one update per owner)                      |
+|                              | pending or streaming (one update per owner)           |
 
 The owner of an update is the owner of the session its entities belong to.
 """
@@ -129,14 +130,21 @@ class Store(Protocol):
     async def create_turn(self, turn: Turn) -> None: ...
 
     async def begin_turn(
-        self, turn: Turn, message: Message, *, unique_client_id: bool = False
+        self,
+        turn: Turn,
+        message: Message,
+        *,
+        reply: Message | None = None,
+        unique_client_id: bool = False,
     ) -> Message:
-        """Atomically create `turn`, append its user `message` and touch the session.
+        """Atomically create `turn`, append its user `message` (and, when given, the
+        turn's `reply` right after it) and touch the session.
 
-        Returns the stored message with its `global_offset`; the session must exist
-        (otherwise `StoreError`, and nothing is written). With `unique_client_id`, a
-        non-empty `client_id` the session's owner already used is `DuplicateClientId`
-        (checked in the same transaction, so two racing writers cannot both pass).
+        Returns the stored user message with its `global_offset`; the session must
+        exist (otherwise `StoreError`, and nothing is written). With
+        `unique_client_id`, a non-empty `client_id` the session's owner already used
+        is `DuplicateClientId` (checked in the same transaction, so two racing
+        writers cannot both pass).
         """
 
     async def save_turn(self, turn: Turn) -> None:
@@ -167,8 +175,8 @@ class Store(Protocol):
 
     async def interrupt_unfinished_turns(self, now: float) -> int:
         """Mark turns left pending or running by a stopped server `interrupted`, and
-        replies it left `streaming` `failed` (keeping their content). Returns the number
-        of turns."""
+        replies it left `pending` or `streaming` `failed` (keeping their content).
+        Returns the number of turns."""
 
     # -- the update log -------------------------------------------------------------
 

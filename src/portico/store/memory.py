@@ -28,6 +28,7 @@ from portico.store.base import UpdateListener, current_collector
 log = logging.getLogger("portico.store")
 Change = tuple[Literal["created", "updated"], Entity]
 T = TypeVar("T", Turn, ToolCallRecord)
+OPEN_STATUSES = frozenset({"pending", "streaming"})  # replies a stopped server left
 P = TypeVar("P", Session, Turn, ToolCallRecord)
 
 
@@ -182,7 +183,12 @@ class MemoryStore:
         await self.save_turn(turn)
 
     async def begin_turn(
-        self, turn: Turn, message: Message, *, unique_client_id: bool = False
+        self,
+        turn: Turn,
+        message: Message,
+        *,
+        reply: Message | None = None,
+        unique_client_id: bool = False,
     ) -> Message:
         owner = (
             self._sessions[message.session_id].owner if message.session_id in self._sessions else ""
@@ -201,7 +207,10 @@ class MemoryStore:
             updated_at=message.created_at,
         )
         self._sessions[session.id] = session
-        self._log(session.id, ("created", stored), ("created", turn), ("updated", session))
+        changes: list[Change] = [("created", stored), ("created", turn), ("updated", session)]
+        if reply is not None:
+            changes.append(("created", self._append(reply)))
+        self._log(session.id, *changes)
         return stored
 
     async def save_turn(self, turn: Turn) -> None:
@@ -247,7 +256,8 @@ class MemoryStore:
             ended = msgspec.structs.replace(turn, state=TurnState.INTERRUPTED, ended_at=now)
             self._turns[turn.id] = ended
             changes.setdefault(turn.session_id, []).append(("updated", ended))
-        for message in [m for m in self._message_index.values() if m.status == "streaming"]:
+        open_replies = [m for m in self._message_index.values() if m.status in OPEN_STATUSES]
+        for message in open_replies:
             failed = msgspec.structs.replace(message, status="failed", updated_at=now)
             self._replace_message(failed)
             changes.setdefault(message.session_id, []).append(("updated", failed))

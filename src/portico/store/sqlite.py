@@ -164,6 +164,11 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE turns ADD COLUMN input_tokens INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE turns ADD COLUMN output_tokens INTEGER NOT NULL DEFAULT 0;
     """,
+    # A turn's reply is created `pending` with the turn; open replies are both kinds.
+    """
+    DROP INDEX messages_streaming;
+    CREATE INDEX messages_open ON messages (status) WHERE status IN ('pending', 'streaming');
+    """,
 )
 
 SESSION_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Session))
@@ -456,6 +461,7 @@ def _begin_turn(
     out: list[Update],
     turn: Turn,
     message: Message,
+    reply: Message | None = None,
     unique_client_id: bool = False,
 ) -> Message:
     if unique_client_id and message.client_id:
@@ -468,12 +474,16 @@ def _begin_turn(
     session = _session_from_row(
         conn.execute(_TOUCH_SESSION, (at, at, message.session_id)).fetchone()
     )
-    items = (
+    items = [
         UpdateItem("message", "created", stored.id),
         UpdateItem("turn", action, turn.id),
         UpdateItem("session", "updated", session.id),
-    )
-    _log_for_owner(conn, out, session.owner, items, (stored, turn, session))
+    ]
+    entities: list[Entity] = [stored, turn, session]
+    if reply is not None:
+        entities.append(_insert_message(conn, reply))
+        items.append(UpdateItem("message", "created", reply.id))
+    _log_for_owner(conn, out, session.owner, tuple(items), tuple(entities))
     return stored
 
 
@@ -530,9 +540,11 @@ _UNFINISHED_TURNS = (
 _INTERRUPT_TURNS = f"UPDATE turns SET state = ?, ended_at = ? WHERE {_UNFINISHED}"
 _STREAMING_REPLIES = (
     "SELECT s.owner AS owner, m.* FROM messages m JOIN sessions s ON s.id = m.session_id "
-    "WHERE m.status = 'streaming' ORDER BY m.rowid"
+    "WHERE m.status IN ('pending', 'streaming') ORDER BY m.rowid"
 )
-_FAIL_STREAMING = "UPDATE messages SET status = 'failed', updated_at = ? WHERE status = 'streaming'"
+_FAIL_STREAMING = (
+    "UPDATE messages SET status = 'failed', updated_at = ? WHERE status IN ('pending', 'streaming')"
+)
 
 
 def _owned(row: sqlite3.Row) -> tuple[str, dict[str, Any]]:
@@ -919,12 +931,21 @@ class SqliteStore:
         return await self._read(select)
 
     async def begin_turn(
-        self, turn: Turn, message: Message, *, unique_client_id: bool = False
+        self,
+        turn: Turn,
+        message: Message,
+        *,
+        reply: Message | None = None,
+        unique_client_id: bool = False,
     ) -> Message:
         # One write, one thread hop, and all or nothing (each write is a savepoint).
         return await self._write(
             functools.partial(
-                _begin_turn, turn=turn, message=message, unique_client_id=unique_client_id
+                _begin_turn,
+                turn=turn,
+                message=message,
+                reply=reply,
+                unique_client_id=unique_client_id,
             )
         )
 
