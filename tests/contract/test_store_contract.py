@@ -1239,3 +1239,44 @@ async def test_begin_turn_can_create_the_turns_reply_in_the_same_write(store: St
     failed = await store.get_message("r1")
     assert failed is not None
     assert (failed.status, failed.updated_at) == ("failed", 5.0)
+
+
+async def test_end_turn_writes_the_reply_and_the_turn_as_one_update(store: Store) -> None:
+    await store.create_session(make_session("s1"))
+    turn = make_turn("t1", state=TurnState.RUNNING)
+    reply = Message(
+        id="r1",
+        session_id="s1",
+        turn_id="t1",
+        role="assistant",
+        content="",
+        content_type="markdown",
+        status="pending",
+        created_at=1.0,
+        updated_at=1.0,
+        turn_offset=2,
+    )
+    await store.begin_turn(turn, make_message("s1", n=1), reply=reply)
+    done = msgspec.structs.replace(turn, state=TurnState.COMPLETED, ended_at=3.0)
+    final = msgspec.structs.replace(reply, content="Hello", status="completed", updated_at=3.0)
+    with collecting_updates() as updates:
+        await store.end_turn(done, final)
+    (update,) = updates
+    assert [(i.entity, i.action) for i in update.items] == [
+        ("message", "updated"),
+        ("turn", "updated"),
+    ]
+    stored = await store.get_message("r1")
+    assert stored is not None
+    assert (stored.content, stored.status, stored.global_offset) == ("Hello", "completed", 2)
+    assert await store.get_turn("t1") == done
+    # A reply that was never stored is appended; a turn without one is saved alone.
+    late = msgspec.structs.replace(final, id="r2", content="late")
+    with collecting_updates() as more:
+        await store.end_turn(done, late)
+        await store.end_turn(done, None)
+    assert [[(i.entity, i.action) for i in u.items] for u in more] == [
+        [("message", "created"), ("turn", "updated")],
+        [("turn", "updated")],
+    ]
+    assert [m.content for m in await store.list_messages("s1")][-1] == "late"

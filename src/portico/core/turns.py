@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -220,31 +220,26 @@ class TurnRunner:
             parts = terminal.parts
         trigger = self._trigger_for(terminal)
         if self._reply_opened is not None:
-            # The reply's insert must have landed before its final update is queued:
-            # otherwise the turn's end would be written (and pushed) before the reply.
+            # The reply's insert must have landed before its end is queued: the end
+            # updates it in place (or appends it when that insert failed).
             await asyncio.wait({self._reply_opened})
-        writes: list[Awaitable[None]] = []
+        reply = None
         if content or parts or self._reply_opened is not None:
             failed = trigger in (TurnTrigger.FAIL, TurnTrigger.INTERRUPT)
-            writes.append(self._archive_reply(content, parts or (), failed=failed))
+            reply = self._reply(content, parts or (), "failed" if failed else "completed")
         event = self._terminal_event(terminal, content, parts)
         if isinstance(event, TurnFailed):
             self.turn = msgspec.structs.replace(
                 self.turn, error_code=event.code, error_message=event.message
             )
         self._advance(trigger)
-        writes.append(self._store.save_turn(self.turn))
-        await self._write_all(writes)
+        try:
+            # The reply and the turn's end: one write, one commit, one update.
+            await self._store.end_turn(self.turn, reply)
+        except StoreError:
+            # Logged; the client still gets its one terminal event.
+            log.exception("archiving the turn's end failed turn=%s", self.turn.id)
         self.emit(event)
-
-    async def _write_all(self, writes: list[Awaitable[None]]) -> None:
-        """The reply and the turn's end, queued together so they share one commit (in
-        this order); a failure is logged and the client still gets its terminal event."""
-        for outcome in await asyncio.gather(*writes, return_exceptions=True):
-            if isinstance(outcome, Exception):
-                log.error("archiving the turn's end failed turn=%s", self.turn.id, exc_info=outcome)
-            elif isinstance(outcome, BaseException):
-                raise outcome
 
     def _trigger_for(self, terminal: Done | Failure | None) -> TurnTrigger:
         if terminal is None:
@@ -290,21 +285,6 @@ class TurnRunner:
         self._reply_opened = asyncio.ensure_future(
             self._store.append_message(self._reply("", (), "streaming"))
         )
-
-    async def _archive_reply(
-        self, content: str, parts: tuple[ContentPart, ...], *, failed: bool
-    ) -> None:
-        final = self._reply(content, parts, "failed" if failed else "completed")
-        opened = self._reply_opened
-        if opened is not None:
-            try:
-                await opened
-            except StoreError:
-                log.exception("archiving the streaming reply failed turn=%s", self.turn.id)
-            else:
-                await self._store.update_message(final)
-                return
-        await self._store.append_message(final)
 
     async def _settle_start(self) -> bool:
         """Wait for the writes started behind the turn; False if its message was lost."""

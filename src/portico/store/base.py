@@ -14,6 +14,7 @@ what:
 | begin_turn                   | message created, turn created, session updated, and  |
 |                              | message created for the reply when given (one update) |
 | create_turn / save_turn      | turn created (new id) or turn updated                 |
+| end_turn                     | message updated (or created), then turn updated      |
 | save_tool_call               | rtc created (new id) or rtc updated                   |
 | fork_session                 | session created, then message created per message     |
 | interrupt_unfinished_turns   | turn updated per turn, message updated per reply left |
@@ -149,6 +150,11 @@ class Store(Protocol):
 
     async def save_turn(self, turn: Turn) -> None:
         """Replace the stored turn with this one (same id)."""
+
+    async def end_turn(self, turn: Turn, reply: Message | None) -> None:
+        """Save the turn's last state and, when given, its reply (its content, parts,
+        status, metadata and `updated_at` replace the stored reply's, or it is appended
+        when none is stored), as one write: one update, the reply's item first."""
 
     async def get_turn(self, turn_id: str) -> Turn | None: ...
 

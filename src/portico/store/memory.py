@@ -140,9 +140,15 @@ class MemoryStore:
         return stored
 
     async def update_message(self, message: Message) -> Message:
-        old = self._message_index.get(message.id)
-        if old is None:
+        if message.id not in self._message_index:
             raise StoreError(f"no message {message.id}")
+        stored = self._changed(message)
+        self._log(stored.session_id, ("updated", stored))
+        return stored
+
+    def _changed(self, message: Message) -> Message:
+        """Replace the stored message's content (its ids and offsets stay)."""
+        old = self._message_index[message.id]
         stored = msgspec.structs.replace(
             old,
             content=message.content,
@@ -152,7 +158,6 @@ class MemoryStore:
             updated_at=message.updated_at,
         )
         self._replace_message(stored)
-        self._log(stored.session_id, ("updated", stored))
         return stored
 
     def _replace_message(self, message: Message) -> None:
@@ -215,6 +220,19 @@ class MemoryStore:
 
     async def save_turn(self, turn: Turn) -> None:
         self._save(self._turns, turn)
+
+    async def end_turn(self, turn: Turn, reply: Message | None) -> None:
+        if turn.session_id not in self._sessions:
+            raise StoreError(f"no session {turn.session_id}")
+        changes: list[Change] = []
+        if reply is not None:
+            if reply.id in self._message_index:
+                changes.append(("updated", self._changed(reply)))
+            else:
+                changes.append(("created", self._append(reply)))
+        changes.append(("updated" if turn.id in self._turns else "created", turn))
+        self._turns[turn.id] = turn
+        self._log(turn.session_id, *changes)
 
     def _save(self, table: dict[str, T], entity: T) -> None:
         if entity.session_id not in self._sessions:

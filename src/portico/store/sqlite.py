@@ -496,7 +496,8 @@ def _save_tool_call(conn: sqlite3.Connection, out: list[Update], call: ToolCallR
     _log_for_session(conn, out, call.session_id, (UpdateItem("rtc", action, call.id),), (call,))
 
 
-def _update_message(conn: sqlite3.Connection, out: list[Update], message: Message) -> Message:
+def _replace_message(conn: sqlite3.Connection, message: Message) -> Message | None:
+    """The stored message after its content changed; None when there is none."""
     values = (
         message.content,
         _json_encode(message.parts),
@@ -506,12 +507,33 @@ def _update_message(conn: sqlite3.Connection, out: list[Update], message: Messag
         message.id,
     )
     row = conn.execute(_UPDATE_MESSAGE, values).fetchone()
-    if row is None:
+    return None if row is None else _message_from_row(row)
+
+
+def _update_message(conn: sqlite3.Connection, out: list[Update], message: Message) -> Message:
+    stored = _replace_message(conn, message)
+    if stored is None:
         raise StoreError(f"no message {message.id}")
-    stored = _message_from_row(row)
     item = UpdateItem("message", "updated", stored.id)
     _log_for_session(conn, out, stored.session_id, (item,), (stored,))
     return stored
+
+
+def _end_turn(
+    conn: sqlite3.Connection, out: list[Update], turn: Turn, reply: Message | None
+) -> None:
+    items: list[UpdateItem] = []
+    entities: list[Entity] = []
+    if reply is not None:
+        stored = _replace_message(conn, reply)
+        action: Action = "updated"
+        if stored is None:
+            stored, action = _insert_message(conn, reply), "created"
+        items.append(UpdateItem("message", action, stored.id))
+        entities.append(stored)
+    items.append(UpdateItem("turn", _save_turn(conn, turn), turn.id))
+    entities.append(turn)
+    _log_for_session(conn, out, turn.session_id, tuple(items), tuple(entities))
 
 
 def _fork_session(
@@ -969,6 +991,9 @@ class SqliteStore:
 
     async def save_turn(self, turn: Turn) -> None:
         await self._write(functools.partial(_log_turn, _save_turn, turn=turn))
+
+    async def end_turn(self, turn: Turn, reply: Message | None) -> None:
+        await self._write(functools.partial(_end_turn, turn=turn, reply=reply))
 
     async def get_turn(self, turn_id: str) -> Turn | None:
         def select(conn: sqlite3.Connection) -> Turn | None:
