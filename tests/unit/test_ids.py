@@ -1,0 +1,31 @@
+"""Record ids: a prefix and 128 random bits, unique across threads."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+from portico.core.model import new_id
+
+ID = re.compile(r"msg-[0-9a-f]{32}")
+
+
+def test_ids_are_prefixed_128_bit_hex_and_do_not_repeat() -> None:
+    ids = [new_id("msg") for _ in range(20_000)]  # crosses many pool refills
+    assert all(ID.fullmatch(i) for i in ids)
+    assert len(set(ids)) == len(ids)
+
+
+def test_threads_draw_ids_of_their_own() -> None:
+    made: list[list[str]] = [[] for _ in range(4)]
+
+    def draw(out: list[str]) -> None:
+        out.extend(new_id("msg") for _ in range(5_000))
+
+    threads = [threading.Thread(target=draw, args=(out,)) for out in made]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    every = [i for out in made for i in out]
+    assert len(set(every)) == len(every) == 20_000
