@@ -91,6 +91,22 @@ def make_message(session_id: str = "s1", *, n: int = 0, content: str = "") -> Me
     )
 
 
+def make_pending_reply(message_id: str, *, turn_id: str, session_id: str = "s1") -> Message:
+    """A turn's reply as the engine creates it with the turn: empty and `pending`."""
+    return Message(
+        id=message_id,
+        session_id=session_id,
+        turn_id=turn_id,
+        role="assistant",
+        content="",
+        content_type="markdown",
+        status="pending",
+        created_at=1.0,
+        updated_at=1.0,
+        turn_offset=2,
+    )
+
+
 def make_turn(
     turn_id: str, *, session_id: str = "s1", state: TurnState = TurnState.PENDING, at: float = 1.0
 ) -> Turn:
@@ -1208,18 +1224,7 @@ async def test_begin_turn_can_refuse_a_client_id_the_owner_already_used(store: S
 async def test_begin_turn_can_create_the_turns_reply_in_the_same_write(store: Store) -> None:
     await store.create_session(make_session("s1"))
     turn = make_turn("t1")
-    reply = Message(
-        id="r1",
-        session_id="s1",
-        turn_id="t1",
-        role="assistant",
-        content="",
-        content_type="markdown",
-        status="pending",
-        created_at=1.0,
-        updated_at=1.0,
-        turn_offset=2,
-    )
+    reply = make_pending_reply("r1", turn_id="t1")
     with collecting_updates() as updates:
         user = await store.begin_turn(turn, make_message("s1", n=1), reply=reply)
     stored = await store.list_messages("s1")
@@ -1244,18 +1249,7 @@ async def test_begin_turn_can_create_the_turns_reply_in_the_same_write(store: St
 async def test_end_turn_writes_the_reply_and_the_turn_as_one_update(store: Store) -> None:
     await store.create_session(make_session("s1"))
     turn = make_turn("t1", state=TurnState.RUNNING)
-    reply = Message(
-        id="r1",
-        session_id="s1",
-        turn_id="t1",
-        role="assistant",
-        content="",
-        content_type="markdown",
-        status="pending",
-        created_at=1.0,
-        updated_at=1.0,
-        turn_offset=2,
-    )
+    reply = make_pending_reply("r1", turn_id="t1")
     await store.begin_turn(turn, make_message("s1", n=1), reply=reply)
     done = msgspec.structs.replace(turn, state=TurnState.COMPLETED, ended_at=3.0)
     final = msgspec.structs.replace(reply, content="Hello", status="completed", updated_at=3.0)

@@ -5,11 +5,9 @@ agent's configured client tools offered to every runtime."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-import pytest
 
 from portico.config import AgentSettings
 from portico.core.engine import Engine, UserMessage
@@ -31,19 +29,6 @@ from support.fake_openai import (
 )
 
 WAIT = 5.0
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeOpenAI]:
-    fake = FakeOpenAI().start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-def fake(server: FakeOpenAI) -> FakeOpenAI:
-    server.reset()
-    return server
 
 
 def engine_for(runtime: Runtime, agent: AgentSettings) -> Engine:

@@ -5,7 +5,6 @@ model and provider type but never the provider's response."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,19 +27,6 @@ from support.fake_openai import (
 
 RETRIES = 2  # agent_settings' default: three attempts in all
 LABEL = "model fake-model (fake)"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeOpenAI]:
-    fake = FakeOpenAI().start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-def fake(server: FakeOpenAI) -> FakeOpenAI:
-    server.reset()
-    return server
 
 
 async def run(base_url: str, **settings: Any) -> list[RuntimeEvent]:

@@ -62,19 +62,6 @@ LOCATION_TOOL = {
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[FakeOpenAI]:
-    fake = FakeOpenAI().start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-def fake(server: FakeOpenAI) -> FakeOpenAI:
-    server.reset()
-    return server
-
-
-@pytest.fixture(scope="module")
 def tool_api() -> Iterator[ToolApi]:
     api = ToolApi().start()
     yield api

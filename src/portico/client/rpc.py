@@ -100,6 +100,7 @@ import msgspec
 from aiohttp import WSMsgType
 
 from portico.client.session import ReconnectPolicy
+from portico.client.supervision import Supervision
 from portico.core.model import ContentPart
 
 log = logging.getLogger("portico.client.rpc")
@@ -638,8 +639,7 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._link: _Link | None = None
         self._online = asyncio.Event()  # set while a link is ready, and once stopped
-        self._supervisor: asyncio.Task[None] | None = None
-        self._first: asyncio.Future[None] | None = None
+        self._supervision = Supervision("RpcClient")
         self._stopped = False
         self._failure: RpcClientError | None = None
         self._closing = False
@@ -655,22 +655,14 @@ class RpcClient:
 
     async def connect(self) -> None:
         """Connect and wait for `connected`; raises `RpcAuthenticationError`/`RpcConnectError`."""
-        if self._supervisor is not None:
-            raise RuntimeError("RpcClient.connect() was already called")
         if self._http is None:
             self._http = aiohttp.ClientSession()
-        self._first = asyncio.get_running_loop().create_future()
-        self._supervisor = asyncio.create_task(self._supervise())
-        try:
-            await self._first
-        except BaseException:
-            await self.close()
-            raise
+        await self._supervision.start(self._supervise, self.close)
 
     async def close(self) -> None:
         """Close the connection and stop: pending calls raise `RpcClosedError`."""
         self._closing = True
-        supervisor = self._supervisor
+        supervisor = self._supervision.task
         if supervisor is not None and not supervisor.done():
             if self._link is not None:
                 with contextlib.suppress(Exception):
@@ -942,7 +934,7 @@ class RpcClient:
             await self._online.wait()
 
     def _check_usable(self) -> None:
-        if self._supervisor is None:
+        if self._supervision.task is None:
             raise RpcClosedError("not connected: use `async with` or await connect()")
         if self._stopped or self._closing:
             raise self._failure or RpcClosedError("the client is closed")
@@ -992,8 +984,7 @@ class RpcClient:
         if not link.connected.done():
             link.connected.set_result(None)
         self._online.set()
-        if self._first is not None and not self._first.done():
-            self._first.set_result(None)
+        self._supervision.connected()
 
     def _take_update(self, wire: _WireUpdate) -> None:
         if self._received is not None and wire.offset <= self._received:
@@ -1140,8 +1131,7 @@ class RpcClient:
         self._online.set()
         self._updates.close()
         self._live.close()
-        if self._first is not None and not self._first.done():
-            self._first.set_exception(error or RpcClosedError("closed before connected"))
+        self._supervision.failed(error or RpcClosedError("closed before connected"))
 
 
 def _reset_reason(

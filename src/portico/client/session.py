@@ -70,6 +70,7 @@ import aiohttp
 import msgspec
 from aiohttp import WSMsgType
 
+from portico.client.supervision import Supervision
 from portico.core.model import ContentPart
 from portico.errors import BinaryFrameError, BufferOverflow, ProtocolViolation
 from portico.protocols.omnia.binary import decode_frame
@@ -533,8 +534,7 @@ class SessionClient:
         self._open_turns: dict[str, Turn | None] = {}
         self._call_owner: dict[str, Turn] = {}
         self._link: _Link | None = None
-        self._supervisor: asyncio.Task[None] | None = None
-        self._first_ready: asyncio.Future[None] | None = None
+        self._supervision = Supervision("SessionClient")
         self._stopped = asyncio.Event()
         self._failure: SessionError | None = None
         self._closing = False
@@ -554,24 +554,16 @@ class SessionClient:
 
     async def connect(self) -> None:
         """Open the session: connect, send `hello`, wait for `ready` (`connect_timeout`)."""
-        if self._supervisor is not None:
-            raise RuntimeError("SessionClient.connect() was already called")
         if self._http is None:
             self._http = aiohttp.ClientSession()
-        self._first_ready = asyncio.get_running_loop().create_future()
-        self._supervisor = asyncio.create_task(self._supervise())
-        try:
-            await self._first_ready
-        except BaseException:
-            await self.close()
-            raise
+        await self._supervision.start(self._supervise, self.close)
 
     async def end(self) -> bool:
         """Send `end` and wait (`close_timeout` at most) for the server's close 1000.
 
         True when the server confirmed. Either way the client is stopped afterwards.
         """
-        if self._stopped.is_set() or self._supervisor is None:
+        if self._stopped.is_set() or self._supervision.task is None:
             return False
         try:
             await self._send(f.End(seq=0))
@@ -586,7 +578,7 @@ class SessionClient:
     async def close(self) -> None:
         """Stop without ending the session: the server keeps it for its resume window."""
         self._closing = True
-        supervisor = self._supervisor
+        supervisor = self._supervision.task
         if supervisor is not None and not supervisor.done():
             if self._link is not None:
                 # A close frame lets the server start the resume window at once.
@@ -728,7 +720,7 @@ class SessionClient:
         return self._channel.next_seq - 1
 
     def _check_open(self) -> None:
-        if self._supervisor is None:
+        if self._supervision.task is None:
             raise SessionClosedError("not connected: use `async with` or await connect()")
         if self._stopped.is_set():
             raise self._stopped_error("the session is closed")
@@ -1030,8 +1022,7 @@ class SessionClient:
             self.capabilities = ready.capabilities
         log.info("session %s session=%s", "resumed" if ready.resumed else "opened", self.session_id)
         self._status(ConnectionStatus("open", resumed=ready.resumed))
-        if self._first_ready is not None and not self._first_ready.done():
-            self._first_ready.set_result(None)
+        self._supervision.connected()
 
     def _hello(self, credential: str | None) -> f.Hello:
         # A registered tool replaces a declared spec of the same name.
@@ -1074,8 +1065,7 @@ class SessionClient:
                 open_turn._put(_STOP)
         for task in list(self._tool_tasks.values()):
             task.cancel()
-        if self._first_ready is not None and not self._first_ready.done():
-            self._first_ready.set_exception(error or SessionClosedError("closed before ready"))
+        self._supervision.failed(error or SessionClosedError("closed before ready"))
         self._status(ConnectionStatus("closed", error=error))
 
     def _status(self, status: ConnectionStatus) -> None:
