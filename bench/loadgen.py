@@ -492,20 +492,58 @@ def summarize_ms(samples: list[float], prefix: str) -> dict[str, float]:
     }
 
 
+class OpenLoop:
+    """`rate` sends/s over a pool of connections, a send only on a connection whose last
+    turn ended: a pool too small for the rate is counted (`missed`), never hidden."""
+
+    def __init__(self) -> None:
+        self.idle: deque[Any] = deque()
+        self.measure_from = math.inf  # perf_counter() after the warm-up
+        self.sent = self.missed = self.connect_errors = 0
+
+    def measured(self, peer: Any) -> bool:
+        """Give `peer` back to the pool; True when its turn falls in the window."""
+        self.idle.append(peer)
+        return bool(peer.sent_at >= self.measure_from)
+
+    async def run(self, peers: list[Any], options: Options, send: Callable[[Any], None]) -> bool:
+        """Connect, send at the rate, wait for the last turns; True when they all ended."""
+        assign_users(peers, options.users)
+        dialer = make_dialer(options.client)
+        self.connect_errors = await open_all(
+            dialer, options.url, peers, options.connect_concurrency
+        )
+        self.idle.extend(p for p in peers if p.connected.done() and not p.connected.exception())
+        await sleep_until(options.start_at)
+        interval = 1.0 / options.rate
+        start = time.perf_counter()
+        self.measure_from = start + options.warmup
+        ticks = min(options.max_turns, int((options.warmup + options.seconds) * options.rate))
+        for tick in range(ticks):
+            await asyncio.sleep(max(0.0, start + tick * interval - time.perf_counter()))
+            if self.idle:
+                send(self.idle.popleft())
+                self.sent += 1
+            else:
+                self.missed += 1
+        drained = await until(lambda: not any(p.busy for p in peers), DRAIN_TIMEOUT)
+        await close_all(peers)
+        await dialer.aclose()
+        return drained
+
+
 @workload("latency")
 async def latency(options: Options) -> dict[str, Any]:
     """`rate` messages/s, each on a pooled connection whose previous turn has ended."""
     message = message_frame("bench", options.scenario)
     first: list[float] = []
     total: list[float] = []
-    idle: deque[LatencyPeer] = deque()
+    pacer = OpenLoop()
     errors = 0
-    measure_from = math.inf  # perf_counter() after the warm-up
 
     def done(peer: LatencyPeer, kind: str) -> None:
         nonlocal errors
-        idle.append(peer)
-        if peer.sent_at < measure_from:
+        if not pacer.measured(peer):
             return
         if kind == "error" or peer.first_at is None:
             errors += 1
@@ -515,32 +553,13 @@ async def latency(options: Options) -> dict[str, Any]:
         total.append(end - peer.sent_at)
 
     peers = [LatencyPeer(done) for _ in range(options.pool)]
-    assign_users(peers, options.users)
-    dialer = make_dialer(options.client)
-    connect_errors = await open_all(dialer, options.url, peers, options.connect_concurrency)
-    idle.extend(p for p in peers if p.connected.done() and not p.connected.exception())
-    await sleep_until(options.start_at)
-    interval = 1.0 / options.rate
-    start = time.perf_counter()
-    measure_from = start + options.warmup
-    ticks = min(options.max_turns, int((options.warmup + options.seconds) * options.rate))
-    sent = missed = 0
-    for tick in range(ticks):
-        await asyncio.sleep(max(0.0, start + tick * interval - time.perf_counter()))
-        if idle:
-            idle.popleft().send(message)
-            sent += 1
-        else:
-            missed += 1  # the pool is too small for this rate: reported, never hidden
-    await until(lambda: not any(p.busy for p in peers), DRAIN_TIMEOUT)
-    await close_all(peers)
-    await dialer.aclose()
+    await pacer.run(peers, options, lambda peer: peer.send(message))
     return {
         "rate": options.rate,
         "pool": options.pool,
-        "connect_errors": connect_errors,
-        "sent": sent,
-        "missed": missed,
+        "connect_errors": pacer.connect_errors,
+        "sent": pacer.sent,
+        "missed": pacer.missed,
         "samples": len(total),
         "errors": errors,
         **summarize_ms(first, "first"),
@@ -1108,14 +1127,12 @@ async def rpc_latency(options: Options) -> dict[str, Any]:
     """`latency` on `/v1/rpc`: `rate` sends/s, each on a pooled connection whose last turn
     ended; times send -> reply, -> turn `running`, -> first `live` chunk, -> turn end."""
     samples: dict[str, list[float]] = {"reply": [], "running": [], "first": [], "done": []}
-    idle: deque[RpcLatencyPeer] = deque()
+    pacer = OpenLoop()
     errors = 0
-    measure_from = math.inf  # perf_counter() after the warm-up
 
     def done(peer: RpcLatencyPeer, failed: bool) -> None:
         nonlocal errors
-        idle.append(peer)
-        if peer.sent_at < measure_from:
+        if not pacer.measured(peer):
             return
         if failed or peer.first_at is None or peer.reply_at is None or peer.running_at is None:
             errors += 1
@@ -1126,26 +1143,7 @@ async def rpc_latency(options: Options) -> dict[str, Any]:
         samples["done"].append(peer.ended_at - peer.sent_at)
 
     peers = [RpcLatencyPeer(i, options.scenario, done) for i in range(options.pool)]
-    assign_users(peers, options.users)
-    dialer = make_dialer(options.client)
-    connect_errors = await open_all(dialer, options.url, peers, options.connect_concurrency)
-    idle.extend(p for p in peers if p.connected.done() and not p.connected.exception())
-    await sleep_until(options.start_at)
-    interval = 1.0 / options.rate
-    start = time.perf_counter()
-    measure_from = start + options.warmup
-    ticks = min(options.max_turns, int((options.warmup + options.seconds) * options.rate))
-    sent = missed = 0
-    for tick in range(ticks):
-        await asyncio.sleep(max(0.0, start + tick * interval - time.perf_counter()))
-        if idle:
-            idle.popleft().send()
-            sent += 1
-        else:
-            missed += 1  # the pool is too small for this rate: reported, never hidden
-    drained = await until(lambda: not any(p.busy for p in peers), DRAIN_TIMEOUT)
-    await close_all(peers)
-    await dialer.aclose()
+    drained = await pacer.run(peers, options, lambda peer: peer.send())
     figures: dict[str, float] = {}
     for stage, values in samples.items():
         figures.update(summarize_ms(values, stage))
@@ -1153,9 +1151,9 @@ async def rpc_latency(options: Options) -> dict[str, Any]:
         "rate": options.rate,
         "pool": options.pool,
         "users": options.users,
-        "connect_errors": connect_errors,
-        "sent": sent,
-        "missed": missed,
+        "connect_errors": pacer.connect_errors,
+        "sent": pacer.sent,
+        "missed": pacer.missed,
         "samples": len(samples["done"]),
         "errors": errors + sum(p.frame_errors for p in peers) + (not drained),
         **figures,

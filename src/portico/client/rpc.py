@@ -100,7 +100,7 @@ import msgspec
 from aiohttp import WSMsgType
 
 from portico.client.session import ReconnectPolicy
-from portico.client.supervision import Supervision
+from portico.client.supervision import Retries, Supervision, open_socket, serve_socket
 from portico.core.model import ContentPart
 
 log = logging.getLogger("portico.client.rpc")
@@ -1014,19 +1014,14 @@ class RpcClient:
 
     async def _supervise(self) -> None:
         """Connect, and after every drop reconnect, until a terminal condition."""
-        attempt = 0  # failed attempts since the last connection that worked
-        lost_since: float | None = None
-        loop = asyncio.get_running_loop()
+        retries = Retries(self._policy, self._rng, RpcConnectionLostError)
         try:
             while True:
                 outcome = await self._connect_once()
                 if outcome.opened:
-                    attempt, lost_since = 0, None
+                    retries.connected()
                 self._check_terminal(outcome)
-                lost_since = loop.time() if lost_since is None else lost_since
-                self._check_give_up(loop.time() - lost_since)
-                delay = self._policy.delay(attempt, self._rng)
-                attempt += 1
+                delay = retries.next_delay()
                 log.info("rpc connection dropped code=%s retry_in=%.2f", outcome.close_code, delay)
                 await asyncio.sleep(delay)
         except RpcClientError as exc:
@@ -1051,40 +1046,36 @@ class RpcClient:
         if self.connections == 0:
             raise RpcConnectError(f"could not connect: {_describe_outcome(outcome)}")
 
-    def _check_give_up(self, lost_for: float) -> None:
-        limit = self._policy.give_up_after
-        if limit is not None and lost_for >= limit:
-            raise RpcConnectionLostError(f"no connection for {lost_for:.0f} s; giving up")
-
     async def _connect_once(self) -> _Outcome:
         """One connection, from the upgrade to its close."""
         assert self._http is not None
         deadline = asyncio.get_running_loop().time() + self._connect_timeout
         try:
-            async with asyncio.timeout_at(deadline):
-                ws = await self._http.ws_connect(
-                    self.url,
-                    heartbeat=self._heartbeat,
-                    max_msg_size=self._max_frame_bytes,
-                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=self._close_timeout),
-                )
+            ws = await open_socket(
+                self._http,
+                self.url,
+                deadline,
+                max_frame_bytes=self._max_frame_bytes,
+                close_timeout=self._close_timeout,
+                heartbeat=self._heartbeat,
+            )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             return _Outcome(failure=exc)
         link = _Link(ws, self._received, self._received_epoch, self._online.clear)
         self._link = link
         running = asyncio.create_task(self._run_link(link))
-        try:
-            opened = await self._handshake(link, running, deadline)
-            await running
-        finally:
+
+        def forget() -> None:
             link.drop()  # clears `_online`: callers wait for the next link
             self._link = None
-            if not running.done():
-                link.abort()
-                running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
-            if not ws.closed:
-                await ws.close()
+
+        opened = await serve_socket(
+            ws,
+            running,
+            self._handshake(link, running, deadline),
+            abort=link.abort,
+            before_cleanup=forget,
+        )
         return _Outcome(opened=opened, close_code=link.close_code, error=link.error)
 
     async def _handshake(self, link: _Link, running: asyncio.Task[None], deadline: float) -> bool:

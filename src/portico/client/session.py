@@ -70,7 +70,13 @@ import aiohttp
 import msgspec
 from aiohttp import WSMsgType
 
-from portico.client.supervision import Supervision
+from portico.client.supervision import (
+    ReconnectPolicy,
+    Retries,
+    Supervision,
+    open_socket,
+    serve_socket,
+)
 from portico.core.model import ContentPart
 from portico.errors import BinaryFrameError, BufferOverflow, ProtocolViolation
 from portico.protocols.omnia.binary import decode_frame
@@ -175,23 +181,6 @@ class SendBufferFullError(SessionError):
 
 
 # -- settings and results ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReconnectPolicy:
-    """Exponential backoff with jitter between reconnection attempts (spec §8)."""
-
-    initial: float = 0.25  # seconds before the first retry
-    maximum: float = 8.0  # seconds, the longest wait between attempts
-    factor: float = 2.0  # each failed attempt multiplies the wait by this
-    jitter: float = 0.5  # up to this fraction of each wait is taken off at random
-    give_up_after: float | None = 120.0  # seconds without a connection; None: never
-
-    def delay(self, attempt: int, rng: random.Random) -> float:
-        """Seconds to wait before retry number `attempt` (0 for the first)."""
-        base = min(self.maximum, self.initial * self.factor**attempt)
-        # Jitter spreads the reconnects of many clients a server dropped at once.
-        return base * (1.0 - self.jitter * rng.random())
 
 
 @dataclass(frozen=True)
@@ -898,16 +887,15 @@ class SessionClient:
 
     async def _supervise(self) -> None:
         """Connect, and after every drop reconnect, until a terminal condition."""
-        attempt = 0  # failed attempts since the last connection that worked
+        retries = Retries(self._policy, self._rng, ConnectionLostError)
         faults = 0  # consecutive closes that blame this client
         auth_retried = False
-        lost_since: float | None = None
-        loop = asyncio.get_running_loop()
         try:
             while True:
                 outcome = await self._connect_once()
                 if outcome.opened:
-                    attempt, lost_since, auth_retried = 0, None, False
+                    retries.connected()
+                    auth_retried = False
                 self._check_terminal(outcome, auth_retried)
                 auth_retried = outcome.close_code == CLOSE_UNAUTHENTICATED
                 faults = faults + 1 if outcome.close_code in CLIENT_FAULT_CLOSES else 0
@@ -916,10 +904,7 @@ class SessionClient:
                         "the server refused this client's frames repeatedly",
                         close_code=outcome.close_code,
                     )
-                lost_since = loop.time() if lost_since is None else lost_since
-                self._check_give_up(loop.time() - lost_since)
-                delay = self._policy.delay(attempt, self._rng)
-                attempt += 1
+                delay = retries.next_delay()
                 self._status(
                     ConnectionStatus("dropped", close_code=outcome.close_code, retry_in=delay)
                 )
@@ -958,11 +943,6 @@ class SessionClient:
         if code == CLOSE_RESUME_FAILED:
             raise ResumeFailedError(message, **kwargs)
 
-    def _check_give_up(self, lost_for: float) -> None:
-        limit = self._policy.give_up_after
-        if limit is not None and lost_for >= limit:
-            raise ConnectionLostError(f"no connection for {lost_for:.0f} s; giving up")
-
     async def _connect_once(self) -> _Outcome:
         """One connection, from the upgrade to its close."""
         assert self._http is not None
@@ -973,13 +953,14 @@ class SessionClient:
         except Exception as exc:
             return _Outcome(failure=exc)
         try:
-            async with asyncio.timeout_at(deadline):
-                ws = await self._http.ws_connect(
-                    self.url,
-                    autoping=True,
-                    max_msg_size=self._max_frame_bytes,
-                    timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=self._close_timeout),
-                )
+            ws = await open_socket(
+                self._http,
+                self.url,
+                deadline,
+                max_frame_bytes=self._max_frame_bytes,
+                close_timeout=self._close_timeout,
+                autoping=True,
+            )
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             return _Outcome(failure=exc)
         core = SessionConnection(role=Role.CLIENT, timing=self._timing, now=loop.time())
@@ -987,17 +968,17 @@ class SessionClient:
         link = _Link(ws, core, self._on_events, self._on_binary)
         self._link = link
         running = asyncio.create_task(link.run())
-        try:
-            opened = await self._handshake(link, running, deadline)
-            await running
-        finally:
+
+        def forget() -> None:
             self._link = None
-            if not running.done():
-                link.abort()
-                running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
-            if not ws.closed:
-                await ws.close()
+
+        opened = await serve_socket(
+            ws,
+            running,
+            self._handshake(link, running, deadline),
+            abort=link.abort,
+            before_cleanup=forget,
+        )
         return _Outcome(opened=opened, close_code=link.close_code, error=link.error)
 
     async def _handshake(self, link: _Link, running: asyncio.Task[None], deadline: float) -> bool:

@@ -168,6 +168,34 @@ export class ReconnectPolicy {
   }
 }
 
+/**
+ * When to try again: backoff since the last connection that worked, and the clock that
+ * gives up (`giveUpAfter`) with the client's own error type.
+ */
+class Retries {
+  constructor(policy, LostError) {
+    this.policy = policy;
+    this.LostError = LostError;
+    this.connected();
+  }
+
+  connected() {
+    this.attempt = 0; // failed attempts since the last connection that worked
+    this.lostSince = null;
+  }
+
+  /** Seconds to wait before the next attempt; throws `LostError` past the limit. */
+  nextDelay() {
+    this.lostSince ??= now();
+    const lostFor = now() - this.lostSince;
+    const giveUp = this.policy.giveUpAfter;
+    if (giveUp != null && lostFor >= giveUp) {
+      throw new this.LostError(`no connection for ${Math.round(lostFor)} s; giving up`);
+    }
+    return this.policy.delay(this.attempt++);
+  }
+}
+
 /** Sleep `seconds`, or less when `wake` fires (online again, closing). */
 function backoff(seconds, wake) {
   return new Promise((resolve) => {
@@ -941,16 +969,14 @@ export class SessionClient extends EventTarget {
   // -- connections ----------------------------------------------------------------------------
 
   async _supervise() {
-    let attempt = 0; // failed attempts since the last connection that worked
+    const retries = new Retries(this._policy, ConnectionLostError);
     let faults = 0; // consecutive closes that blame this client
     let authRetried = false;
-    let lostSince = null;
     try {
       for (;;) {
         const outcome = await this._connectOnce();
         if (outcome.opened) {
-          attempt = 0;
-          lostSince = null;
+          retries.connected();
           authRetried = false;
         }
         this._checkTerminal(outcome, authRetried);
@@ -961,14 +987,7 @@ export class SessionClient extends EventTarget {
             closeCode: outcome.closeCode,
           });
         }
-        lostSince ??= now();
-        const giveUp = this._policy.giveUpAfter;
-        if (giveUp != null && now() - lostSince >= giveUp) {
-          throw new ConnectionLostError(
-            `no connection for ${Math.round(now() - lostSince)} s; giving up`,
-          );
-        }
-        const delay = this._policy.delay(attempt++);
+        const delay = retries.nextDelay();
         this._status({ state: "dropped", closeCode: outcome.closeCode, retryIn: delay });
         await backoff(delay, this._wake);
         if (this._closing) throw new Finished();
@@ -1587,15 +1606,11 @@ export class RpcClient extends EventTarget {
   // -- connections ----------------------------------------------------------------------------
 
   async _supervise() {
-    let attempt = 0;
-    let lostSince = null;
+    const retries = new Retries(this._policy, RpcConnectionLostError);
     try {
       for (;;) {
         const outcome = await this._connectOnce();
-        if (outcome.opened) {
-          attempt = 0;
-          lostSince = null;
-        }
+        if (outcome.opened) retries.connected();
         if (this._closing) throw new Finished();
         const error = outcome.error;
         if (outcome.closeCode === CLOSE_UNAUTHENTICATED || error?.code === "unauthenticated") {
@@ -1608,14 +1623,7 @@ export class RpcClient extends EventTarget {
             `could not connect: ${error?.message ?? outcome.closeCode ?? "the connection failed"}`,
           );
         }
-        lostSince ??= now();
-        const giveUp = this._policy.giveUpAfter;
-        if (giveUp != null && now() - lostSince >= giveUp) {
-          throw new RpcConnectionLostError(
-            `no connection for ${Math.round(now() - lostSince)} s; giving up`,
-          );
-        }
-        const delay = this._policy.delay(attempt++);
+        const delay = retries.nextDelay();
         this.dispatchEvent(
           new CustomEvent("status", {
             detail: { state: "dropped", closeCode: outcome.closeCode, retryIn: delay },
