@@ -56,6 +56,13 @@ class BinaryFrameError(InvalidMessage):
     """
 
 
+class DeclareTooLarge(InvalidMessage):
+    """An Omnia `declare` over 16 KiB on the message that would open its session."""
+
+    def __init__(self) -> None:
+        super().__init__("declare exceeds 16 KiB")
+
+
 class SessionExpired(PorticoError):
     """The named session cannot be resumed: expired, or not the caller's."""
 

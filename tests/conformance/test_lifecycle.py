@@ -125,6 +125,23 @@ def test_serve_refuses_unsafe_or_incomplete_settings(args: tuple[str, ...], mess
     assert message in result.stderr
 
 
+async def test_allow_unauthenticated_flag_serves_an_open_bind(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    shown = run_cli("config", "show", "--host", "0.0.0.0", "--allow-unauthenticated")
+    assert shown.returncode == 0, shown.stderr
+    assert "allow_unauthenticated: true" in shown.stdout.splitlines()
+    # The later --host wins over the one ServerProcess passes first.
+    server = ServerProcess(
+        tmp_path / "data", args=("--host", "0.0.0.0", "--allow-unauthenticated")
+    ).start()
+    try:
+        async with http.get(server.http_url + "/readyz") as ready:
+            assert ready.status == 200
+    finally:
+        server.stop()
+
+
 def test_invalid_environment_value_is_a_clear_error() -> None:
     result = run_cli("config", "show", env={"PORTICO_PORT": "eighty"})
     assert result.returncode == 2

@@ -249,6 +249,18 @@ async def test_unseen_session_id_opens_a_new_session_owned_by_the_caller(
     assert session.owner == "alice"
 
 
+async def test_session_opened_without_authentication_is_owned_by_local(
+    connect_short: Connect, short_archive_path: Path
+) -> None:
+    client = await connect_short()
+    session_id = (await client.connected())["session_id"]
+    await client.ask("whose?")
+    async with open_archive(short_archive_path) as store:
+        session = await store.get_session(session_id)
+    assert session is not None
+    assert session.owner == "local"
+
+
 async def test_expired_context_gets_session_expired(connect_short: Connect) -> None:
     first = await connect_short()
     session_id = (await first.connected())["session_id"]
@@ -308,6 +320,19 @@ async def test_reserved_metadata_keys_are_not_counted_or_forwarded(
     assert user.metadata == _keys(32)
 
 
+async def test_reserved_value_over_8_kib_is_accepted_and_not_forwarded(
+    connect: Connect, archive_path: Path
+) -> None:
+    client = await connect()
+    session_id = (await client.connected())["session_id"]
+    metadata = {"user": "u1", "omnia.big": "x" * (8 * 1024 + 1), "mock_scenario": "echo"}
+    frames = await client.ask("fine", metadata=metadata)
+    # The echo scenario ran: the directives reached the runtime.
+    assert frames[-1] == {"type": "done", "content": "fine", "session_id": session_id}
+    (user, _) = await wait_for_messages(archive_path, session_id, 2)
+    assert user.metadata == {"user": "u1"}
+
+
 @pytest.mark.parametrize("value", [5, ["a"], None])
 async def test_non_string_metadata_value_is_invalid(connect: Connect, value: object) -> None:
     client = await connect()
@@ -319,14 +344,63 @@ async def test_non_string_metadata_value_is_invalid(connect: Connect, value: obj
 # -- declare -------------------------------------------------------------------------
 
 
-async def test_declare_over_16_kib_is_invalid(connect: Connect) -> None:
+BIG_DECLARE = {"sandboxes": {"workspace": {"note": "x" * (16 * 1024)}}}
+SMALL_DECLARE = {"sandboxes": {"workspace": {"mounts": []}}}
+
+
+async def test_declare_over_16_kib_on_the_opening_message_is_invalid(
+    connect: Connect, archive_path: Path
+) -> None:
+    client = await connect("?agent=sandboxed")
+    session_id = (await client.connected())["session_id"]
+    await client.send({"type": "message", "content": "x", "declare": BIG_DECLARE})
+    refused = await client.recv()
+    assert refused == {
+        "type": "error",
+        "error": {"code": "INVALID_MESSAGE", "message": "declare exceeds 16 KiB"},
+        "session_id": session_id,
+    }
+    async with open_archive(archive_path) as store:
+        assert await store.get_session(session_id) is None
+    # Nothing opened: the next message opens the session with its own declaration.
+    assert (await client.ask("y", declare=SMALL_DECLARE))[-1]["type"] == "done"
+    async with open_archive(archive_path) as store:
+        session = await store.get_session(session_id)
+    assert session is not None
+    assert session.declare == SMALL_DECLARE
+
+
+async def test_declare_over_16_kib_on_a_later_message_is_ignored(
+    connect: Connect, archive_path: Path
+) -> None:
+    """declare is read only where a session opens, so on later messages its size does
+    not matter either: the message is answered, the stored declaration is unchanged."""
+    client = await connect("?agent=sandboxed")
+    session_id = (await client.connected())["session_id"]
+    await client.ask("open", declare=SMALL_DECLARE)
+    assert (await client.ask("again", declare=BIG_DECLARE))[-1]["type"] == "done"
+    # A resume from another connection does not open the session either.
+    other = await connect("?agent=sandboxed")
+    await other.connected()
+    frames = await other.ask("resumed", session_id=session_id, declare=BIG_DECLARE)
+    assert frames[-1]["type"] == "done"
+    async with open_archive(archive_path) as store:
+        session = await store.get_session(session_id)
+    assert session is not None
+    assert session.declare == SMALL_DECLARE
+
+
+async def test_declare_over_16_kib_opening_an_unseen_session_id_is_invalid(
+    connect: Connect, archive_path: Path
+) -> None:
     client = await connect("?agent=sandboxed")
     await client.connected()
-    declare = {"sandboxes": {"workspace": {"note": "x" * (16 * 1024)}}}
-    await client.send({"type": "message", "content": "x", "declare": declare})
+    frame = {"type": "message", "content": "x", "session_id": "big-declare-1"}
+    await client.send({**frame, "declare": BIG_DECLARE})
     refused = await client.recv()
-    assert refused["error"]["code"] == "INVALID_MESSAGE"
-    assert "16 KiB" in refused["error"]["message"]
+    assert refused["error"] == {"code": "INVALID_MESSAGE", "message": "declare exceeds 16 KiB"}
+    async with open_archive(archive_path) as store:
+        assert await store.get_session("big-declare-1") is None
 
 
 async def test_empty_declare_is_accepted(connect: Connect) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
-from aiohttp.test_utils import TestClient, TestServer
+import pytest
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from portico.config import load_settings
 from portico.server.app import create_app
+from portico.server.observability import readyz
 from portico.server.services import SERVICES
 
 
@@ -25,3 +28,33 @@ async def test_readyz_is_503_while_not_ready_and_200_once_the_archive_is_open(
         response = await client.get("/readyz")
         assert response.status == 503
         assert (await client.get("/healthz")).status == 200
+
+
+async def test_readyz_is_503_while_the_archive_is_opening(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiohttp runs start-up before it binds the socket, so while the archive opens the
+    port refuses connections: the probe is asked in process at that moment, then on the
+    real socket once start-up has finished."""
+    app = create_app(load_settings(env={}, flags={"data_dir": str(tmp_path)}))
+    store = app[SERVICES].store
+    opening, release = asyncio.Event(), asyncio.Event()
+    real_open = store.open
+
+    async def held_open() -> None:
+        opening.set()
+        await release.wait()
+        await real_open()
+
+    monkeypatch.setattr(store, "open", held_open)
+    server = TestServer(app)
+    starting = asyncio.create_task(server.start_server())
+    try:
+        await opening.wait()
+        probe = await readyz(make_mocked_request("GET", "/readyz", app=app))
+        assert probe.status == 503
+    finally:
+        release.set()
+        await starting
+    async with TestClient(server) as client:
+        assert (await client.get("/readyz")).status == 200

@@ -30,15 +30,70 @@ def load(
 # -- precedence ---------------------------------------------------------------------
 
 
-def test_defaults() -> None:
-    settings = load()
-    assert settings == Settings()
-    assert (settings.host, settings.port, settings.auth, settings.runtime) == (
-        "127.0.0.1",
-        8080,
-        "none",
-        "demo",
-    )
+# The settings table of the foundation issue that operators and tests rely on:
+# (environment variable, default, a value set through it, the value it sets).
+SETTINGS_TABLE: list[tuple[str, object, str, object]] = [
+    ("PORTICO_HOST", "127.0.0.1", "10.1.2.3", "10.1.2.3"),
+    ("PORTICO_PORT", 8080, "9090", 9090),
+    ("PORTICO_DATA_DIR", "./.portico", "/var/lib/portico", "/var/lib/portico"),
+    ("PORTICO_RUNTIME", "demo", "echo", "echo"),
+    ("PORTICO_SCRIPT", None, "script.yaml", "script.yaml"),
+    ("PORTICO_AUTH", "none", "apikey", "apikey"),
+    ("PORTICO_API_KEYS", {}, "tok=alice", {"tok": "alice"}),
+    ("PORTICO_CONTEXT_TTL", 86400, "12.5", 12.5),
+    ("PORTICO_PING_INTERVAL", 30, "2.5", 2.5),
+    ("PORTICO_PONG_TIMEOUT", 60, "7", 7),
+    ("PORTICO_MAX_PAYLOAD_SIZE", 16777216, "4096", 4096),
+    ("PORTICO_TOOL_ACK_TIMEOUT", 5, "1.5", 1.5),
+    ("PORTICO_CLIENT_TOOL_TIMEOUT", 60, "90", 90),
+    ("PORTICO_MEDIA", "local", "none", "none"),
+    ("PORTICO_MAX_UPLOAD_BYTES", 104857600, "1000", 1000),
+    ("PORTICO_MAX_INLINE_MEDIA_BYTES", 262144, "1000", 1000),
+    ("PORTICO_MEDIA_TTL", 86400, "60", 60),
+    ("PORTICO_MAX_CONNECTIONS", 10000, "12", 12),
+    ("PORTICO_DRAIN_TIMEOUT", 30, "3", 3),
+    ("PORTICO_ORIGINS", (), "https://a.example", ("https://a.example",)),
+    ("PORTICO_RATE_LIMIT_MESSAGES", 50, "2.5", 2.5),
+    ("PORTICO_RATE_LIMIT_BURST", 100, "7", 7),
+    ("PORTICO_MEDIA_RATE_BYTES", 2097152, "1000", 1000),
+    ("PORTICO_RESUME_WINDOW", 30, "4", 4),
+    ("PORTICO_SESSION_IDLE_TIMEOUT", 45, "6", 6),
+    ("PORTICO_HEARTBEAT_INTERVAL", 15, "2", 2),
+    ("PORTICO_RESEND_BUFFER_MESSAGES", 1000, "10", 10),
+    ("PORTICO_RESEND_BUFFER_BYTES", 8388608, "2048", 2048),
+    ("PORTICO_UPDATE_RETENTION", 604800, "3600", 3600),
+]
+
+
+def _field(env_name: str) -> str:
+    return env_name.removeprefix("PORTICO_").lower()
+
+
+TABLE_IDS = [_field(row[0]) for row in SETTINGS_TABLE]
+
+
+@pytest.mark.parametrize(
+    ("env_name", "default"), [(row[0], row[1]) for row in SETTINGS_TABLE], ids=TABLE_IDS
+)
+def test_default_is_the_documented_one(env_name: str, default: object) -> None:
+    assert getattr(load(), _field(env_name)) == default
+
+
+@pytest.mark.parametrize(
+    ("env_name", "raw", "expected"),
+    [(row[0], row[2], row[3]) for row in SETTINGS_TABLE],
+    ids=TABLE_IDS,
+)
+def test_each_setting_reads_its_environment_variable(
+    env_name: str, raw: str, expected: object
+) -> None:
+    value = getattr(load({env_name: raw}), _field(env_name))
+    assert value == expected
+    assert value != getattr(Settings(), _field(env_name))  # the variable changed it
+
+
+def test_defaults_need_no_file_environment_or_flags() -> None:
+    assert load() == Settings()
 
 
 def test_config_file_overrides_defaults(tmp_path: Path) -> None:

@@ -58,6 +58,20 @@ def refusal(conn: OmniaConnection, frame: dict[str, Any] | str) -> dict[str, Any
     return error
 
 
+def invalid(message: str) -> dict[str, Any]:
+    """The whole error frame for an `INVALID_MESSAGE` on the connection's own session."""
+    return {"type": "error", "error": {"code": "INVALID_MESSAGE", "message": message}}
+
+
+def accepted(metadata: dict[str, str]) -> MessageReceived:
+    """The one event a message with this metadata produces; nothing is sent back."""
+    conn = opened()
+    (event,) = receive(conn, {"type": "message", "content": "x", "metadata": metadata})
+    assert isinstance(event, MessageReceived)
+    assert sent(conn) == []
+    return event
+
+
 # -- connected -------------------------------------------------------------------------
 
 
@@ -159,18 +173,157 @@ def test_metadata_limits_are_exact_boundaries() -> None:
     )
 
 
+# Each refusal is the whole frame and nothing else: `refusal` asserts no event, so
+# no turn can start.
+TOO_MANY_KEYS = "metadata has more than 32 keys"
+BAD_KEY = "metadata key must be 1 to 64 characters of letters, digits, '_', '.' or '-'"
+TOTAL_TOO_BIG = "metadata exceeds 32 KiB in total"
+# The allowed key characters, cycled to the length wanted.
+KEY_CHARS = "AZaz09_.-"
+
+
+def key_of(length: int) -> str:
+    return (KEY_CHARS * length)[:length]
+
+
+def message_with(metadata: dict[str, str]) -> dict[str, Any]:
+    return {"type": "message", "content": "x", "metadata": metadata}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"type": "launch_missiles"},
+            "Failed to parse message: Invalid value 'launch_missiles' - at `$.type`",
+        ),
+        (
+            {"type": "message", "content": 5},
+            "Failed to parse message: Expected `str | null`, got `int` - at `$.content`",
+        ),
+        (
+            {"type": "message", "content": "x", "metadata": {"k": 1}},
+            "Failed to parse message: Expected `str`, got `int` - at `$.metadata[...]`",
+        ),
+        (
+            {"type": "message", "content": "x", "declare": []},
+            "Failed to parse message: Expected `object | null`, got `array` - at `$.declare`",
+        ),
+        ({"type": "message"}, "a message needs `content` or `parts`"),
+        ({"type": "message", "content": "", "parts": []}, "a message needs `content` or `parts`"),
+    ],
+    ids=[
+        "unknown-type",
+        "content-wrong-type",
+        "metadata-wrong-type",
+        "declare-wrong-type",
+        "no-content-or-parts",
+        "empty-content-and-parts",
+    ],
+)
+def test_invalid_frames_are_refused_with_the_exact_error(raw: dict[str, Any], message: str) -> None:
+    assert refusal(opened(), raw) == invalid(message)
+
+
+def test_33_metadata_keys_are_refused() -> None:
+    metadata = {f"k{i:02}": "v" for i in range(33)}
+    assert refusal(opened(), message_with(metadata)) == invalid(TOO_MANY_KEYS)
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["bad key", "k!", "k/v", "clé", "", key_of(65)],
+    ids=["space", "bang", "slash", "non-ascii", "empty", "65-chars"],
+)
+def test_metadata_key_outside_the_charset_or_length_is_refused(key: str) -> None:
+    assert refusal(opened(), message_with({key: "v"})) == invalid(BAD_KEY)
+
+
+def test_metadata_key_of_64_allowed_characters_is_accepted() -> None:
+    key = key_of(64)
+    assert set(key) == set(KEY_CHARS)
+    assert accepted({key: "v"}).metadata == {key: "v"}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "x" * (8 * 1024 + 1),
+        "é" * (4 * 1024) + "x",  # 4097 characters, 8193 bytes
+        "€" * 2731,  # 2731 characters, 8193 bytes
+    ],
+    ids=["ascii", "two-byte", "three-byte"],
+)
+def test_metadata_value_over_8_kib_in_utf8_bytes_is_refused(value: str) -> None:
+    assert len(value.encode()) == 8 * 1024 + 1
+    error = refusal(opened(), message_with({"big": value}))
+    assert error == invalid("metadata value of 'big' exceeds 8 KiB")
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["é" * (4 * 1024), "€" * 2730 + "xx"],
+    ids=["two-byte", "three-byte"],
+)
+def test_metadata_value_of_exactly_8_kib_in_utf8_bytes_is_accepted(value: str) -> None:
+    assert len(value.encode()) == 8 * 1024
+    assert accepted({"big": value}).metadata == {"big": value}
+
+
+def four_keys_of(value_bytes: int) -> dict[str, str]:
+    """Keys `k0`..`k3` (2 bytes each) with two-byte-character values of `value_bytes`."""
+    return {f"k{i}": "é" * (value_bytes // 2) + "x" * (value_bytes % 2) for i in range(4)}
+
+
+def test_metadata_of_exactly_32_kib_in_utf8_bytes_is_accepted() -> None:
+    metadata = four_keys_of(8 * 1024 - 2)  # 4 x (2 + 8190) = 32768 bytes
+    assert sum(len(k.encode()) + len(v.encode()) for k, v in metadata.items()) == 32 * 1024
+    assert accepted(metadata).metadata == metadata
+
+
+def test_metadata_over_32_kib_in_utf8_bytes_is_refused() -> None:
+    metadata = {**four_keys_of(8 * 1024 - 2), "k0": "é" * 4095 + "x"}  # one byte more
+    assert sum(len(k.encode()) + len(v.encode()) for k, v in metadata.items()) == 32 * 1024 + 1
+    assert refusal(opened(), message_with(metadata)) == invalid(TOTAL_TOO_BIG)
+
+
+def test_reserved_keys_do_not_count_toward_32_keys() -> None:
+    metadata = {f"k{i:02}": "v" for i in range(32)}
+    reserved = {"mock_scenario": "echo", "content_type": "text", "omnia.trace": "t"}
+    event = accepted({**metadata, **reserved})
+    assert (event.metadata, event.directives) == (metadata, reserved)
+
+
+def test_reserved_values_are_exempt_from_the_value_and_total_limits() -> None:
+    metadata = four_keys_of(8 * 1024 - 2)  # the 32 KiB total, reached by forwarded keys
+    reserved = {"omnia.big": "x" * 9000, "mock_scenario": "é" * 5000, "content_type": "t" * 9000}
+    event = accepted({**metadata, **reserved})
+    assert (event.metadata, event.directives) == (metadata, reserved)
+
+
 def test_refused_message_error_names_the_session_it_was_for() -> None:
     frame = {"type": "message", "content": "x", "session_id": "sess-b", "metadata": {"": "v"}}
     assert refusal(opened(), frame)["session_id"] == "sess-b"
 
 
-def test_declare_limit_is_16_kib_encoded() -> None:
+def test_empty_declare_is_accepted() -> None:
+    conn = opened()
+    (event,) = receive(conn, {"type": "message", "content": "x", "declare": {}})
+    assert (event.declare, event.declare_too_large) == ({}, False)
+    assert sent(conn) == []
+
+
+def test_declare_over_16_kib_encoded_is_flagged_for_the_adapter() -> None:
+    """Only the archive knows whether this message opens its session (and so whether
+    the declaration is read and refused, or ignored): the core flags it, refuses nothing."""
     # {"a":"xxx..."} is 8 bytes of JSON around the value.
     fits = {"a": "x" * (16 * 1024 - 8)}
-    assert receive(opened(), {"type": "message", "content": "x", "declare": fits})
     over = {"a": "x" * (16 * 1024 - 7)}
-    error = refusal(opened(), {"type": "message", "content": "x", "declare": over})
-    assert "16 KiB" in error["error"]["message"]
+    for declare, too_large in ((fits, False), (over, True)):
+        conn = opened()
+        (event,) = receive(conn, {"type": "message", "content": "x", "declare": declare})
+        assert (event.declare, event.declare_too_large) == (declare, too_large)
+        assert sent(conn) == []
 
 
 def test_malformed_json_is_invalid_message() -> None:
@@ -377,3 +530,20 @@ def test_a_reading_client_never_overflows() -> None:
         conn.send_turn_event(TurnChunk("s1", "t1", f"chunk {n}"))
         assert conn.next_frame() is not None
     assert not conn.overflowed
+
+
+def test_a_frame_larger_than_the_send_queue_reaches_a_client_that_keeps_up() -> None:
+    # The bound is on the backlog: a `done` larger than it, queued right after a chunk
+    # in the same step, is not a slow consumer.
+    conn = make(max_send_queue_bytes=200)
+    conn.data_to_send()
+    conn.send_turn_event(TurnChunk("s1", "t1", "a chunk"))
+    conn.send_turn_event(TurnCompleted("s1", "t1", "x" * 2000))
+    assert not conn.overflowed
+    assert [frame["type"] for frame in sent(conn)] == ["chunk", "done"]
+    media = MediaChunk(
+        media_id="m1", mime_type="audio/pcm", data=b"\x00" * 5000, sequence=0, is_last=True
+    )
+    conn.send_turn_event(TurnMediaChunk("s1", "t1", media))
+    assert not conn.overflowed
+    assert [frame["type"] for frame in sent(conn)] == ["media_chunk"]

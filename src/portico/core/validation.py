@@ -26,27 +26,36 @@ _encode = msgspec.json.Encoder().encode
 
 
 def split_metadata(metadata: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """Split into (forwarded, directives) and enforce the spec's limits on the former."""
+    """Split into (forwarded, directives) and enforce the spec's limits on the former.
+
+    Reserved keys are the runtime's own and the spec exempts them from every limit;
+    the frame that carried them is already bounded by `max_payload_size`.
+    """
     forwarded: dict[str, str] = {}
     directives: dict[str, str] = {}
     for key, value in metadata.items():
-        if len(value.encode()) > METADATA_MAX_VALUE_BYTES:
-            raise InvalidMessage(f"metadata value of {key[:64]!r} exceeds 8 KiB")
         if key in RESERVED_METADATA_KEYS or key.startswith(RESERVED_METADATA_PREFIX):
             directives[key] = value
         else:
             forwarded[key] = value
-    if len(forwarded) > METADATA_MAX_KEYS:
+    _check_forwarded(forwarded)
+    return forwarded, directives
+
+
+def _check_forwarded(metadata: dict[str, str]) -> None:
+    """The limits on forwarded keys and values, all in UTF-8 bytes."""
+    if len(metadata) > METADATA_MAX_KEYS:
         raise InvalidMessage("metadata has more than 32 keys")
-    for key in forwarded:
+    for key, value in metadata.items():
         if not METADATA_KEY_PATTERN.fullmatch(key):
             raise InvalidMessage(
                 "metadata key must be 1 to 64 characters of letters, digits, '_', '.' or '-'"
             )
-    total = sum(len(key.encode()) + len(value.encode()) for key, value in forwarded.items())
+        if len(value.encode()) > METADATA_MAX_VALUE_BYTES:
+            raise InvalidMessage(f"metadata value of {key!r} exceeds 8 KiB")
+    total = sum(len(key.encode()) + len(value.encode()) for key, value in metadata.items())
     if total > METADATA_MAX_TOTAL_BYTES:
         raise InvalidMessage("metadata exceeds 32 KiB in total")
-    return forwarded, directives
 
 
 def check_parts(parts: tuple[ContentPart, ...]) -> None:
@@ -65,6 +74,6 @@ def check_parts(parts: tuple[ContentPart, ...]) -> None:
             )
 
 
-def check_declare(declare: dict[str, Any]) -> None:
-    if len(_encode(declare)) > DECLARE_MAX_BYTES:
-        raise InvalidMessage("declare exceeds 16 KiB")
+def declare_fits(declare: dict[str, Any]) -> bool:
+    """Whether a declaration is within the spec's 16 KiB, as encoded JSON."""
+    return len(_encode(declare)) <= DECLARE_MAX_BYTES

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from aiohttp import web
 
@@ -10,7 +11,7 @@ from portico.config import DEFAULT_AGENT
 from portico.core.engine import UserMessage
 from portico.core.events import TurnEvent
 from portico.core.model import new_id
-from portico.errors import InternalError, PorticoError, RateLimited
+from portico.errors import DeclareTooLarge, InternalError, PorticoError, RateLimited
 from portico.protocols.omnia.connection import (
     CLOSE_KEEPALIVE_TIMEOUT,
     CLOSE_SLOW_CONSUMER,
@@ -173,10 +174,18 @@ class OmniaSocket(ServerSocket):
             parts=event.parts,
             metadata=event.metadata,
             directives=event.directives,
-            declare=event.declare,
+            declare=await self._declaration(event),
         )
         await self._services.engine.submit(message, self._on_turn_event)
         self._attached.add(event.session_id)
+
+    async def _declaration(self, event: MessageReceived) -> dict[str, Any] | None:
+        """The `declare` to submit: one over 16 KiB is refused only where it would be read."""
+        if not event.declare_too_large:
+            return event.declare
+        if await self._services.store.get_session(event.session_id) is None:
+            raise DeclareTooLarge()  # this message would open the session
+        return None  # a later message ignores declare, whatever its size
 
     # -- writing ------------------------------------------------------------------
 

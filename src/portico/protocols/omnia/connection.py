@@ -27,7 +27,7 @@ from portico.core.events import (
 )
 from portico.core.limits import TokenBucket
 from portico.core.model import ContentPart
-from portico.core.validation import check_declare, check_parts, split_metadata
+from portico.core.validation import check_parts, declare_fits, split_metadata
 from portico.errors import (
     BinaryFrameError,
     InvalidMessage,
@@ -57,6 +57,9 @@ class MessageReceived(msgspec.Struct, frozen=True, kw_only=True):
     metadata: dict[str, str]
     directives: dict[str, str]
     declare: dict[str, Any] | None
+    # Over 16 KiB: refused only if this message opens its session, which the core
+    # cannot know (the archive can); on any later message declare is ignored.
+    declare_too_large: bool = False
 
 
 class ToolReply(msgspec.Struct, frozen=True):
@@ -243,8 +246,6 @@ class OmniaConnection:
         if inline and not self._media_bytes.allow(self._last_received, inline):
             raise _MediaRateExceeded()
         forwarded, directives = split_metadata(frame.metadata or {})
-        if frame.declare is not None:
-            check_declare(frame.declare)
         return MessageReceived(
             session_id=session_id,
             own_session=own,
@@ -253,6 +254,7 @@ class OmniaConnection:
             metadata=forwarded,
             directives=directives,
             declare=frame.declare,
+            declare_too_large=frame.declare is not None and not declare_fits(frame.declare),
         )
 
     # -- keepalive --------------------------------------------------------------
