@@ -1274,3 +1274,17 @@ async def test_end_turn_writes_the_reply_and_the_turn_as_one_update(store: Store
         [("turn", "updated")],
     ]
     assert [m.content for m in await store.list_messages("s1")][-1] == "late"
+
+
+async def test_a_write_failing_after_its_first_append_takes_no_offset(store: Store) -> None:
+    """The user's message lands, then the reply's id collides: nothing of it may count."""
+    await store.create_session(make_session("s1"))
+    first = await store.begin_turn(make_turn("t1"), make_message("s1", n=1))
+    clash = make_pending_reply(first.id, turn_id="t2")
+    with pytest.raises(StoreError):
+        await store.begin_turn(make_turn("t2"), make_message("s1", n=2), reply=clash)
+    assert await store.get_turn("t2") is None
+    later = await store.append_message(make_message("s1", n=3))
+    assert offsets(await store.list_messages("s1")) == [1, 2]
+    assert later.global_offset == 2
+    assert [update.offset for update in await all_updates(store, "alice")] == [1, 2, 3]

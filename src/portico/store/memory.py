@@ -118,6 +118,7 @@ class MemoryStore:
             raise StoreError(f"session {session.id} exists")
         if any(m.session_id != session.id for m in messages):
             raise StoreError("a forked message belongs to another session")
+        self._check_new(*messages)
         self._sessions[session.id] = session
         stored = [self._append(m) for m in messages]
         self._log(session.id, ("created", session), *(("created", m) for m in stored))
@@ -125,9 +126,16 @@ class MemoryStore:
 
     # -- messages -----------------------------------------------------------------
 
+    def _check_new(self, *messages: Message) -> None:
+        """A write checks every id first: like a rolled-back transaction, it changes nothing."""
+        ids = [message.id for message in messages]
+        if len(set(ids)) < len(ids) or any(i in self._message_index for i in ids):
+            raise StoreError("a message with this id exists")
+
     def _append(self, message: Message) -> Message:
         if message.session_id not in self._sessions:
             raise StoreError(f"no session {message.session_id}")
+        self._check_new(message)
         messages = self._messages.setdefault(message.session_id, [])
         stored = msgspec.structs.replace(message, global_offset=len(messages) + 1)
         messages.append(stored)
@@ -204,6 +212,7 @@ class MemoryStore:
             raise DuplicateClientId(
                 message.client_id, session_id=taken.session_id, message_id=taken.id
             )
+        self._check_new(message, *(() if reply is None else (reply,)))
         stored = self._append(message)  # raises before any change
         self._turns[turn.id] = turn
         session = msgspec.structs.replace(

@@ -48,9 +48,45 @@ from portico.store.base import UpdateListener, current_collector
 log = logging.getLogger("portico.store")
 
 T = TypeVar("T")
+# Sessions and owners whose last offsets the writer remembers; past this it forgets all.
+HEADS_SIZE = 50_000
+
+
+class Heads:
+    """The last message offset of each session and update offset of each owner.
+
+    The archive has one writer (this process's store thread), so it can number the
+    next message and update itself instead of reading MAX() before each insert: two
+    statements fewer per write, and every statement costs the event loop a hand-off
+    of the GIL. Whatever a rolled-back write may have taught is forgotten (`clear`).
+    """
+
+    def __init__(self) -> None:
+        self.messages: dict[str, int] = {}
+        self.updates: dict[str, int] = {}
+        self.owners: dict[str, str] = {}
+
+    def clear(self) -> None:
+        self.messages.clear()
+        self.updates.clear()
+        self.owners.clear()
+
+    def bound(self) -> None:
+        if max(len(self.messages), len(self.updates), len(self.owners)) > HEADS_SIZE:
+            self.clear()
+
+
+class Archive(sqlite3.Connection):
+    """The store's connection, with the offsets its writes have handed out."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.heads = Heads()
+
+
 # A write runs on the store thread inside its savepoint; it appends the updates it
 # logged to the list it is given, which is published only once the batch commits.
-Operation = Callable[[sqlite3.Connection, list[Update]], Any]
+Operation = Callable[[Archive, list[Update]], Any]
 Pending = tuple[Operation, asyncio.Future[Any], list[Update] | None]
 # What a write returned (or the StoreError it failed with) and the updates it logged.
 Outcome = tuple[Any, list[Update]]
@@ -262,7 +298,7 @@ _ENTITY_DECODERS: dict[EntityKind, msgspec.json.Decoder[Any]] = {
 }
 
 
-def _migrate(conn: sqlite3.Connection) -> None:
+def _migrate(conn: Archive) -> None:
     version: int = conn.execute("PRAGMA user_version").fetchone()[0]
     for index, script in enumerate(MIGRATIONS[version:], start=version + 1):
         conn.executescript(f"BEGIN; {script}; PRAGMA user_version = {index}; COMMIT;")
@@ -353,9 +389,9 @@ def _update_from_row(row: sqlite3.Row) -> Update:
 
 
 def _log(
-    conn: sqlite3.Connection,
+    conn: Archive,
     out: list[Update],
-    head: sqlite3.Row | None,
+    head: tuple[str, int] | sqlite3.Row | None,
     items: tuple[UpdateItem, ...],
     data_list: tuple[Entity, ...],
 ) -> None:
@@ -375,49 +411,63 @@ def _log(
         _INSERT_UPDATE,
         (owner, offset, update.id, _json_encode(items), _json_encode(data_list), update.created_at),
     )
+    conn.heads.updates[owner] = offset
     out.append(update)
 
 
 def _log_for_owner(
-    conn: sqlite3.Connection,
+    conn: Archive,
     out: list[Update],
     owner: str,
     items: tuple[UpdateItem, ...],
     data_list: tuple[Entity, ...],
 ) -> None:
-    _log(conn, out, conn.execute(_NEXT_OFFSET, (owner,)).fetchone(), items, data_list)
+    last = conn.heads.updates.get(owner)
+    if last is not None:
+        _log(conn, out, (owner, last + 1), items, data_list)
+    else:
+        _log(conn, out, conn.execute(_NEXT_OFFSET, (owner,)).fetchone(), items, data_list)
 
 
 def _log_for_session(
-    conn: sqlite3.Connection,
+    conn: Archive,
     out: list[Update],
     session_id: str,
     items: tuple[UpdateItem, ...],
     data_list: tuple[Entity, ...],
 ) -> None:
+    owner = conn.heads.owners.get(session_id)
+    if owner is not None:
+        _log_for_owner(conn, out, owner, items, data_list)
+        return
     head = conn.execute(_NEXT_OFFSET_OF_SESSION, (session_id,)).fetchone()
+    if head is not None:
+        conn.heads.owners[session_id] = head[0]
     _log(conn, out, head, items, data_list)
 
 
 # -- writes (run on the store thread) -------------------------------------------------
 
 
-def _insert_message(conn: sqlite3.Connection, message: Message) -> Message:
+def _insert_message(conn: Archive, message: Message) -> Message:
     """Append `message` with the session's next global_offset (1, 2, ... without gaps)."""
-    (last,) = conn.execute(_LAST_MESSAGE_OFFSET, (message.session_id,)).fetchone()
+    last = conn.heads.messages.get(message.session_id)
+    if last is None:
+        (last,) = conn.execute(_LAST_MESSAGE_OFFSET, (message.session_id,)).fetchone()
     stored = msgspec.structs.replace(message, global_offset=last + 1)
     conn.execute(_INSERT_MESSAGE, _message_row(stored))
+    conn.heads.messages[message.session_id] = last + 1
     return stored
 
 
-def _append_message(conn: sqlite3.Connection, out: list[Update], message: Message) -> Message:
+def _append_message(conn: Archive, out: list[Update], message: Message) -> Message:
     stored = _insert_message(conn, message)
     item = UpdateItem("message", "created", stored.id)
     _log_for_session(conn, out, stored.session_id, (item,), (stored,))
     return stored
 
 
-def _save_turn(conn: sqlite3.Connection, turn: Turn) -> Action:
+def _save_turn(conn: Archive, turn: Turn) -> Action:
     """Replace in place when known (keeping the rowid, so creation order holds)."""
     row = _turn_row(turn)
     if conn.execute(_REPLACE_TURN, (*row[1:], turn.id)).rowcount:
@@ -426,7 +476,7 @@ def _save_turn(conn: sqlite3.Connection, turn: Turn) -> Action:
     return "created"
 
 
-def _create_turn(conn: sqlite3.Connection, turn: Turn) -> Action:
+def _create_turn(conn: Archive, turn: Turn) -> Action:
     """Insert first: a turn being created is new, so this is one statement."""
     row = _turn_row(turn)
     try:
@@ -440,8 +490,8 @@ def _create_turn(conn: sqlite3.Connection, turn: Turn) -> Action:
 
 
 def _log_turn(
-    save: Callable[[sqlite3.Connection, Turn], Action],
-    conn: sqlite3.Connection,
+    save: Callable[[Archive, Turn], Action],
+    conn: Archive,
     out: list[Update],
     turn: Turn,
 ) -> None:
@@ -457,7 +507,7 @@ _OWNERS_CLIENT_ID = (
 
 
 def _begin_turn(
-    conn: sqlite3.Connection,
+    conn: Archive,
     out: list[Update],
     turn: Turn,
     message: Message,
@@ -487,7 +537,7 @@ def _begin_turn(
     return stored
 
 
-def _save_tool_call(conn: sqlite3.Connection, out: list[Update], call: ToolCallRecord) -> None:
+def _save_tool_call(conn: Archive, out: list[Update], call: ToolCallRecord) -> None:
     row = _tool_call_row(call)
     action: Action = "updated"
     if not conn.execute(_REPLACE_TOOL_CALL, (*row[1:], call.id)).rowcount:
@@ -496,7 +546,7 @@ def _save_tool_call(conn: sqlite3.Connection, out: list[Update], call: ToolCallR
     _log_for_session(conn, out, call.session_id, (UpdateItem("rtc", action, call.id),), (call,))
 
 
-def _replace_message(conn: sqlite3.Connection, message: Message) -> Message | None:
+def _replace_message(conn: Archive, message: Message) -> Message | None:
     """The stored message after its content changed; None when there is none."""
     values = (
         message.content,
@@ -510,7 +560,7 @@ def _replace_message(conn: sqlite3.Connection, message: Message) -> Message | No
     return None if row is None else _message_from_row(row)
 
 
-def _update_message(conn: sqlite3.Connection, out: list[Update], message: Message) -> Message:
+def _update_message(conn: Archive, out: list[Update], message: Message) -> Message:
     stored = _replace_message(conn, message)
     if stored is None:
         raise StoreError(f"no message {message.id}")
@@ -519,9 +569,7 @@ def _update_message(conn: sqlite3.Connection, out: list[Update], message: Messag
     return stored
 
 
-def _end_turn(
-    conn: sqlite3.Connection, out: list[Update], turn: Turn, reply: Message | None
-) -> None:
+def _end_turn(conn: Archive, out: list[Update], turn: Turn, reply: Message | None) -> None:
     items: list[UpdateItem] = []
     entities: list[Entity] = []
     if reply is not None:
@@ -537,7 +585,7 @@ def _end_turn(
 
 
 def _fork_session(
-    conn: sqlite3.Connection, out: list[Update], session: Session, messages: Sequence[Message]
+    conn: Archive, out: list[Update], session: Session, messages: Sequence[Message]
 ) -> list[Message]:
     if any(message.session_id != session.id for message in messages):
         raise StoreError(f"a forked message does not belong to session {session.id}")
@@ -574,7 +622,7 @@ def _owned(row: sqlite3.Row) -> tuple[str, dict[str, Any]]:
     return data.pop("owner"), data
 
 
-def _interrupt_unfinished_turns(conn: sqlite3.Connection, out: list[Update], now: float) -> int:
+def _interrupt_unfinished_turns(conn: Archive, out: list[Update], now: float) -> int:
     """Interrupt the turns and fail the replies a stopped server left; one update per owner."""
     changed: dict[str, list[Entity]] = {}
     turns = conn.execute(_UNFINISHED_TURNS, _TERMINAL).fetchall()
@@ -597,36 +645,76 @@ def _interrupt_unfinished_turns(conn: sqlite3.Connection, out: list[Update], now
     return count
 
 
-def _prune_updates(conn: sqlite3.Connection, out: list[Update], older_than: float) -> int:
+def _prune_updates(conn: Archive, out: list[Update], older_than: float) -> int:
     conn.execute(_KEEP_HEADS, (older_than,))  # so offsets go on from where they were
     return conn.execute("DELETE FROM updates WHERE created_at < ?", (older_than,)).rowcount
 
 
-def _run_batch(conn: sqlite3.Connection, operations: list[Operation]) -> list[Outcome]:
-    """Run every operation in its own savepoint inside one transaction."""
-    outcomes: list[Outcome] = []
+def _run_batch(conn: Archive, operations: list[Operation]) -> list[Outcome]:
+    """Run every operation in one transaction; one that fails changes nothing.
+
+    Optimistically without savepoints (two statements fewer per operation, and writes
+    rarely fail); when one does, the transaction is rolled back and the batch run
+    again with each operation in its own savepoint.
+    """
+    conn.heads.bound()
+    try:
+        return _run_in_transaction(conn, operations, _run_plainly)
+    except _RetryWithSavepoints:
+        return _run_in_transaction(conn, operations, _run_in_savepoints)
+
+
+class _RetryWithSavepoints(Exception):
+    """An operation of a batch run without savepoints failed."""
+
+
+def _run_in_transaction(
+    conn: Archive,
+    operations: list[Operation],
+    run: Callable[[Archive, list[Operation]], list[Outcome]],
+) -> list[Outcome]:
     conn.execute("BEGIN IMMEDIATE")
     try:
-        for operation in operations:
-            updates: list[Update] = []
-            conn.execute("SAVEPOINT op")
-            try:
-                result = operation(conn, updates)
-                conn.execute("RELEASE op")
-            # Any exception, not only sqlite3.Error: one escaping here would leave the
-            # transaction open and every future of the batch unresolved.
-            except Exception as exc:
-                conn.execute("ROLLBACK TO op")
-                conn.execute("RELEASE op")
-                outcomes.append((_write_error(exc), []))
-            else:
-                outcomes.append((result, updates))
+        outcomes = run(conn, operations)
         conn.execute("COMMIT")
     except BaseException:
-        # Left open, the transaction would make every later BEGIN fail.
+        # Left open, the transaction would make every later BEGIN fail; and offsets
+        # handed out inside it never landed.
+        conn.heads.clear()
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
+    return outcomes
+
+
+def _run_plainly(conn: Archive, operations: list[Operation]) -> list[Outcome]:
+    outcomes: list[Outcome] = []
+    for operation in operations:
+        updates: list[Update] = []
+        try:
+            outcomes.append((operation(conn, updates), updates))
+        except Exception as exc:
+            raise _RetryWithSavepoints from exc
+    return outcomes
+
+
+def _run_in_savepoints(conn: Archive, operations: list[Operation]) -> list[Outcome]:
+    outcomes: list[Outcome] = []
+    for operation in operations:
+        updates: list[Update] = []
+        conn.execute("SAVEPOINT op")
+        try:
+            result = operation(conn, updates)
+            conn.execute("RELEASE op")
+        # Any exception, not only sqlite3.Error: one escaping here would leave the
+        # transaction open and every future of the batch unresolved.
+        except Exception as exc:
+            conn.execute("ROLLBACK TO op")
+            conn.execute("RELEASE op")
+            conn.heads.clear()  # what the failed operation numbered did not land
+            outcomes.append((_write_error(exc), []))
+        else:
+            outcomes.append((result, updates))
     return outcomes
 
 
@@ -716,7 +804,7 @@ class SqliteStore:
     def __init__(self, path: str | Path) -> None:
         self._path = str(path)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portico-sqlite")
-        self._conn: sqlite3.Connection | None = None
+        self._conn: Archive | None = None
         self._epoch = ""
         self._pending: list[Pending] = []
         self._committer: asyncio.Task[None] | None = None
@@ -727,10 +815,12 @@ class SqliteStore:
 
     # -- plumbing ---------------------------------------------------------------
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self) -> Archive:
         if self._path != ":memory:":
             Path(self._path).parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(
+            self._path, isolation_level=None, check_same_thread=False, factory=Archive
+        )
         conn.row_factory = sqlite3.Row
         conn.execute("PRAGMA journal_mode=WAL")
         # NORMAL under WAL is durable across process crashes; only an OS crash
@@ -767,14 +857,14 @@ class SqliteStore:
     async def _in_thread(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
-    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def _read(self, fn: Callable[[Archive], T]) -> T:
         conn = self._connection()
         try:
             return await self._in_thread(lambda: fn(conn))
         except sqlite3.Error as exc:
             raise StoreError("archive read failed") from exc
 
-    async def _write(self, fn: Callable[[sqlite3.Connection, list[Update]], T]) -> T:
+    async def _write(self, fn: Callable[[Archive, list[Update]], T]) -> T:
         self._connection()
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         # The collector is read here, in the caller's context: the committer task
@@ -784,7 +874,7 @@ class SqliteStore:
             self._committer = asyncio.create_task(self._commit_pending())
         return await future
 
-    def _connection(self) -> sqlite3.Connection:
+    def _connection(self) -> Archive:
         if self._conn is None:
             raise StoreError("the archive is not open")
         return self._conn
@@ -857,7 +947,7 @@ class SqliteStore:
     # -- sessions ---------------------------------------------------------------
 
     async def create_session(self, session: Session) -> Session:
-        def insert_or_get(conn: sqlite3.Connection, out: list[Update]) -> Session:
+        def insert_or_get(conn: Archive, out: list[Update]) -> Session:
             inserted = conn.execute(_INSERT_SESSION_IF_ABSENT, _session_row(session)).rowcount
             stored = _session_from_row(conn.execute(_SELECT_SESSION, (session.id,)).fetchone())
             if inserted:
@@ -872,7 +962,7 @@ class SqliteStore:
         if cached is not None:
             return cached
 
-        def select(conn: sqlite3.Connection) -> Session | None:
+        def select(conn: Archive) -> Session | None:
             row = conn.execute(_SELECT_SESSION, (session_id,)).fetchone()
             return None if row is None else _session_from_row(row)
 
@@ -888,13 +978,13 @@ class SqliteStore:
         sql = _list_sessions_sql(include_deleted, bool(cursor))
         args = (owner, cursor, owner, limit) if cursor else (owner, limit)
 
-        def select(conn: sqlite3.Connection) -> list[Session]:
+        def select(conn: Archive) -> list[Session]:
             return [_session_from_row(row) for row in conn.execute(sql, args).fetchall()]
 
         return await self._read(select)
 
     async def touch_session(self, session_id: str, now: float) -> None:
-        def update(conn: sqlite3.Connection, out: list[Update]) -> None:
+        def update(conn: Archive, out: list[Update]) -> None:
             row = conn.execute(_TOUCH_SESSION, (now, now, session_id)).fetchone()
             if row is not None:  # touching a missing session changes nothing
                 session = _session_from_row(row)
@@ -904,7 +994,7 @@ class SqliteStore:
         await self._write(update)
 
     async def update_session(self, session: Session) -> Session:
-        def update(conn: sqlite3.Connection, out: list[Update]) -> Session:
+        def update(conn: Archive, out: list[Update]) -> Session:
             values = (*_session_row(session)[1:], session.id)
             row = conn.execute(_REPLACE_SESSION, values).fetchone()
             if row is None:
@@ -930,7 +1020,7 @@ class SqliteStore:
         return await self._write(functools.partial(_update_message, message=message))
 
     async def get_message(self, message_id: str) -> Message | None:
-        def select(conn: sqlite3.Connection) -> Message | None:
+        def select(conn: Archive) -> Message | None:
             row = conn.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
             return None if row is None else _message_from_row(row)
 
@@ -940,7 +1030,7 @@ class SqliteStore:
         if not client_id:
             return None
 
-        def select(conn: sqlite3.Connection) -> Message | None:
+        def select(conn: Archive) -> Message | None:
             # `client_id != ''` lets the planner use the partial index.
             row = conn.execute(
                 "SELECT m.* FROM messages m JOIN sessions s ON s.id = m.session_id "
@@ -974,7 +1064,7 @@ class SqliteStore:
     async def list_messages(
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None
     ) -> list[Message]:
-        def select(conn: sqlite3.Connection) -> list[Message]:
+        def select(conn: Archive) -> list[Message]:
             rows = conn.execute(
                 "SELECT * FROM messages WHERE session_id = ? AND global_offset > ? "
                 "ORDER BY global_offset LIMIT ?",
@@ -996,14 +1086,14 @@ class SqliteStore:
         await self._write(functools.partial(_end_turn, turn=turn, reply=reply))
 
     async def get_turn(self, turn_id: str) -> Turn | None:
-        def select(conn: sqlite3.Connection) -> Turn | None:
+        def select(conn: Archive) -> Turn | None:
             row = conn.execute("SELECT * FROM turns WHERE id = ?", (turn_id,)).fetchone()
             return None if row is None else _turn_from_row(row)
 
         return await self._read(select)
 
     async def list_turns(self, session_id: str) -> list[Turn]:
-        def select(conn: sqlite3.Connection) -> list[Turn]:
+        def select(conn: Archive) -> list[Turn]:
             rows = conn.execute(
                 "SELECT * FROM turns WHERE session_id = ? ORDER BY created_at, rowid",
                 (session_id,),
@@ -1016,7 +1106,7 @@ class SqliteStore:
         sql = _page_sql("turns", bool(cursor))
         args = _page_args(session_id, cursor, limit)
 
-        def select(conn: sqlite3.Connection) -> list[Turn]:
+        def select(conn: Archive) -> list[Turn]:
             return [_turn_from_row(row) for row in conn.execute(sql, args).fetchall()]
 
         return await self._read(select)
@@ -1027,14 +1117,14 @@ class SqliteStore:
         await self._write(functools.partial(_save_tool_call, call=call))
 
     async def get_tool_call(self, call_id: str) -> ToolCallRecord | None:
-        def select(conn: sqlite3.Connection) -> ToolCallRecord | None:
+        def select(conn: Archive) -> ToolCallRecord | None:
             row = conn.execute("SELECT * FROM tool_calls WHERE id = ?", (call_id,)).fetchone()
             return None if row is None else _tool_call_from_row(row)
 
         return await self._read(select)
 
     async def list_tool_calls(self, session_id: str) -> list[ToolCallRecord]:
-        def select(conn: sqlite3.Connection) -> list[ToolCallRecord]:
+        def select(conn: Archive) -> list[ToolCallRecord]:
             rows = conn.execute(
                 "SELECT * FROM tool_calls WHERE session_id = ? ORDER BY created_at, rowid",
                 (session_id,),
@@ -1049,7 +1139,7 @@ class SqliteStore:
         sql = _page_sql("tool_calls", bool(cursor))
         args = _page_args(session_id, cursor, limit)
 
-        def select(conn: sqlite3.Connection) -> list[ToolCallRecord]:
+        def select(conn: Archive) -> list[ToolCallRecord]:
             return [_tool_call_from_row(row) for row in conn.execute(sql, args).fetchall()]
 
         return await self._read(select)
@@ -1060,7 +1150,7 @@ class SqliteStore:
     # -- the update log ---------------------------------------------------------
 
     async def update_log(self, owner: str) -> UpdateLog:
-        def select(conn: sqlite3.Connection) -> tuple[int, int | None]:
+        def select(conn: Archive) -> tuple[int, int | None]:
             last, first = conn.execute(_UPDATE_LOG, (owner,)).fetchone()
             return last, first
 
@@ -1070,7 +1160,7 @@ class SqliteStore:
         )
 
     async def list_updates(self, owner: str, *, after_offset: int, limit: int) -> list[Update]:
-        def select(conn: sqlite3.Connection) -> list[Update]:
+        def select(conn: Archive) -> list[Update]:
             rows = conn.execute(_SELECT_UPDATES, (owner, after_offset, limit)).fetchall()
             return [_update_from_row(row) for row in rows]
 
