@@ -8,6 +8,7 @@ task it owns, so the turn finishes and is archived after the client is gone.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -147,8 +148,8 @@ class Engine:
         # taken synchronously so two racing messages cannot both start a turn.
         self._running: dict[str, TurnRunner | None] = {}
         self._tasks: dict[str, asyncio.Task[Turn]] = {}
-        self._listeners: dict[str, list[Listener]] = {}
-        self._owner_listeners: dict[str, list[Listener]] = {}
+        self._listeners: dict[str, tuple[Listener, ...]] = {}
+        self._owner_listeners: dict[str, tuple[Listener, ...]] = {}
         # RPC messages waiting for the session's running turn to end, oldest first.
         self._backlog: dict[str, list[Queued]] = {}
         self._background = Background("archiving in the background")
@@ -183,8 +184,11 @@ class Engine:
     def detach_owner(self, principal: str, listener: Listener) -> None:
         _remove_listener(self._owner_listeners, principal, listener)
 
-    def _listeners_of(self, session_id: str, owner: str) -> list[Listener]:
-        return [*self._listeners.get(session_id, ()), *self._owner_listeners.get(owner, ())]
+    def _listeners_of(self, session_id: str, owner: str) -> tuple[Listener, ...]:
+        listeners = self._listeners.get(session_id, ())
+        if owner in self._owner_listeners:
+            return listeners + self._owner_listeners[owner]
+        return listeners
 
     def streaming_replies(self, owner: str) -> list[str]:
         """Ids of the owner's replies being streamed now and already archived as such."""
@@ -478,7 +482,7 @@ class Engine:
             runtime=self._runtimes[session.agent],
             store=self.store,
             tools=self._tools,
-            listeners=lambda: self._listeners_of(session.id, session.owner),
+            listeners=functools.partial(self._listeners_of, session.id, session.owner),
             clock=self._clock,
             telemetry=self._telemetry,
         )
@@ -553,17 +557,22 @@ def _with_agent_tools(
     return (*declared, *(tool for tool in offered if tool.name not in names))
 
 
-def _add_listener(table: dict[str, list[Listener]], key: str, listener: Listener) -> None:
-    listeners = table.setdefault(key, [])
+# Listener tables hold tuples, replaced (never changed) on attach and detach: a turn
+# iterates the tuple it read, so a listener may detach while events go out, and no
+# event pays for a copy.
+def _add_listener(table: dict[str, tuple[Listener, ...]], key: str, listener: Listener) -> None:
+    listeners = table.get(key, ())
     if listener not in listeners:
-        listeners.append(listener)
+        table[key] = (*listeners, listener)
 
 
-def _remove_listener(table: dict[str, list[Listener]], key: str, listener: Listener) -> None:
-    listeners = table.get(key)
-    if listeners and listener in listeners:
-        listeners.remove(listener)
-        if not listeners:
+def _remove_listener(table: dict[str, tuple[Listener, ...]], key: str, listener: Listener) -> None:
+    listeners = table.get(key, ())
+    if listener in listeners:
+        remaining = tuple(other for other in listeners if other != listener)
+        if remaining:
+            table[key] = remaining
+        else:
             del table[key]
 
 

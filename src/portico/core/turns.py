@@ -40,7 +40,7 @@ from portico.runtime.base import (
 from portico.store.base import Store
 
 log = logging.getLogger("portico.turn")
-YIELD_EVERY = 16  # runtime events between forced yields to the event loop
+YIELD_EVERY = 64  # runtime events between forced yields to the event loop
 
 
 class TurnRunner:
@@ -54,7 +54,7 @@ class TurnRunner:
         runtime: Runtime,
         store: Store,
         tools: ToolBroker,
-        listeners: Callable[[], list[Listener]],
+        listeners: Callable[[], tuple[Listener, ...]],
         clock: Callable[[], float],
         telemetry: Telemetry,
         reply: Message | None = None,
@@ -170,13 +170,17 @@ class TurnRunner:
             except StopAsyncIteration:
                 return Done()
             reply = None
-            if isinstance(event, Done | Failure):
+            if type(event) is Chunk:
+                self._on_chunk(event)  # the hot path, without a coroutine per chunk
+            elif isinstance(event, Done | Failure):
                 return event
-            reply = await self._handle(event)
+            else:
+                reply = await self._handle(event)
             handled += 1
-            if handled % YIELD_EVERY == 0:
-                # A runtime that never awaits would starve every other session; yielding
-                # every few events (not every one) also lets writers send frames in batches.
+            if handled % YIELD_EVERY == 1:
+                # A runtime that never awaits would starve every other session. Yielding
+                # after the first event sends it at once; then every few events (not every
+                # one), so writers send a burst's frames in a few batches.
                 await asyncio.sleep(0)
 
     async def _handle(self, event: Chunk | MediaChunk | ToolCall | Usage) -> ToolOutcome | None:
@@ -190,13 +194,7 @@ class TurnRunner:
             )
             return None
         if isinstance(event, Chunk):
-            self._text.append(event.text)
-            if self._first_chunk is None:
-                self._first_chunk = time.perf_counter() - self._created
-                if self._reply_opened is None:
-                    self._open_reply()
-            self.emit(TurnChunk(session_id, turn_id, event.text, self.reply_id, self._chunks))
-            self._chunks += 1
+            self._on_chunk(event)
             return None
         if isinstance(event, MediaChunk):
             self.emit(TurnMediaChunk(session_id, turn_id, event))
@@ -204,6 +202,16 @@ class TurnRunner:
         return await self._tools.call(
             self._input.owner, session_id, turn_id, event, self.emit, self._next_offset
         )
+
+    def _on_chunk(self, event: Chunk) -> None:
+        self._text.append(event.text)
+        if self._first_chunk is None:
+            self._first_chunk = time.perf_counter() - self._created
+            if self._reply_opened is None:
+                self._open_reply()
+        turn = self.turn
+        self.emit(TurnChunk(turn.session_id, turn.id, event.text, self.reply_id, self._chunks))
+        self._chunks += 1
 
     def _next_offset(self) -> int:
         return next(self._offsets)
@@ -219,7 +227,7 @@ class TurnRunner:
             content = content if terminal.content is None else terminal.content
             parts = terminal.parts
         trigger = self._trigger_for(terminal)
-        if self._reply_opened is not None:
+        if self._reply_opened is not None and not self._reply_opened.done():
             # The reply's insert must have landed before its end is queued: the end
             # updates it in place (or appends it when that insert failed).
             await asyncio.wait({self._reply_opened})

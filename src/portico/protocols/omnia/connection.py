@@ -162,7 +162,7 @@ class OmniaConnection:
         self._queue(f.UploadReadyFrame(upload_ready=ready, session_id=session_id))
 
     def send_turn_event(self, event: TurnEvent) -> None:
-        self._queue(turn_event_frame(event))
+        self._outbox.put(_encode(turn_event_frame(event)))  # _queue, inlined: per chunk
 
     # -- input ------------------------------------------------------------------
 
@@ -275,6 +275,8 @@ class OmniaConnection:
 def turn_event_frame(event: TurnEvent) -> f.ServerFrame:
     """The `/ws` frame for one engine event."""
     session_id = event.session_id
+    if type(event) is TurnChunk:  # most events by far: skip the match below
+        return f.ChunkFrame(content=event.text, session_id=session_id)
     match event:
         case TurnChunk(text=text):
             return f.ChunkFrame(content=text, session_id=session_id)
