@@ -169,7 +169,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_connections: Count = 10000
     drain_timeout: Seconds = 30.0
     origins: tuple[str, ...] = ()  # empty: same-origin only; "*" allows any origin
-    # Frames waiting for a connection that does not read; past this it is closed (4008).
+    # Frames waiting for a connection that does not read; past this it is closed (4008
+    # on /ws, where it bounds the backlog: one frame larger than it is still sent).
     max_send_queue_bytes: Bytes = 4 * 1024 * 1024
     # How long a closing handshake may take before the socket is dropped.
     close_timeout: Seconds = 5.0

@@ -1,20 +1,50 @@
 """Client-side tools on `/ws`: the broker's every path, against a real server.
 
-The short server's tool waits are 1 s for the ack and 2 s for the answer.
+The short server's tool waits are 1 s for the ack and 2 s for the answer; the
+patient server's are 0.5 s and 30 s, far enough apart to tell which one ran out.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import pytest
 from conftest import BOB, SHORT_TOOL_ACK_TIMEOUT, Connect
 
 from portico.core.states import ToolCallState
 from support.archive import open_archive, wait_for_messages
 from support.omnia import OmniaClient, scenario
+from support.server import SCRIPT, ServerProcess
 
 TIMED_OUT = "the client did not answer the tool call in time"
+PATIENT_ACK_TIMEOUT = 0.5
+PATIENT_ANSWER_TIMEOUT = 30.0
+
+
+@pytest.fixture(scope="module")
+def patient_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = ServerProcess(
+        tmp_path_factory.mktemp("portico-patient"),
+        args=("--runtime", "scripted", "--script", str(SCRIPT)),
+        env={
+            "PORTICO_TOOL_ACK_TIMEOUT": str(PATIENT_ACK_TIMEOUT),
+            "PORTICO_CLIENT_TOOL_TIMEOUT": str(PATIENT_ANSWER_TIMEOUT),
+        },
+    ).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def connect_patient(http: aiohttp.ClientSession, patient_server: ServerProcess) -> Connect:
+    async def connect() -> OmniaClient:
+        return OmniaClient(await http.ws_connect(patient_server.ws_url))
+
+    return connect
 
 
 async def start_tool_turn(client: OmniaClient, name: str = "tool") -> tuple[str, dict[str, Any]]:
@@ -79,12 +109,17 @@ async def test_ack_extends_the_wait_past_the_ack_timeout(connect_short: Connect)
 
 
 async def test_no_ack_is_denied_and_the_client_is_told(
-    connect_short: Connect, short_archive_path: Path
+    connect_patient: Connect, patient_server: ServerProcess
 ) -> None:
-    client = await connect_short()
+    client = await connect_patient()
+    loop = asyncio.get_running_loop()
+    started = loop.time()  # before the message, so before the broker's deadline is set
     session_id, call = await start_tool_turn(client)
     call_id = call["tool_call"]["id"]
-    frames = await client.turn()
+    frames = await client.turn(within=PATIENT_ANSWER_TIMEOUT)
+    waited = loop.time() - started
+    # The ack timeout ran out, not the answer timeout (an ordering check, not a bound).
+    assert PATIENT_ACK_TIMEOUT <= waited < PATIENT_ANSWER_TIMEOUT / 2, waited
     assert frames[0] == {
         "type": "tool_result",
         "tool_result": {"id": call_id, "error": TIMED_OUT},
@@ -103,7 +138,11 @@ async def test_no_ack_is_denied_and_the_client_is_told(
         },
     ]
     await client.expect_silence()
-    assert await archived_calls(short_archive_path, session_id) == [("get_location", "denied")]
+    archived = await archived_calls(patient_server.archive_path, session_id)
+    assert archived == [("get_location", "denied")]
+    async with open_archive(patient_server.archive_path) as store:
+        (record,) = await store.list_tool_calls(session_id)
+    assert record.state is ToolCallState.TIMEOUT
     # A late answer changes nothing.
     await client.send({"type": "tool_result", "tool_result": {"call_id": call_id, "result": 1}})
     assert (await client.recv())["error"]["code"] == "INVALID_MESSAGE"

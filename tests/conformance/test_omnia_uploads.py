@@ -5,16 +5,17 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from conftest import ALICE, BOB, Connect
 
 from support.omnia import OmniaClient, scenario
-from support.server import ServerProcess
+from support.server import SCRIPT, ServerProcess
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40
 MAX_INLINE = 256 * 1024  # the default max_inline_media_bytes
@@ -27,6 +28,40 @@ def media_off(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProces
     )
     yield process.start()
     process.stop()
+
+
+@pytest.fixture(scope="module")
+def fetching_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Lets `url` parts reach loopback, where the test's origin serves them."""
+    process = ServerProcess(
+        tmp_path_factory.mktemp("portico-fetching"),
+        args=("--runtime", "scripted", "--script", str(SCRIPT)),
+        env={"PORTICO_MEDIA_FETCH_PRIVATE": "true"},
+    )
+    yield process.start()
+    process.stop()
+
+
+@pytest.fixture
+async def origin() -> AsyncIterator[str]:
+    """A real HTTP server on 127.0.0.1 holding `PNG` at /photo.png (and a redirect to it)."""
+
+    async def photo(request: web.Request) -> web.Response:
+        return web.Response(body=PNG, content_type="image/png")
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPFound("/photo.png")
+
+    app = web.Application()
+    app.router.add_get("/photo.png", photo)
+    app.router.add_get("/moved", moved)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
 
 
 def described(data: bytes, kind: str = "image", mime: str = "image/png") -> str:
@@ -82,6 +117,37 @@ async def test_inline_data_reaches_the_runtime(connect: Connect) -> None:
         {"type": "message", "parts": [{"type": "image", "media": media}], **scenario("media_info")}
     )
     assert (await client.turn())[0]["content"] == described(data)
+
+
+@pytest.mark.parametrize("path", ["/photo.png", "/moved"])
+async def test_url_part_bytes_are_fetched_for_the_runtime(
+    http: aiohttp.ClientSession, fetching_server: ServerProcess, origin: str, path: str
+) -> None:
+    client = OmniaClient(await http.ws_connect(fetching_server.ws_url))
+    await client.connected()
+    media = {"url": origin + path, "mime_type": "image/png"}
+    await client.send(
+        {"type": "message", "parts": [{"type": "image", "media": media}], **scenario("media_info")}
+    )
+    frames = await client.turn()
+    assert frames[0]["content"] == described(PNG)  # the runtime read the origin's bytes
+    assert frames[-1]["type"] == "done"
+    await client.ws.close()
+
+
+async def test_url_part_on_loopback_is_refused_without_media_fetch_private(
+    connect: Connect, origin: str
+) -> None:
+    client = await connect()
+    await client.connected()
+    media = {"url": f"{origin}/photo.png", "mime_type": "image/png"}
+    await client.send(
+        {"type": "message", "parts": [{"type": "image", "media": media}], **scenario("media_info")}
+    )
+    refused = await client.recv()
+    assert refused["error"]["code"] == "INVALID_MESSAGE"
+    assert refused["error"]["message"].startswith("parts[0]"), refused
+    assert "public address" in refused["error"]["message"], refused
 
 
 async def test_inline_data_above_the_limit_is_invalid(connect: Connect) -> None:

@@ -17,6 +17,7 @@ from portico.store.memory import MemoryStore
 
 ACK = 0.05
 ANSWER = 0.15
+LONG_ANSWER = 30.0  # never reached: the waits that must end first are far shorter
 
 
 class Client:
@@ -33,14 +34,16 @@ class Client:
         return 1
 
 
-async def setup() -> tuple[MemoryStore, ClientToolBroker]:
+async def setup(
+    *, ack: float = ACK, answer: float = ANSWER
+) -> tuple[MemoryStore, ClientToolBroker]:
     store = MemoryStore()
     await store.create_session(
         Session(
             id="s1", owner="alice", agent="default", created_at=0, updated_at=0, last_activity_at=0
         )
     )
-    broker = ClientToolBroker(store=store, ack_timeout=ACK, answer_timeout=ANSWER, clock=time.time)
+    broker = ClientToolBroker(store=store, ack_timeout=ack, answer_timeout=answer, clock=time.time)
     return store, broker
 
 
@@ -85,11 +88,35 @@ async def test_error_result_and_nack() -> None:
 
 
 async def test_no_ack_times_out_and_tells_the_client() -> None:
-    store, broker = await setup()
+    # The two waits far apart: the denial must come from the ack timeout.
+    store, broker = await setup(answer=LONG_ANSWER)
     client = Client()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     assert await start(broker, client) == ToolOutcome(status="denied", error=TIMED_OUT)
+    waited = loop.time() - started
+    assert ACK <= waited < LONG_ANSWER / 2, waited
     assert client.events[-1] == TurnToolCallTimedOut("s1", "t1", "c1", TIMED_OUT)
     assert (await store.get_tool_call("c1")).state is ToolCallState.TIMEOUT  # type: ignore[union-attr]
+
+
+async def test_an_undelivered_call_waits_the_answer_timeout_not_the_ack_timeout() -> None:
+    # Nobody received the call, so nobody can ack it: the short wait does not apply.
+    store, broker = await setup(ack=LONG_ANSWER)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert (await start(broker, Client(connected=False))).error == TIMED_OUT
+    assert ANSWER <= loop.time() - started < LONG_ANSWER / 2
+    assert (await store.get_tool_call("c1")).state is ToolCallState.TIMEOUT  # type: ignore[union-attr]
+
+
+async def test_with_an_rpc_client_about_the_whole_call_has_the_answer_timeout() -> None:
+    _, broker = await setup(ack=LONG_ANSWER)
+    broker.rpc_attached("alice")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert (await start(broker, Client())).error == TIMED_OUT
+    assert ANSWER <= loop.time() - started < LONG_ANSWER / 2
 
 
 async def test_ack_moves_the_deadline_to_the_answer_timeout() -> None:

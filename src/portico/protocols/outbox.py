@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Literal
+
+# How `max_bytes` bounds the queue:
+# - "total": the frames waiting plus the new one; a frame larger than the bound is
+#   refused even by an empty queue.
+# - "backlog": the frames already waiting; a frame is taken while they are under the
+#   bound, so an empty queue takes any frame and the queue holds at most the bound
+#   plus one frame. What "the client stopped reading" means, whatever the frame sizes.
+Bound = Literal["total", "backlog"]
 
 
 class BinaryData(bytes):
@@ -14,14 +23,15 @@ class BinaryData(bytes):
 
 
 class Outbox:
-    """Frames waiting for the socket, bounded in bytes.
+    """Frames waiting for the socket, bounded in bytes (see `Bound`).
 
-    A client that stops reading fills it; past `max_bytes` it refuses frames and
-    stays `overflowed`, and the core closes the connection. Never unbounded.
+    A client that stops reading fills it; past the bound it refuses frames and stays
+    `overflowed`, and the core closes the connection. Never unbounded.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, *, bound: Bound = "total") -> None:
         self._max_bytes = max_bytes
+        self._backlog_only = bound == "backlog"
         self._frames: deque[bytes] = deque()
         self._bytes = 0
         self.overflowed = False
@@ -30,12 +40,17 @@ class Outbox:
         """Queue `data`; False (and overflowed from now on) when it does not fit."""
         if self.overflowed:
             return False
-        if bounded and self._bytes + len(data) > self._max_bytes:
+        if bounded and not self._fits(len(data)):
             self.overflowed = True
             return False
         self._frames.append(data)
         self._bytes += len(data)
         return True
+
+    def _fits(self, size: int) -> bool:
+        if self._backlog_only:
+            return not self._frames or self._bytes < self._max_bytes
+        return self._bytes + size <= self._max_bytes
 
     def pop(self) -> bytes | None:
         if not self._frames:
@@ -51,5 +66,7 @@ class Outbox:
         return out
 
     def has_room(self, size: int) -> bool:
-        """Whether `size` more bytes fit, without marking the queue overflowed."""
+        """Whether `size` more bytes fit within the bound, without marking the queue
+        overflowed. Byte arithmetic whatever the `bound` (no one-frame allowance): for
+        lossy frames, dropped rather than let the queue pass the bound."""
         return not self.overflowed and self._bytes + size <= self._max_bytes

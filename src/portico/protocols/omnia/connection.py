@@ -92,7 +92,7 @@ class ConnectionLimits(msgspec.Struct, frozen=True, kw_only=True):
     messages_per_second: float = 50.0
     message_burst: int = 100
     media_bytes_per_second: int = 2 * 1024 * 1024
-    max_send_queue_bytes: int = 4 * 1024 * 1024
+    max_send_queue_bytes: int = 4 * 1024 * 1024  # backlog bound; past it close 4008
 
 
 class Keepalive(Enum):
@@ -113,7 +113,9 @@ class OmniaConnection:
         self._limits = limits
         self._last_received = now
         self._next_ping = now + limits.ping_interval
-        self._outbox = Outbox(limits.max_send_queue_bytes)
+        # A bound on the backlog: a `done` or `media_chunk` larger than the queue still
+        # goes to a client that keeps up; only one that stops reading is a slow consumer.
+        self._outbox = Outbox(limits.max_send_queue_bytes, bound="backlog")
         self._told_no_audio = False
         self._messages = TokenBucket(
             rate=limits.messages_per_second, burst=limits.message_burst, now=now
