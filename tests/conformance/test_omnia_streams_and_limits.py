@@ -332,6 +332,40 @@ async def test_a_frame_larger_than_the_send_queue_reaches_a_reading_client(
         server.stop()
 
 
+async def test_a_client_that_stops_reading_is_cut_off_once_the_socket_is_paused(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    # Paced output fills the kernel buffers and pauses the transport before the send
+    # queue fills: the overflow happens while the socket waits for a drain that never
+    # comes, and must still close the client (4008), not wait for the keepalive.
+    step = {
+        "media_chunk": {
+            "mime_type": "application/octet-stream",
+            "bytes": 65536,
+            "chunk_bytes": 65536,
+        }
+    }
+    steps = [item for _ in range(300) for item in (step, {"sleep_ms": 1})]
+    script = tmp_path / "trickle.yaml"
+    script.write_text(yaml.safe_dump({"scenarios": {"default": [*steps, {"done": {}}]}}))
+    server = ServerProcess(
+        tmp_path / "data",
+        args=("--runtime", "scripted", "--script", str(script)),
+        env={"PORTICO_MAX_SEND_QUEUE_BYTES": str(256 * 1024), "PORTICO_PING_INTERVAL": "30"},
+    ).start()
+    try:
+        stalled = await RawWebSocket.connect(server.port, limit=4096)
+        await stalled.send_text(json.dumps({"type": "message", "content": "trickle"}))
+        deadline = asyncio.get_running_loop().time() + 15
+        while await metric(http, server, "portico_slow_consumer_disconnects_total") < 1:
+            assert asyncio.get_running_loop().time() < deadline, "slow consumer never cut off"
+            await asyncio.sleep(0.05)
+        stalled.close()
+        assert "slow consumer protocol=omnia" in server.log_text()
+    finally:
+        server.stop()
+
+
 # -- metrics ----------------------------------------------------------------------------
 
 METERED_ACK_TIMEOUT = 0.3

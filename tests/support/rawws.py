@@ -22,12 +22,16 @@ class RawWebSocket:
         self.writer = writer
 
     @classmethod
-    async def connect(cls, port: int, path: str = "/ws", *, rcvbuf: int = 4096) -> RawWebSocket:
+    async def connect(
+        cls, port: int, path: str = "/ws", *, rcvbuf: int = 4096, limit: int = 2**24
+    ) -> RawWebSocket:
+        """`limit`: the reader stops taking bytes off the socket once about twice this
+        much waits unread (asyncio's flow control), so a small one stalls for real."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-        reader, writer = await asyncio.open_connection(sock=sock, limit=2**24)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=limit)
         key = base64.b64encode(os.urandom(16)).decode()
         writer.write(
             f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"

@@ -168,8 +168,15 @@ class ServerSocket(ABC):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        if not self._writing or self._ws.closed or self._waiter is not None:
-            return  # a waiter flushes again when the drain or the write it awaits is done
+        if not self._writing or self._ws.closed:
+            return
+        if self._waiter is not None:
+            # A waiter flushes again when the drain or the write it awaits is done. A
+            # client that stopped reading never lets a drain end: its frames fill the
+            # core's queue meanwhile, and that overflow is acted on here.
+            if self.core.overflowed:
+                self._after_write()
+            return
         if not self._batched:
             self._waiter = asyncio.create_task(self._write_each())
             return
