@@ -14,12 +14,15 @@ from contextlib import AsyncExitStack
 import pytest
 
 from portico.client import ReconnectPolicy, SessionClient
+from portico.core.states import TurnState
+from portico.protocols.session import frames as f
 from support.archive import open_archive
 from support.faultproxy import FaultProxy
 from support.server import SCRIPT, ServerProcess
 
 CLIENTS = 50
 MESSAGES = 4  # per client
+WORDS = 6  # in each message: the echo reply is 6 chunks and a done
 CUTS = 40  # connections the chaos task cuts, at most
 SEED = 20261130
 DEADLINE = 90.0  # seconds for the whole conversation, a bound, not a measure
@@ -40,13 +43,18 @@ def stress_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
     process.stop()
 
 
-async def chat(client: SessionClient, index: int) -> tuple[str, list[str]]:
-    replies = []
+async def chat(client: SessionClient, index: int) -> tuple[str, list[str], list[int]]:
+    """The session, its replies, and the seq of every frame the client delivered."""
+    replies, seqs = [], []
     for n in range(MESSAGES):
         text = f"client {index} message {n} says hello"
         reply = await client.ask(text, metadata={"mock_scenario": "echo"})
         replies.append(reply.text)
-    return client.session_id or "", replies
+        seqs += [frame.seq or 0 for frame in reply.frames]
+        # The echo scenario: one chunk per word, then done; never a chunk twice.
+        chunks = [frame.content for frame in reply.frames if isinstance(frame, f.Chunk)]
+        assert "".join(chunks) == text, chunks
+    return client.session_id or "", replies, seqs
 
 
 async def chaos(proxy: FaultProxy, rng: random.Random, stop: asyncio.Event) -> int:
@@ -82,9 +90,16 @@ async def test_fifty_clients_with_random_drops_get_every_reply_exactly_once(
         cuts = await cutter
     assert cuts > 0
     async with open_archive(stress_server.archive_path) as store:
-        for index, (session_id, replies) in enumerate(results):
+        for index, (session_id, replies, seqs) in enumerate(results):
             expected = [f"client {index} message {n} says hello" for n in range(MESSAGES)]
             assert replies == expected
+            # Every server message delivered once, in order: seqs exactly 1..n.
+            assert seqs == list(range(1, len(seqs) + 1)), (index, seqs)
+            assert len(seqs) == MESSAGES * (WORDS + 1)
             messages = await store.list_messages(session_id)
             assert [m.content for m in messages] == [t for text in expected for t in (text, text)]
             assert [m.global_offset for m in messages] == list(range(1, 2 * MESSAGES + 1))
+            assert len({m.id for m in messages}) == len(messages)
+            turns = await store.list_turns(session_id)
+            assert len(turns) == MESSAGES
+            assert {turn.state for turn in turns} == {TurnState.COMPLETED}

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from support.archive import assert_ledger
+from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, cut
 from support.server import SCRIPT, ServerProcess
 
 SCRIPTED = ("--runtime", "scripted", "--script", str(SCRIPT))
@@ -120,3 +122,30 @@ async def test_a_lost_session_ends_the_chat_with_status_1(tmp_path: Path) -> Non
         assert b"portico chat: the session cannot be resumed" in stderr
     finally:
         own.stop()
+
+
+async def test_a_reply_cut_mid_stream_is_shown_once_after_a_silent_reconnect(
+    server: ServerProcess,
+) -> None:
+    """Through the fault proxy: the connection drops after the reply's first chunk."""
+    async with FaultProxy(server.http_url) as proxy:
+        proxy.add_rule(Rule(cut(), direction=SERVER_TO_CLIENT, type="chunk", nth=2))
+        url = proxy.url("/v1/session")
+        process = await asyncio.create_subprocess_exec(
+            *[sys.executable, "-m", "portico", "chat", "--url", url],
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=chat_env(),
+        )
+        async with asyncio.timeout(WITHIN):
+            stdout, stderr = await process.communicate(b"hi\n")
+        assert process.returncode == 0, stderr
+        assert len(proxy.connections) == 2  # cut once, resumed once
+        session_ids = {e.json.get("session_id") for e in proxy.events.frames(type="ready")}
+    assert stdout == b"Hello world\n"
+    assert stderr.decode().splitlines() == ["(reconnected)"]
+    (session_id,) = session_ids
+    await assert_ledger(
+        server.archive_path, session_id, [("user", "hi"), ("assistant", "Hello world")]
+    )

@@ -264,6 +264,28 @@ async def test_a_tool_the_session_client_declared_is_called_through_it(
     assert tool_messages(fake.bodies[1])[0]["content"] == "15:00"
 
 
+async def test_session_context_never_reaches_the_model(
+    server: ServerProcess, fake: FakeOpenAI
+) -> None:
+    """Context from `hello` and from a `context` message is data for server code: no
+    request to the model carries it, in any field."""
+    fake.push(text("First."), text("Second."))
+    client = SessionClient(
+        f"ws://127.0.0.1:{server.port}/v1/session",
+        context={"open_document": "HELLO-CONTEXT-MARK"},
+    )
+    async with client, asyncio.timeout(WITHIN):
+        assert "context" in client.capabilities
+        assert (await client.ask("one")).text == "First."
+        await client.send_context({"open_document": "MESSAGE-CONTEXT-MARK"})
+        assert (await client.ask("two")).text == "Second."
+    assert len(fake.bodies) == 2
+    requests = json.dumps(fake.bodies)
+    assert "one" in requests  # the user's messages do reach it
+    assert "CONTEXT-MARK" not in requests
+    assert "open_document" not in requests
+
+
 # -- /v1/rpc ----------------------------------------------------------------------------------
 
 

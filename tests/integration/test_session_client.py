@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,16 +18,20 @@ import pytest
 from portico.client import (
     AuthenticationError,
     ConnectError,
+    ConnectionLostError,
     ConnectionStatus,
+    ProtocolError,
     ReconnectPolicy,
     ResumeFailedError,
     ServerMessage,
     SessionClient,
     SessionClosedError,
+    SessionError,
     SessionReplacedError,
 )
 from portico.protocols.session import frames as f
-from support.archive import wait_for_messages
+from support.archive import assert_ledger, wait_for_messages
+from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, close
 from support.server import SCRIPT, ServerProcess
 
 SCRIPTED = ("--runtime", "scripted", "--script", str(SCRIPT))
@@ -61,11 +68,14 @@ def own_server(tmp_path: Path) -> Iterator[ServerProcess]:
     process.stop()
 
 
-def session_url(server: ServerProcess) -> str:
+def session_url(server: ServerProcess | FaultProxy) -> str:
+    if isinstance(server, FaultProxy):
+        return server.url("/v1/session")
     return f"ws://127.0.0.1:{server.port}/v1/session"
 
 
-def make_client(server: ServerProcess, **overrides: Any) -> SessionClient:
+def make_client(server: ServerProcess | FaultProxy, **overrides: Any) -> SessionClient:
+    """A client of `server`, or of the server behind a proxy."""
     settings: dict[str, Any] = {
         "heartbeat_interval": HEARTBEAT,
         "reconnect": FAST_RETRY,
@@ -74,6 +84,12 @@ def make_client(server: ServerProcess, **overrides: Any) -> SessionClient:
     }
     settings.update(overrides)
     return SessionClient(session_url(server), **settings)
+
+
+@pytest.fixture
+async def proxy(server: ServerProcess) -> AsyncIterator[FaultProxy]:
+    async with FaultProxy(server.http_url) as running:
+        yield running
 
 
 class Statuses:
@@ -357,16 +373,21 @@ async def test_idle_connection_stays_up_because_the_client_pings(server: ServerP
             assert (await client.ask("hi")).text == "Hello world"
 
 
-async def test_a_client_that_pings_too_rarely_is_closed_idle_and_resumes(
+async def test_a_client_pings_at_the_servers_shorter_heartbeat_and_is_never_idle_closed(
     server: ServerProcess,
 ) -> None:
+    """The default 15 s interval against a server that closes silence after 1 s: the
+    client pings at `ready.heartbeat_ms` (0.25 s) instead, so no 4000, no reconnect."""
     statuses = Statuses()
-    # Pings every 5 s against a 1 s server idle timeout: the server closes with 4000.
-    async with make_client(server, on_status=statuses, heartbeat_interval=5.0) as client:
-        await statuses.wait_for("open", 2)
-        assert any(s.close_code == 4000 for s in statuses.seen if s.state == "dropped")
+    async with make_client(server, on_status=statuses, heartbeat_interval=15.0) as client:
+        assert client.ready is not None
+        assert client.ready.heartbeat_ms == 250
+        await asyncio.sleep(2 * SERVER_IDLE_TIMEOUT)
+        assert [s.close_code for s in statuses.seen if s.state == "dropped"] == []
+        assert client.connections == 1
         async with asyncio.timeout(WITHIN):
             assert (await client.ask("hi")).text == "Hello world"
+    assert statuses.count("dropped") == 0
 
 
 async def test_a_silent_server_is_detected_dead_and_the_client_resumes(
@@ -518,3 +539,104 @@ async def test_a_shared_http_session_is_left_open(
     async with make_client(server, http=http) as client, asyncio.timeout(WITHIN):
         assert (await client.ask("hi")).text == "Hello world"
     assert not http.closed
+
+
+# -- close codes, through the fault proxy (spec §10) ------------------------------------------
+
+
+@pytest.mark.parametrize("code", [1001, 1009, 4000, 4400, 4408, 4429])
+async def test_a_close_that_asks_for_a_resume_is_resumed(
+    server: ServerProcess, proxy: FaultProxy, code: int
+) -> None:
+    """The proxy closes the client's side with `code` mid-reply (the server sees the
+    client leave): the client resumes and the reply arrives whole, once."""
+    proxy.add_rule(Rule(close(code, "test"), direction=SERVER_TO_CLIENT, type="chunk", nth=2))
+    statuses = Statuses()
+    async with make_client(proxy, on_status=statuses) as client, asyncio.timeout(WITHIN):
+        reply = await client.ask("hi")
+        session_id = client.session_id
+    assert reply.text == "Hello world"
+    assert [frame.seq for frame in reply.frames] == [1, 2, 3]
+    assert [s.close_code for s in statuses.seen if s.state == "dropped"] == [code]
+    assert statuses.count("open", resumed=True) == 1
+    assert session_id is not None
+    await assert_ledger(
+        server.archive_path, session_id, [("user", "hi"), ("assistant", "Hello world")]
+    )
+
+
+@pytest.mark.parametrize("code", [1009, 4400])
+async def test_three_client_fault_closes_in_a_row_stop_with_protocol_error(
+    server: ServerProcess, proxy: FaultProxy, code: int
+) -> None:
+    """Resuming resends the same frames: refused three times in a row is a client bug."""
+    statuses = Statuses()
+    async with make_client(proxy, on_status=statuses) as client:
+        proxy.add_rule(Rule(close(code), direction=SERVER_TO_CLIENT, type="ready", times=None))
+        client.abort_connection()
+        with pytest.raises(ProtocolError) as raised:
+            await drain(client)
+    assert raised.value.close_code == code
+    assert [s.close_code for s in statuses.seen if s.state == "dropped"] == [None, code, code]
+    closes = proxy.events.select(SERVER_TO_CLIENT, kind="close", action="close")
+    assert [event.code for event in closes] == [code] * 3
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        (1000, SessionClosedError),
+        (4401, AuthenticationError),
+        (4404, ResumeFailedError),
+        (4409, SessionReplacedError),
+    ],
+)
+async def test_a_close_that_means_stop_stops_the_client(
+    server: ServerProcess, proxy: FaultProxy, code: int, error: type[SessionError]
+) -> None:
+    proxy.add_rule(Rule(close(code), direction=SERVER_TO_CLIENT, type="chunk"))
+    statuses = Statuses()
+    async with make_client(proxy, on_status=statuses) as client, asyncio.timeout(WITHIN):
+        with pytest.raises(error):
+            await client.ask("hi")
+        assert client.closed
+    assert statuses.count("open") == 1  # no resume was tried
+    assert statuses.count("dropped") == 0
+    assert len(proxy.connections) == 1
+
+
+async def test_the_client_gives_up_after_give_up_after(server: ServerProcess) -> None:
+    proxy = await FaultProxy(server.http_url).start()
+    policy = ReconnectPolicy(initial=0.05, maximum=0.1, give_up_after=0.6)
+    statuses = Statuses()
+    async with make_client(proxy, reconnect=policy, on_status=statuses) as client:
+        await proxy.stop()  # its port refuses every connection from now on
+        with pytest.raises(ConnectionLostError):
+            await drain(client)
+    waits = [s.retry_in for s in statuses.seen if s.state == "dropped"]
+    assert len(waits) >= 3
+    assert all(wait is not None and 0.025 <= wait <= 0.1 for wait in waits)
+
+
+# -- the README's example ---------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_URL = "ws://127.0.0.1:8080/v1/session"
+
+
+def test_the_readme_session_client_example_runs(server: ServerProcess) -> None:
+    section = README.read_text(encoding="utf-8").split("## Python client", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    (snippet,) = re.findall(r"```python\n(.+?)\n```", section, re.DOTALL)
+    assert README_URL in snippet
+    result = subprocess.run(
+        [sys.executable, "-c", snippet.replace(README_URL, session_url(server))],
+        capture_output=True,
+        text=True,
+        timeout=WITHIN,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "Hello world"  # `ask`: the scripted default reply
+    assert [line.split(" ", 1)[0] for line in lines[1:]] == ["Chunk", "Chunk", "Done"]

@@ -393,6 +393,18 @@ async def test_placeholders_before_any_tool_call_are_empty() -> None:
     assert (await drive(runtime, turn_input()))[0] == Chunk("[||]")
 
 
+@pytest.mark.parametrize(
+    ("context", "expected"),
+    [({}, "{}"), ({"doc": "a.md", "cursor": [3, 7]}, '{"cursor":[3,7],"doc":"a.md"}')],
+)
+async def test_context_step_streams_the_turns_context_as_compact_json(
+    context: dict[str, Any], expected: str
+) -> None:
+    turn = msgspec.structs.replace(turn_input(), context=context)
+    events = await drive(one_scenario({"context": {}}), turn)
+    assert events == [Chunk(expected), Done()]
+
+
 def test_render_placeholders_uses_compact_json() -> None:
     value = {"a": [1, {"b": None}], "é": "ü"}
     outcome = ToolOutcome(status="completed", result=value)

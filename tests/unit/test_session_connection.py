@@ -867,6 +867,31 @@ class TestClientHeartbeat:
         assert out(conn) == [{"type": "ping"}]
         assert chan.next_seq == 1  # pings are not numbered
 
+    def test_a_shorter_heartbeat_in_ready_sets_the_ping_interval_and_the_dead_timer(
+        self,
+    ) -> None:
+        conn, _ = started(0.0)
+        announced = msgspec.structs.replace(ready(), heartbeat_ms=2000)
+        conn.receive_text(text(announced), 1.0)
+        assert conn.next_deadline() == pytest.approx(3.0)
+        conn.on_timer(2.99)
+        assert conn.data_to_send() == []
+        conn.on_timer(3.0)
+        assert out(conn) == [{"type": "ping"}]
+        conn.on_timer(5.0)
+        assert out(conn) == [{"type": "ping"}]
+        # Dead after 2.5 of the intervals in effect: 5 s of silence since `ready`.
+        assert conn.on_timer(5.99) == []
+        assert conn.on_timer(6.0) == [PeerDead()]
+
+    def test_a_longer_heartbeat_in_ready_keeps_the_clients_own_interval(self) -> None:
+        conn, _ = started(0.0)
+        conn.receive_text(text(msgspec.structs.replace(ready(), heartbeat_ms=60000)), 0.0)
+        assert conn.next_deadline() == pytest.approx(15.0)
+        conn.on_timer(15.0)
+        assert out(conn) == [{"type": "ping"}]
+        assert conn.on_timer(37.5) == [PeerDead()]
+
     def test_no_ping_before_ready(self) -> None:
         conn, _ = started(0.0)
         conn.on_timer(15.0)

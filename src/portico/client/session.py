@@ -431,9 +431,12 @@ class _Link:
         # The core is CLOSED once it gave up or asked to close; its deadlines mean
         # nothing then, and waiting on them would spin.
         while self.core.state is not State.CLOSED:
-            timeout = max(0.0, self.core.next_deadline() - self._loop.time())
+            # Not `asyncio.wait_for`: before Python 3.12 it swallows a cancellation that
+            # lands as the event is set (a frame, then the drop, in one read), and this
+            # loop would outlive its link until the dead timer (2.5 heartbeats) fired.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._rearm.wait(), timeout)
+                async with asyncio.timeout_at(self.core.next_deadline()):
+                    await self._rearm.wait()
             self._rearm.clear()
             events = self.core.on_timer(self._loop.time())
             if any(isinstance(event, PeerDead) for event in events):
@@ -466,7 +469,7 @@ class SessionClient:
         capabilities: Sequence[str] = ("tools", "context"),
         audio_output: Sequence[f.AudioFormat] | None = None,  # given: ask for `audio`
         reconnect: ReconnectPolicy | None = None,
-        heartbeat_interval: float = 15.0,  # seconds between pings
+        heartbeat_interval: float = 15.0,  # seconds between pings (ready.heartbeat_ms if shorter)
         dead_after: float = 2.5,  # heartbeat intervals of silence before the link is dead
         ack_delay: float = 0.1,  # seconds: acknowledge within this long...
         ack_every: int = 16,  # ...or after this many unacknowledged messages

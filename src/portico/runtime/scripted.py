@@ -68,6 +68,10 @@ class MediaInfoStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Describe the user's media parts, read through the media port (Portico extension)."""
 
 
+class ContextStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One chunk: the turn's application context as compact JSON (Portico extension)."""
+
+
 class ChunkStep(msgspec.Struct, frozen=True):
     text: str
 
@@ -83,6 +87,7 @@ Step = (
     | MediaChunkStep
     | EchoStep
     | MediaInfoStep
+    | ContextStep
     | ChunkStep
     | SleepStep
 )
@@ -97,6 +102,7 @@ STEP_KINDS: dict[str, Any] = {
     "media_chunk": MediaChunkStep,
     "echo": EchoStep,
     "media_info": MediaInfoStep,
+    "context": ContextStep,
 }
 
 
@@ -255,4 +261,7 @@ class ScriptedRuntime:
                 words = message_text(turn.message).split()
                 last = len(words) - 1
                 return [Chunk(word if i == last else word + " ") for i, word in enumerate(words)]
+            case ContextStep():
+                # What server code and tools see; a model never does (TurnInput.context).
+                return [Chunk(json.dumps(turn.context, separators=(",", ":"), sort_keys=True))]
         return []

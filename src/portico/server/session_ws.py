@@ -175,6 +175,16 @@ class LiveSession:
         if frame is not None:
             self._number(frame)
 
+    def answer(self, frame: Numbered) -> None:
+        """The session's answer to a client message it handled (an `error` with `ref_seq`).
+
+        Numbered like any server message and written to the connection attached now:
+        the one that carried the message may have been taken over while it was being
+        handled, and its core must not number into the session's channel behind the
+        live connection's back (a seq that connection never sees is a gap to its client).
+        """
+        self._number(frame)
+
     def _number(self, frame: Numbered) -> None:
         if self.ended:
             return
@@ -256,14 +266,6 @@ class SessionSocket(ServerSocket):
         if self._core.close_request is not None:
             self.start_close(*self._core.close_request)
         self.wake()
-
-    def _send(self, frame: Numbered) -> None:
-        try:
-            self._core.send(frame)
-        except BufferOverflow as exc:
-            self._core.fail(exc)
-            if self._live is not None:
-                self._live.end()
 
     def on_closed(self) -> None:
         if self._live is not None:
@@ -370,10 +372,10 @@ class SessionSocket(ServerSocket):
         try:
             await self._apply(live, frame)
         except PorticoError as exc:
-            self._send(f.Error(seq=0, ref_seq=frame.seq, error=_info(exc)))
+            live.answer(f.Error(seq=0, ref_seq=frame.seq, error=_info(exc)))
         except Exception:
             log.exception("unexpected error handling a /v1/session message")
-            self._send(f.Error(seq=0, ref_seq=frame.seq, error=_info(InternalError())))
+            live.answer(f.Error(seq=0, ref_seq=frame.seq, error=_info(InternalError())))
 
     async def _apply(self, live: LiveSession, frame: Numbered) -> None:
         tools = self._services.tools

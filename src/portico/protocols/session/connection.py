@@ -47,7 +47,7 @@ class Timing(msgspec.Struct, frozen=True, kw_only=True):
 
     ack_delay: float = 0.1  # acknowledge within this many seconds of handling
     ack_every: int = 16  # ...or after this many unacknowledged messages
-    heartbeat_interval: float = 15.0  # client pings this often
+    heartbeat_interval: float = 15.0  # client pings this often (ready.heartbeat_ms if shorter)
     dead_after: float = 2.5  # client: dead after this many silent intervals
     idle_timeout: float = 45.0  # server: close 4000 after this much silence
     max_send_queue_bytes: int = 4 * 1024 * 1024  # per connection; past it close 4408
@@ -89,7 +89,9 @@ class SessionConnection:
         self._decoder = _DECODERS[role]
         self._outbox = Outbox(timing.max_send_queue_bytes)
         self._last_received = now
-        self._next_ping = now + timing.heartbeat_interval
+        # Client role: the ping interval in effect; `ready.heartbeat_ms` may shorten it.
+        self._heartbeat = timing.heartbeat_interval
+        self._next_ping = now + self._heartbeat
         self._unacked = 0  # handled peer messages not yet acknowledged
         self._ack_deadline: float | None = None
 
@@ -239,7 +241,11 @@ class SessionConnection:
         assert self.channel is not None
         self.channel.acknowledge(frame.last_seq)
         self.state = State.OPEN
-        self._next_ping = now + self._timing.heartbeat_interval
+        if frame.heartbeat_ms > 0:
+            # The server's idle timeout (4000) is sized for the interval it announces:
+            # pinging less often than that would have the connection closed again and again.
+            self._heartbeat = min(self._timing.heartbeat_interval, frame.heartbeat_ms / 1000)
+        self._next_ping = now + self._heartbeat
         self._resend(self.channel)
         return [ReadyReceived(frame)]
 
@@ -284,7 +290,7 @@ class SessionConnection:
     def _silence_limit(self) -> float:
         if self.role is Role.SERVER:
             return self._timing.idle_timeout
-        return self._timing.heartbeat_interval * self._timing.dead_after
+        return self._heartbeat * self._timing.dead_after
 
     def on_timer(self, now: float) -> list[Event]:
         """Do what is due at `now`: an ack, a ping, or give up on a silent peer."""
@@ -300,5 +306,5 @@ class SessionConnection:
             return [PeerDead()]
         if self.role is Role.CLIENT and self.state is State.OPEN and now >= self._next_ping:
             self._write_frame(f.Ping())
-            self._next_ping = now + self._timing.heartbeat_interval
+            self._next_ping = now + self._heartbeat
         return []
