@@ -8,8 +8,8 @@ BOUND = 100
 
 
 def backlog() -> Outbox:
-    """The `/ws` rule: the bound is on the frames already waiting."""
-    return Outbox(BOUND, bound="backlog")
+    """The bound is on the frames already waiting (every protocol's rule)."""
+    return Outbox(BOUND)
 
 
 def test_an_empty_queue_takes_a_frame_larger_than_the_bound() -> None:
@@ -57,27 +57,18 @@ def test_the_backlog_queue_holds_at_most_the_bound_plus_one_frame() -> None:
     assert sum(len(frame) for frame in outbox.drain()) < BOUND + 40
 
 
-def test_the_total_bound_counts_the_new_frame() -> None:
-    outbox = Outbox(BOUND)  # the default, "total"
-    assert not Outbox(BOUND).put(b"x" * (BOUND + 1))  # even into an empty queue
-    assert outbox.put(b"x" * 60)
-    assert outbox.put(b"x" * 40)  # exactly at the bound
-    assert not outbox.put(b"x")
-    assert outbox.overflowed
-
-
 def test_unbounded_frames_are_taken_past_the_bound() -> None:
-    for outbox in (backlog(), Outbox(BOUND)):
-        assert outbox.put(b"x" * BOUND)
-        assert outbox.put(b"y" * BOUND, bounded=False)
-        assert not outbox.overflowed
+    outbox = backlog()
+    assert outbox.put(b"x" * BOUND)
+    assert outbox.put(b"y" * BOUND, bounded=False)
+    assert not outbox.overflowed
 
 
 def test_has_room_is_strict_byte_arithmetic_for_lossy_frames() -> None:
-    for outbox in (backlog(), Outbox(BOUND)):
-        assert outbox.has_room(BOUND)
-        assert not outbox.has_room(BOUND + 1)  # no one-frame allowance for lossy frames
-        outbox.put(BinaryData(b"x" * 60))
-        assert outbox.has_room(40)
-        assert not outbox.has_room(41)
-        assert not outbox.overflowed
+    outbox = backlog()
+    assert outbox.has_room(BOUND)
+    assert not outbox.has_room(BOUND + 1)  # no one-frame allowance for lossy frames
+    outbox.put(BinaryData(b"x" * 60))
+    assert outbox.has_room(40)
+    assert not outbox.has_room(41)
+    assert not outbox.overflowed

@@ -622,13 +622,16 @@ class TestSending:
     def test_after_an_overflow_nothing_more_is_queued(self) -> None:
         timing = msgspec.structs.replace(TIMING, max_send_queue_bytes=60)
         conn, chan = open_server(timing=timing)
-        conn.send(f.Chunk(seq=0, turn_id="t", content="x" * 100))
+        conn.send(f.Chunk(seq=0, turn_id="t", content="x" * 100))  # an empty queue takes it
+        assert not conn.overflowed
+        conn.send(f.Chunk(seq=0, turn_id="t", content="x" * 100))  # 100 waiting: refused
         assert conn.overflowed
         conn.send(f.Chunk(seq=0, turn_id="t", content=""))
         conn.fail(ProtocolViolation("late"))
         conn.receive_text(text(f.Ping()), 1.0)
-        assert conn.data_to_send() == []
-        assert chan.buffered[0] == 2
+        # Only what was queued before the overflow; everything sent is kept for resume.
+        assert [msgspec.json.decode(frame)["seq"] for frame in conn.data_to_send()] == [1]
+        assert chan.buffered[0] == 3
         assert conn.close_request is not None
         assert conn.close_request[0] == 4408
 

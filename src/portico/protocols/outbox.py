@@ -3,15 +3,6 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Literal
-
-# How `max_bytes` bounds the queue:
-# - "total": the frames waiting plus the new one; a frame larger than the bound is
-#   refused even by an empty queue.
-# - "backlog": the frames already waiting; a frame is taken while they are under the
-#   bound, so an empty queue takes any frame and the queue holds at most the bound
-#   plus one frame. What "the client stopped reading" means, whatever the frame sizes.
-Bound = Literal["total", "backlog"]
 
 
 class BinaryData(bytes):
@@ -23,15 +14,17 @@ class BinaryData(bytes):
 
 
 class Outbox:
-    """Frames waiting for the socket, bounded in bytes (see `Bound`).
+    """Frames waiting for the socket, bounded in bytes.
 
-    A client that stops reading fills it; past the bound it refuses frames and stays
-    `overflowed`, and the core closes the connection. Never unbounded.
+    The bound is on the backlog: a frame is taken while the frames already waiting
+    are under `max_bytes`, so an empty queue takes any frame (a `done` larger than
+    the bound reaches a client that keeps up) and the queue holds at most the bound
+    plus one frame. A client that stops reading fills it; then it refuses frames and
+    stays `overflowed`, and the core closes the connection. Never unbounded.
     """
 
-    def __init__(self, max_bytes: int, *, bound: Bound = "total") -> None:
+    def __init__(self, max_bytes: int) -> None:
         self._max_bytes = max_bytes
-        self._backlog_only = bound == "backlog"
         self._frames: deque[bytes] = deque()
         self._bytes = 0
         self.overflowed = False
@@ -40,17 +33,12 @@ class Outbox:
         """Queue `data`; False (and overflowed from now on) when it does not fit."""
         if self.overflowed:
             return False
-        if bounded and not self._fits(len(data)):
+        if bounded and self._frames and self._bytes >= self._max_bytes:
             self.overflowed = True
             return False
         self._frames.append(data)
         self._bytes += len(data)
         return True
-
-    def _fits(self, size: int) -> bool:
-        if self._backlog_only:
-            return not self._frames or self._bytes < self._max_bytes
-        return self._bytes + size <= self._max_bytes
 
     def pop(self) -> bytes | None:
         if not self._frames:
@@ -67,6 +55,6 @@ class Outbox:
 
     def has_room(self, size: int) -> bool:
         """Whether `size` more bytes fit within the bound, without marking the queue
-        overflowed. Byte arithmetic whatever the `bound` (no one-frame allowance): for
-        lossy frames, dropped rather than let the queue pass the bound."""
+        overflowed. Plain byte arithmetic (no one-frame allowance): for lossy frames,
+        dropped rather than let the queue pass the bound."""
         return not self.overflowed and self._bytes + size <= self._max_bytes

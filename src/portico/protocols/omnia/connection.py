@@ -113,9 +113,7 @@ class OmniaConnection:
         self._limits = limits
         self._last_received = now
         self._next_ping = now + limits.ping_interval
-        # A bound on the backlog: a `done` or `media_chunk` larger than the queue still
-        # goes to a client that keeps up; only one that stops reading is a slow consumer.
-        self._outbox = Outbox(limits.max_send_queue_bytes, bound="backlog")
+        self._outbox = Outbox(limits.max_send_queue_bytes)
         self._told_no_audio = False
         self._messages = TokenBucket(
             rate=limits.messages_per_second, burst=limits.message_burst, now=now
