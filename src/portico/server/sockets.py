@@ -222,9 +222,10 @@ class ServerSocket(ABC):
         write as the largest cost of streaming.
         """
         frames: list[bytes] = []
-        while (frame := self.core.next_frame()) is not None:
-            frames.append(text_frame_header(len(frame), binary=isinstance(frame, BinaryData)))
-            frames.append(frame)
+        next_frame, append = self.core.next_frame, frames.append  # looked up once: per frame
+        while (frame := next_frame()) is not None:
+            append(text_frame_header(len(frame), binary=isinstance(frame, BinaryData)))
+            append(frame)
         if not frames:
             return 0
         assert self._transport is not None
