@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.resources
 import logging
 import signal
@@ -23,6 +24,11 @@ from portico.server.websocket import omnia_handler
 log = logging.getLogger("portico.server")
 
 HOUSEKEEPING = web.AppKey("housekeeping", list[asyncio.Task[None]])
+# The cyclic collector runs its youngest generation every 10,000 container
+# allocations instead of 700: a streaming server allocates hundreds of short-lived
+# ones per turn, nearly all freed by reference counting, and the default made the
+# collector about 5 % of the event loop's and the archive thread's time (GIL held).
+GC_THRESHOLDS = (10_000, 10, 10)
 
 # The demo chat page (src/portico/web): static files, served as they are.
 WEB_CONTENT_TYPES = {
@@ -147,6 +153,15 @@ def add_page_routes(app: web.Application, settings: Settings) -> None:
     app.router.add_get("/web/{name}", asset)
 
 
+def _tune_garbage_collector() -> None:
+    """Once serving: what is alive now (modules, settings, caches) lives as long as the
+    process, so it is frozen out of every later collection (a pass of the oldest
+    generation over it paused the event loop about 30 ms), and see GC_THRESHOLDS."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 async def serve(settings: Settings, *, on_ready: Callable[[str], None] = print) -> None:
     """Serve until SIGINT or SIGTERM; announce the URL once connections are accepted."""
     app = create_app(settings)
@@ -155,6 +170,7 @@ async def serve(settings: Settings, *, on_ready: Callable[[str], None] = print) 
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
     host, port = runner.addresses[0][:2]
+    _tune_garbage_collector()
     on_ready(f"Portico serving http://{host}:{port}/ (Omnia WebSocket: ws://{host}:{port}/ws)")
     signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
