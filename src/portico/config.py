@@ -230,12 +230,21 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError("auth=apikey needs api_keys (PORTICO_API_KEYS=token=principal,...)")
         if self.public_url and not self.public_url.startswith(("http://", "https://")):
             raise ConfigError("public_url must start with http:// or https://")
+        self._check_keepalive()
         for name in self.agent_names():
             agent = self.agent(name)
             if agent is not None and agent.runtime == "scripted" and not agent.script:
                 raise ConfigError(f"agent {name!r}: the scripted runtime needs a script file")
             if agent is not None and agent.runtime == "openai":
                 check_openai_agent(name, agent, os.environ if env is None else env)
+
+    def _check_keepalive(self) -> None:
+        """A peer that pings on time must never be closed as idle."""
+        if self.ping_interval >= self.pong_timeout:
+            raise ConfigError("ping_interval must be shorter than pong_timeout")
+        if self.heartbeat_interval >= self.session_idle_timeout:
+            # Clients ping every heartbeat_interval (ready.heartbeat_ms tells them).
+            raise ConfigError("heartbeat_interval must be shorter than session_idle_timeout")
 
     def redacted(self) -> dict[str, Any]:
         """The settings as plain data with credentials masked, for `config show`."""

@@ -679,7 +679,8 @@ async def test_interrupt_during_a_stream_ends_it_cancelled(
 
 
 async def test_server_idle_close_is_4000(http: aiohttp.ClientSession, tmp_path: Path) -> None:
-    server = ServerProcess(tmp_path, env={"PORTICO_SESSION_IDLE_TIMEOUT": "0.5"}).start()
+    idle = {"PORTICO_SESSION_IDLE_TIMEOUT": "0.5", "PORTICO_HEARTBEAT_INTERVAL": "0.2"}
+    server = ServerProcess(tmp_path, env=idle).start()
     try:
         probe = await SessionProbe.connect(http, server.http_url + "/v1/session")
         assert (await probe.hello())["type"] == "ready"

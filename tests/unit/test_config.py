@@ -266,6 +266,26 @@ def test_non_loopback_without_auth_is_refused(host: str) -> None:
         load(flags={"host": host}).check_startable()
 
 
+@pytest.mark.parametrize(
+    ("env", "refusal"),
+    [
+        ({"PORTICO_PING_INTERVAL": "60"}, "ping_interval must be shorter than pong_timeout"),
+        (
+            {"PORTICO_HEARTBEAT_INTERVAL": "45"},
+            "heartbeat_interval must be shorter than session_idle_timeout",
+        ),
+    ],
+)
+def test_keepalive_that_would_close_punctual_peers_is_refused(
+    env: dict[str, str], refusal: str
+) -> None:
+    with pytest.raises(ConfigError, match=refusal):
+        load(env).check_startable()
+    load(
+        {**env, "PORTICO_PONG_TIMEOUT": "61", "PORTICO_SESSION_IDLE_TIMEOUT": "46"}
+    ).check_startable()
+
+
 def test_allow_unauthenticated_permits_an_open_bind() -> None:
     load({"PORTICO_HOST": "0.0.0.0", "PORTICO_ALLOW_UNAUTHENTICATED": "true"}).check_startable()
 

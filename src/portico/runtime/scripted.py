@@ -213,7 +213,10 @@ class ScriptedRuntime:
         steps = self._scenario(turn)
         if steps is None:
             name = turn.directives.get(SCENARIO_KEY, DEFAULT_SCENARIO)
-            yield Failure(code="SCENARIO_NOT_FOUND", message=f"no scenario named {name!r}")
+            # The name is the client's own (a reserved key, bounded only by the frame):
+            # echoed shortened, never a payload sent back whole.
+            shown = name if len(name) <= 64 else name[:64] + "…"
+            yield Failure(code="SCENARIO_NOT_FOUND", message=f"no scenario named {shown!r}")
             return
         outcome: ToolOutcome | None = None
         static_chunks = self._static_chunks
