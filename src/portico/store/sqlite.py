@@ -243,7 +243,6 @@ _INSERT_SESSION_IF_ABSENT = _insert_sql("sessions", SESSION_COLUMNS, "INSERT OR 
 _REPLACE_SESSION = _replace_sql("sessions", SESSION_COLUMNS) + " RETURNING *"
 _SELECT_SESSION = "SELECT * FROM sessions WHERE id = ?"
 _TOUCH_SESSION = "UPDATE sessions SET last_activity_at = ?, updated_at = ? WHERE id = ? RETURNING *"
-_INSERT_MESSAGE = _insert_sql("messages", MESSAGE_COLUMNS)
 _LAST_MESSAGE_OFFSET = "SELECT COALESCE(MAX(global_offset), 0) FROM messages WHERE session_id = ?"
 _UPDATE_MESSAGE = (
     "UPDATE messages SET content = ?, parts = ?, status = ?, metadata = ?, updated_at = ? "
@@ -451,12 +450,28 @@ def _log_for_session(
 
 def _insert_message(conn: Archive, message: Message) -> Message:
     """Append `message` with the session's next global_offset (1, 2, ... without gaps)."""
-    last = conn.heads.messages.get(message.session_id)
+    return _insert_messages(conn, (message,))[0]
+
+
+@functools.cache
+def _insert_messages_sql(rows: int) -> str:
+    row = f"({', '.join('?' * len(MESSAGE_COLUMNS))})"
+    return f"INSERT INTO messages ({', '.join(MESSAGE_COLUMNS)}) VALUES {', '.join([row] * rows)}"
+
+
+def _insert_messages(conn: Archive, messages: Sequence[Message]) -> list[Message]:
+    """Append messages of one session, numbered on from its last, in one statement."""
+    session_id = messages[0].session_id
+    assert all(message.session_id == session_id for message in messages)
+    last = conn.heads.messages.get(session_id)
     if last is None:
-        (last,) = conn.execute(_LAST_MESSAGE_OFFSET, (message.session_id,)).fetchone()
-    stored = msgspec.structs.replace(message, global_offset=last + 1)
-    conn.execute(_INSERT_MESSAGE, _message_row(stored))
-    conn.heads.messages[message.session_id] = last + 1
+        (last,) = conn.execute(_LAST_MESSAGE_OFFSET, (session_id,)).fetchone()
+    stored = [
+        msgspec.structs.replace(message, global_offset=last + n)
+        for n, message in enumerate(messages, start=1)
+    ]
+    conn.execute(_insert_messages_sql(len(stored)), [v for m in stored for v in _message_row(m)])
+    conn.heads.messages[session_id] = last + len(stored)
     return stored
 
 
@@ -518,7 +533,11 @@ def _begin_turn(
         taken = conn.execute(_OWNERS_CLIENT_ID, (message.client_id, message.session_id))
         if (row := taken.fetchone()) is not None:
             raise DuplicateClientId(message.client_id, session_id=row[0], message_id=row[1])
-    stored = _insert_message(conn, message)  # fails first on a missing session
+    # The user's message and the pending reply: one statement, which fails first on
+    # a missing session.
+    stored, *reply_stored = _insert_messages(
+        conn, (message,) if reply is None else (message, reply)
+    )
     action = _create_turn(conn, turn)
     at = message.created_at
     session = _session_from_row(
@@ -529,10 +548,8 @@ def _begin_turn(
         UpdateItem("turn", action, turn.id),
         UpdateItem("session", "updated", session.id),
     ]
-    entities: list[Entity] = [stored, turn, session]
-    if reply is not None:
-        entities.append(_insert_message(conn, reply))
-        items.append(UpdateItem("message", "created", reply.id))
+    entities: list[Entity] = [stored, turn, session, *reply_stored]
+    items += [UpdateItem("message", "created", created.id) for created in reply_stored]
     _log_for_owner(conn, out, session.owner, tuple(items), tuple(entities))
     return stored
 

@@ -31,7 +31,9 @@ class Channel:
 
     def send(self, frame: Numbered) -> bytes:
         """Number `frame`, keep it until acknowledged, and return its encoding."""
-        data = encode(msgspec.structs.replace(frame, seq=self.next_seq))
+        if frame.seq != self.next_seq:  # a frame built with its number needs no copy
+            frame = msgspec.structs.replace(frame, seq=self.next_seq)
+        data = encode(frame)
         if (
             len(self._buffer) >= self._max_messages
             or self._buffer_bytes + len(data) > self._max_bytes
