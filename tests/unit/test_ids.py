@@ -1,9 +1,10 @@
-"""Record ids: a prefix and 128 random bits, unique across threads."""
+"""Record ids: a prefix, a millisecond clock and 80 random bits, unique across threads."""
 
 from __future__ import annotations
 
 import re
 import threading
+import time
 
 from portico.core.model import new_id
 
@@ -29,3 +30,13 @@ def test_threads_draw_ids_of_their_own() -> None:
         thread.join()
     every = [i for out in made for i in out]
     assert len(set(every)) == len(every) == 20_000
+
+
+def test_ids_sort_by_creation_time() -> None:
+    # Time-ordered ids keep the archive's id indexes growing at their end.
+    earlier = [new_id("msg") for _ in range(100)]
+    time.sleep(0.002)
+    later = [new_id("msg") for _ in range(100)]
+    assert max(earlier) < min(later)
+    millis = int(later[0][4:16], 16)
+    assert abs(millis - time.time() * 1000) < 60_000

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any, Literal
 
 import msgspec
@@ -47,8 +48,8 @@ def text_of_parts(parts: tuple[ContentPart, ...]) -> str:
     return "\n\n".join(part.text for part in parts if part.type == "text" and part.text)
 
 
-_ID_BYTES = 16  # 128 random bits, as a UUID4 has
-_POOL_BYTES = 4096  # read from the OS at once: one system call per 256 ids
+_ID_BYTES = 10  # 80 random bits after a 48-bit millisecond clock (UUIDv7's layout)
+_POOL_BYTES = 4000  # read from the OS at once: one system call per 400 ids
 
 
 class _RandomPool(threading.local):
@@ -71,7 +72,14 @@ _random = _RandomPool()
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{_random.take().hex()}"
+    """`prefix-` and 32 hex digits: Unix milliseconds (48 bits), then 80 random bits.
+
+    Time-ordered, so the archive's id indexes grow at their end: random ids put each
+    insert on a random page, which slowed writes and bloated the WAL as the archive
+    grew (throughput fell 20 % over the first 250 MB). 80 random bits per millisecond
+    keep ids unguessable and collision-free.
+    """
+    return f"{prefix}-{int(time.time() * 1000):012x}{_random.take().hex()}"
 
 
 class Session(msgspec.Struct, frozen=True, kw_only=True):
