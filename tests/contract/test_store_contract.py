@@ -1288,3 +1288,29 @@ async def test_a_write_failing_after_its_first_append_takes_no_offset(store: Sto
     assert offsets(await store.list_messages("s1")) == [1, 2]
     assert later.global_offset == 2
     assert [update.offset for update in await all_updates(store, "alice")] == [1, 2, 3]
+
+
+async def test_sqlite_wal_stays_bounded_under_a_writer_that_never_pauses(tmp_path: Path) -> None:
+    # A passive checkpoint never restarts the WAL while writes keep coming: it grew to
+    # GBs under load. Past `wal_restart_frames` the checkpointer restarts it.
+    path = tmp_path / "archive.db"
+    store = SqliteStore(
+        path, checkpoint_interval=0.02, wal_restart_frames=64, wal_size_limit=1024 * 1024
+    )
+    await store.open()
+    try:
+        await store.create_session(make_session())
+        wal = path.with_name(path.name + "-wal")
+        largest, n = 0, 0
+        deadline = asyncio.get_running_loop().time() + 1.5
+        while asyncio.get_running_loop().time() < deadline:
+            batch = [make_message(n=n + k, content="x" * 2000) for k in range(20)]
+            await asyncio.gather(*(store.append_message(m) for m in batch))
+            n += len(batch)
+            largest = max(largest, wal.stat().st_size)
+        assert offsets(await store.list_messages("s1")) == list(range(1, n + 1))
+    finally:
+        await store.close()
+    # About 40 KiB of rows a batch; restarted past 64 frames (256 KiB) and cut back to
+    # 1 MiB, the WAL stays at a few MiB. Never restarted it passes 200 MiB here.
+    assert largest < 16 * 1024 * 1024, f"WAL reached {largest} bytes after {n} messages"

@@ -778,6 +778,18 @@ def _page_args(session_id: str, cursor: str, limit: int) -> tuple[Any, ...]:
 
 SESSION_CACHE_SIZE = 10_000  # sessions kept in memory (most recently used)
 CHECKPOINT_INTERVAL = 1.0  # seconds between WAL checkpoints
+# WAL frames (one page, 4 KiB, each) past which a checkpoint also restarts the WAL.
+WAL_RESTART_FRAMES = 4096
+# Bytes a restarted WAL file is cut back to (it is reused from its start, not grown).
+WAL_SIZE_LIMIT = 64 * 1024 * 1024
+# How long a write or a restart waits for the checkpoint connection's locks.
+WRITER_BUSY_TIMEOUT_MS = 5000
+
+
+def _checkpoint(conn: sqlite3.Connection, mode: str) -> int:
+    """Run a checkpoint; returns how many frames the WAL holds."""
+    _busy, frames, _copied = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
+    return int(frames)
 
 
 class _SessionCache:
@@ -818,8 +830,18 @@ class _SessionCache:
 
 
 class SqliteStore:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        checkpoint_interval: float = CHECKPOINT_INTERVAL,
+        wal_restart_frames: int = WAL_RESTART_FRAMES,
+        wal_size_limit: int = WAL_SIZE_LIMIT,
+    ) -> None:
         self._path = str(path)
+        self._wal_size_limit = wal_size_limit
+        self._checkpoint_interval = checkpoint_interval
+        self._wal_restart_frames = wal_restart_frames
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portico-sqlite")
         self._conn: Archive | None = None
         self._epoch = ""
@@ -848,6 +870,9 @@ class SqliteStore:
         # of their own: run by the commit that crosses the threshold, they stalled that
         # commit and every write queued behind it for milliseconds (the p99 of turns).
         conn.execute("PRAGMA wal_autocheckpoint=0")
+        conn.execute(f"PRAGMA journal_size_limit={self._wal_size_limit}")
+        # A passive checkpoint reading the WAL may hold a lock for a moment: wait for it.
+        conn.execute(f"PRAGMA busy_timeout={WRITER_BUSY_TIMEOUT_MS}")
         _migrate(conn)
         return conn
 
@@ -861,15 +886,25 @@ class SqliteStore:
         conn = await loop.run_in_executor(self._checkpointer, self._checkpoint_connection)
         try:
             while True:
-                await asyncio.sleep(CHECKPOINT_INTERVAL)
-                # PASSIVE: copies what it can without waiting for (or blocking) the writer.
-                await loop.run_in_executor(
-                    self._checkpointer, conn.execute, "PRAGMA wal_checkpoint(PASSIVE)"
-                )
-        except sqlite3.Error:
-            log.exception("archive checkpoint failed; the WAL grows until the next start")
+                await asyncio.sleep(self._checkpoint_interval)
+                try:
+                    await self._checkpoint_once(conn)
+                except sqlite3.Error:
+                    log.exception("archive checkpoint failed; tried again in a moment")
         finally:
             await loop.run_in_executor(self._checkpointer, conn.close)
+
+    async def _checkpoint_once(self, conn: sqlite3.Connection) -> None:
+        """PASSIVE copies what it can without waiting for (or blocking) the writer. But
+        a writer that never pauses never lets it restart the WAL, which then grows
+        without end (GBs under load, every page lookup slower): once the WAL is long,
+        the writer's own thread runs a RESTART between two batches (no other writer,
+        no reader to wait for), copies the few frames PASSIVE left, and the next write
+        starts the WAL from its beginning."""
+        loop = asyncio.get_running_loop()
+        frames = await loop.run_in_executor(self._checkpointer, _checkpoint, conn, "PASSIVE")
+        if frames > self._wal_restart_frames:
+            await self._in_thread(functools.partial(_checkpoint, self._connection(), "RESTART"))
 
     async def _in_thread(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
