@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 
 from portico.core.events import TurnChunk, TurnCompleted, TurnFailed, TurnMediaChunk, TurnToolCall
 from portico.core.model import ContentPart, MediaContent
+from portico.core.validation import base64_decoded_size
 from portico.errors import SessionExpired, TurnInProgress
 from portico.protocols.omnia.binary import media_frames
 from portico.protocols.omnia.connection import (
@@ -502,6 +504,20 @@ def test_inline_media_counts_against_the_media_byte_rate() -> None:
     assert isinstance(conn.receive_text(frame, now=0.0)[0], MessageReceived)
     assert conn.receive_text(frame, now=0.0) == [LimitHit("media_bytes")]
     assert sent(conn)[0]["error"]["code"] == "RATE_LIMITED"
+
+
+def test_inline_media_counts_its_decoded_bytes_not_its_base64_text() -> None:
+    conn = make(media_bytes_per_second=100)
+    conn.data_to_send()
+    data = base64.b64encode(b"x" * 90).decode()  # 120 characters, 90 bytes
+    part = {"type": "image", "media": {"data": data, "mime_type": "image/png"}}
+    frame = json.dumps({"type": "message", "parts": [part]})
+    assert isinstance(conn.receive_text(frame, now=0.0)[0], MessageReceived)
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 3, 4, 89, 90, 91])
+def test_base64_decoded_size_is_exact_for_well_formed_text(size: int) -> None:
+    assert base64_decoded_size(base64.b64encode(b"x" * size).decode()) == size
 
 
 def test_binary_frames_count_against_the_media_byte_rate() -> None:

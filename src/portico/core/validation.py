@@ -77,3 +77,8 @@ def check_parts(parts: tuple[ContentPart, ...]) -> None:
 def declare_fits(declare: dict[str, Any]) -> bool:
     """Whether a declaration is within the spec's 16 KiB, as encoded JSON."""
     return len(_encode(declare)) <= DECLARE_MAX_BYTES
+
+
+def base64_decoded_size(data: str) -> int:
+    """The bytes a base64 text decodes to (well-formed or not: a budget, not a check)."""
+    return len(data) * 3 // 4 - data[-2:].count("=")

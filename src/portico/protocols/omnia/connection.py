@@ -27,7 +27,12 @@ from portico.core.events import (
 )
 from portico.core.limits import TokenBucket
 from portico.core.model import ContentPart
-from portico.core.validation import check_parts, declare_fits, split_metadata
+from portico.core.validation import (
+    base64_decoded_size,
+    check_parts,
+    declare_fits,
+    split_metadata,
+)
 from portico.errors import (
     BinaryFrameError,
     InvalidMessage,
@@ -242,7 +247,10 @@ class OmniaConnection:
         if not frame.content and not parts:
             raise InvalidMessage("a message needs `content` or `parts`")
         check_parts(parts)
-        inline = sum(len(p.media.data) for p in parts if p.media is not None and p.media.data)
+        # Media bytes, as binary frames count them: decoded, not their base64 text.
+        inline = sum(
+            base64_decoded_size(p.media.data) for p in parts if p.media is not None and p.media.data
+        )
         if inline and not self._media_bytes.allow(self._last_received, inline):
             raise _MediaRateExceeded()
         forwarded, directives = split_metadata(frame.metadata or {})
