@@ -31,8 +31,8 @@
  *   names its message in `ref_seq`).
  * - Sent messages are kept until the server acknowledges them and resent after a resume;
  *   received ones are acknowledged within `ackDelay` s or after `ackEvery` messages, and
- *   duplicates are discarded. The client pings every heartbeat interval (the server's
- *   `ready.heartbeat_ms`, else `heartbeatInterval`) and drops a link silent for `deadAfter`
+ *   duplicates are discarded. The client pings every heartbeat interval (the shorter of
+ *   `heartbeatInterval` and the server's `ready.heartbeat_ms`) and drops a link silent for `deadAfter`
  *   intervals; reconnects back off exponentially with jitter (`ReconnectPolicy`) and start
  *   at once when the browser reports it is back online.
  * - A registered tool is acknowledged, put to its `consent` callback, run, and answered
@@ -429,7 +429,10 @@ class SessionLink {
       if (frame.type !== "ready") throw new ProtocolError("the first frame must be ready");
       client._acknowledge(frame.last_seq);
       this.state = "open";
-      if (frame.heartbeat_ms > 0) this.heartbeat = frame.heartbeat_ms / 1000;
+      // The shorter of ours and the server's: its idle timeout is sized for what it announces.
+      if (frame.heartbeat_ms > 0) {
+        this.heartbeat = Math.min(this.client._heartbeatInterval, frame.heartbeat_ms / 1000);
+      }
       this.nextPing = now() + this.heartbeat;
       for (const entry of client._buffer) this._write(entry.data); // the resend backlog
       this.ready.resolve(frame);
