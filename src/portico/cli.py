@@ -13,7 +13,7 @@ import yaml
 
 from portico.client.chat import DEFAULT_URL, ChatOptions, run_chat
 from portico.config import RuntimeName, Settings, load_settings
-from portico.errors import ConfigError
+from portico.errors import ConfigError, StoreError
 from portico.server.app import serve
 from portico.server.observability import configure_logging
 
@@ -126,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"portico: {exc.message}", file=sys.stderr)
         return 2
+    except StoreError as exc:  # the archive cannot be opened: say why, no traceback
+        print(f"portico: {exc.message}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

@@ -219,3 +219,20 @@ async def test_drain_timeout_interrupts_with_a_terminal_frame_then_closes_1001(
     assert turn.state is TurnState.INTERRUPTED
     # The partial reply is archived.
     assert [(m.role, m.content) for m in messages] == [("user", "slow"), ("assistant", "a")]
+
+
+async def test_a_second_server_on_the_same_data_dir_is_refused(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    server = ServerProcess(tmp_path / "data").start()
+    try:
+        second = run_cli("serve", "--port", "0", "--data-dir", str(tmp_path / "data"))
+        assert second.returncode == 1
+        assert "is in use by another Portico process" in second.stderr
+        assert "Traceback" not in second.stderr
+        async with http.get(server.http_url + "/readyz") as ready:
+            assert ready.status == 200  # the first one serves on
+    finally:
+        server.stop()
+    # Once the first has stopped, the archive is free again.
+    ServerProcess(tmp_path / "data").start().stop()

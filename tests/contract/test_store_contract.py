@@ -1314,3 +1314,38 @@ async def test_sqlite_wal_stays_bounded_under_a_writer_that_never_pauses(tmp_pat
     # About 40 KiB of rows a batch; restarted past 64 frames (256 KiB) and cut back to
     # 1 MiB, the WAL stays at a few MiB. Never restarted it passes 200 MiB here.
     assert largest < 16 * 1024 * 1024, f"WAL reached {largest} bytes after {n} messages"
+
+
+async def test_sqlite_archive_has_one_store_at_a_time(tmp_path: Path) -> None:
+    path = tmp_path / "archive.db"
+    first = await open_sqlite(path)
+    second = SqliteStore(path)
+    with pytest.raises(StoreError, match="in use by another Portico process"):
+        await second.open()
+    await first.create_session(make_session())
+    await first.close()
+    # Closing releases the archive for the next one.
+    reopened = await open_sqlite(path)
+    try:
+        assert await reopened.get_session("s1") is not None
+    finally:
+        await reopened.close()
+
+
+async def test_sqlite_reader_beside_the_owner_sees_commits_and_cannot_write(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "archive.db"
+    owner = await open_sqlite(path)
+    reader = SqliteStore(path, read_only=True)
+    await reader.open()
+    try:
+        await owner.create_session(make_session())
+        await owner.append_message(make_message(n=1))
+        assert offsets(await reader.list_messages("s1")) == [1]
+        with pytest.raises(StoreError):
+            await reader.append_message(make_message(n=2))
+        assert offsets(await owner.list_messages("s1")) == [1]
+    finally:
+        await reader.close()
+        await owner.close()

@@ -31,7 +31,7 @@ ENDED = frozenset(
 
 @asynccontextmanager
 async def open_archive(path: Path) -> AsyncIterator[SqliteStore]:
-    store = SqliteStore(path)
+    store = SqliteStore(path, read_only=True)  # beside the server that owns it
     await store.open()
     try:
         yield store

@@ -15,6 +15,7 @@ handed to the caller's collector and to the listener only after the commit.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import logging
 import sqlite3
@@ -23,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import IO, Any, Literal, TypeVar
 
 import msgspec
 
@@ -786,6 +787,22 @@ WAL_SIZE_LIMIT = 64 * 1024 * 1024
 WRITER_BUSY_TIMEOUT_MS = 5000
 
 
+def _lock_archive(path: str) -> IO[bytes]:
+    """Hold `<archive>.lock` for as long as the store is open.
+
+    The store assumes it is the archive's one writer (it caches sessions and numbers
+    messages itself): a second server on the same data dir is refused, not let in.
+    """
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    lock = open(f"{path}.lock", "wb")  # noqa: SIM115 - held open until close()
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise StoreError(f"the archive at {path} is in use by another Portico process") from None
+    return lock
+
+
 def _checkpoint(conn: sqlite3.Connection, mode: str) -> int:
     """Run a checkpoint; returns how many frames the WAL holds."""
     _busy, frames, _copied = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
@@ -837,8 +854,12 @@ class SqliteStore:
         checkpoint_interval: float = CHECKPOINT_INTERVAL,
         wal_restart_frames: int = WAL_RESTART_FRAMES,
         wal_size_limit: int = WAL_SIZE_LIMIT,
+        read_only: bool = False,
     ) -> None:
+        """`read_only`: a reader beside the server that owns the archive (it takes no
+        lock, runs no migration or checkpoint; writes fail)."""
         self._path = str(path)
+        self._read_only = read_only
         self._wal_size_limit = wal_size_limit
         self._checkpoint_interval = checkpoint_interval
         self._wal_restart_frames = wal_restart_frames
@@ -851,10 +872,13 @@ class SqliteStore:
         self._sessions = _SessionCache(SESSION_CACHE_SIZE)
         self._checkpointer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portico-wal")
         self._checkpoints: asyncio.Task[None] | None = None
+        self._lock: IO[bytes] | None = None
 
     # -- plumbing ---------------------------------------------------------------
 
     def _connect(self) -> Archive:
+        if self._read_only:
+            return self._connect_read_only()
         if self._path != ":memory:":
             Path(self._path).parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(
@@ -874,6 +898,15 @@ class SqliteStore:
         # A passive checkpoint reading the WAL may hold a lock for a moment: wait for it.
         conn.execute(f"PRAGMA busy_timeout={WRITER_BUSY_TIMEOUT_MS}")
         _migrate(conn)
+        return conn
+
+    def _connect_read_only(self) -> Archive:
+        uri = f"{Path(self._path).absolute().as_uri()}?mode=ro"
+        conn = sqlite3.connect(
+            uri, uri=True, isolation_level=None, check_same_thread=False, factory=Archive
+        )
+        conn.row_factory = sqlite3.Row
+        conn.execute(f"PRAGMA busy_timeout={WRITER_BUSY_TIMEOUT_MS}")
         return conn
 
     def _checkpoint_connection(self) -> sqlite3.Connection:
@@ -972,14 +1005,17 @@ class SqliteStore:
     # -- lifecycle --------------------------------------------------------------
 
     async def open(self) -> None:
+        if self._path != ":memory:" and not self._read_only:
+            self._lock = _lock_archive(self._path)
         try:
             self._conn = await self._in_thread(self._connect)
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot open the archive at {self._path}") from exc
+            self._unlock()
+            raise StoreError(f"cannot open the archive at {self._path}: {exc}") from exc
         self._epoch = await self._read(
             lambda conn: str(conn.execute("SELECT epoch FROM meta").fetchone()[0])
         )
-        if self._path != ":memory:":
+        if self._path != ":memory:" and not self._read_only:
             self._checkpoints = asyncio.create_task(self._checkpoint_periodically())
 
     async def close(self) -> None:
@@ -990,11 +1026,18 @@ class SqliteStore:
             await self._committer
         if self._conn is not None:
             conn, self._conn = self._conn, None
-            # The last connection to close checkpoints the WAL into the database file.
-            await self._in_thread(lambda: conn.execute("PRAGMA wal_checkpoint(TRUNCATE)"))
+            if not self._read_only:
+                # The owner, closing, checkpoints the WAL into the database file.
+                await self._in_thread(lambda: conn.execute("PRAGMA wal_checkpoint(TRUNCATE)"))
             await self._in_thread(conn.close)
         self._executor.shutdown(wait=True)
         self._checkpointer.shutdown(wait=True)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file releases its lock
+            self._lock = None
 
     # -- sessions ---------------------------------------------------------------
 
