@@ -56,8 +56,9 @@ HEADS_SIZE = 50_000
 class Heads:
     """The last message offset of each session and update offset of each owner.
 
-    The archive has one writer (this process's store thread), so it can number the
-    next message and update itself instead of reading MAX() before each insert: two
+    The archive has one writer (this process's store thread; `_lock_archive` keeps
+    other processes out), so it can number the next message and update itself
+    instead of reading MAX() before each insert: two
     statements fewer per write, and every statement costs the event loop a hand-off
     of the GIL. Whatever a rolled-back write may have taught is forgotten (`clear`).
     """
@@ -85,7 +86,8 @@ class Archive(sqlite3.Connection):
         self.heads = Heads()
 
 
-# A write runs on the store thread inside its savepoint; it appends the updates it
+# A write runs on the store thread, in its batch's transaction (alone in a savepoint
+# only after a write of the batch failed: `_run_batch`); it appends the updates it
 # logged to the list it is given, which is published only once the batch commits.
 Operation = Callable[[Archive, list[Update]], Any]
 Pending = tuple[Operation, asyncio.Future[Any], list[Update] | None]
