@@ -67,6 +67,23 @@ def current_collector() -> list[Update] | None:
     return _collector.get()
 
 
+def publish(
+    updates: Sequence[Update], collector: list[Update] | None, listener: UpdateListener | None
+) -> None:
+    """Report a write's committed updates: to the collector of the context that made the
+    write (read when it was made), then to the listener, in order."""
+    if collector is not None:
+        collector.extend(updates)
+    if listener is None:
+        return
+    for update in updates:
+        try:
+            listener(update)
+        except Exception:
+            # The update has committed; a broken listener must not fail the write.
+            log.exception("update listener failed on update %s", update.id)
+
+
 class Store(Protocol):
     async def open(self) -> None:
         """Connect, create or migrate the schema. Readiness waits on this."""
