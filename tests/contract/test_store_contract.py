@@ -1,7 +1,8 @@
 """The Store port's contract: every archive backend must pass this one suite.
 
 A backend joins by adding one entry to `BACKENDS`: a factory that returns an
-unopened store for a test's temporary directory.
+unopened store for a test's temporary directory. The PostgreSQL store gets a fresh
+schema per store, dropped after the test.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from portico.errors import DuplicateClientId, StoreError
 from portico.store import sqlite as sqlite_backend
 from portico.store.base import Store, collecting_updates
 from portico.store.memory import MemoryStore
+from portico.store.postgres import PostgresStore
 from portico.store.sqlite import MIGRATIONS, SqliteStore
+from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
 
 StoreFactory = Callable[[Path], Awaitable[Store]]
 
@@ -46,10 +49,29 @@ async def sqlite_store(tmp_path: Path) -> Store:
     return SqliteStore(tmp_path / "archive.db")
 
 
+# Schemas the running test created, dropped once it ends (see `drop_test_schemas`).
+_schemas: list[str] = []
+
+
+async def postgres_store(tmp_path: Path) -> Store:
+    require_postgres()
+    schema = await create_schema()
+    _schemas.append(schema)
+    return PostgresStore(schema_url(schema), pool_size=4)
+
+
+@pytest.fixture(autouse=True)
+async def drop_test_schemas() -> AsyncIterator[None]:
+    yield
+    schemas = _schemas[:]
+    _schemas.clear()
+    await drop_schemas(schemas)
+
+
 BACKENDS = [
     pytest.param(memory_store, id="memory"),
     pytest.param(sqlite_store, id="sqlite"),
-    # pytest.param(postgres_store, id="postgres", marks=needs_postgres),
+    pytest.param(postgres_store, id="postgres"),
 ]
 
 

@@ -10,7 +10,7 @@ of column name to value.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -163,7 +163,6 @@ def updated_items(entities: Iterable[Entity]) -> tuple[UpdateItem, ...]:
     return tuple(UpdateItem(ENTITY_KINDS[type(e)], "updated", e.id) for e in entities)
 
 
-def owned(row: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+def owned(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """A row that leads with its session's owner: the owner, and the entity's columns."""
-    data = dict(row)
     return data.pop("owner"), data

@@ -541,14 +541,14 @@ def _interrupt_unfinished_turns(conn: Archive, out: list[Update], now: float) ->
     turns = conn.execute(_UNFINISHED_TURNS, _TERMINAL).fetchall()
     count = conn.execute(_INTERRUPT_TURNS, (TurnState.INTERRUPTED.value, now, *_TERMINAL)).rowcount
     for row in turns:
-        owner, data = rows.owned(row)
+        owner, data = rows.owned(_row_dict(row))
         # What the UPDATE stored, without reading every row back.
         data.update(state=TurnState.INTERRUPTED, ended_at=now)
         changed.setdefault(owner, []).append(Turn(**data))
     replies = conn.execute(_STREAMING_REPLIES).fetchall()
     conn.execute(_FAIL_STREAMING, (now,))
     for row in replies:
-        owner, data = rows.owned(row)
+        owner, data = rows.owned(_row_dict(row))
         message = rows.message_from_data(data)
         failed = msgspec.structs.replace(message, status="failed", updated_at=now)
         changed.setdefault(owner, []).append(failed)
