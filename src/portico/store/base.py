@@ -34,6 +34,7 @@ from contextvars import ContextVar
 from typing import Any, Protocol, TypeVar
 
 from portico.core.model import Message, Session, ToolCallRecord, Turn, Update, UpdateLog
+from portico.errors import StoreError
 
 log = logging.getLogger("portico.store")
 UpdateListener = Callable[[Update], None]
@@ -82,6 +83,15 @@ def publish(
         except Exception:
             # The update has committed; a broken listener must not fail the write.
             log.exception("update listener failed on update %s", update.id)
+
+
+def as_store_error(exc: Exception) -> StoreError:
+    """A failed write's exception as the StoreError its caller gets."""
+    if isinstance(exc, StoreError):  # raised by the write itself, already explained
+        return exc
+    error = StoreError("archive write failed")
+    error.__cause__ = exc
+    return error
 
 
 class Store(Protocol):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import asyncpg
 import msgspec
@@ -34,14 +34,13 @@ from portico.core.model import (
 from portico.core.states import TERMINAL_TURN_STATES, TurnState
 from portico.errors import DuplicateClientId, StoreError
 from portico.store import rows
-from portico.store.base import UpdateListener, current_collector, publish
+from portico.store.base import UpdateListener, as_store_error, current_collector, publish
 
 T = TypeVar("T")
 # Strings: asyncpg's classes are generic only in its stubs.
 Connection: TypeAlias = "PoolConnectionProxy[asyncpg.Record]"
 # A write runs inside its transaction and appends the updates it logged to the list.
 Operation: TypeAlias = "Callable[[Connection, list[Update]], Awaitable[T]]"
-Action = Literal["created", "updated"]
 POOL_SIZE = 10  # connections per process (each write holds one for its transaction)
 # What a broken or unreachable database raises, besides errors the server reports.
 _DRIVER_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
@@ -384,15 +383,7 @@ async def _append_message(conn: Connection, out: list[Update], message: Message)
 
 async def _replace_message(conn: Connection, message: Message) -> Message | None:
     """The stored message after its content changed; None when there is none."""
-    row = await conn.fetchrow(
-        _UPDATE_MESSAGE,
-        message.id,
-        message.content,
-        rows.json_encode(message.parts),
-        message.status,
-        rows.json_encode(message.metadata),
-        message.updated_at,
-    )
+    row = await conn.fetchrow(_UPDATE_MESSAGE, message.id, *rows.message_change(message))
     return None if row is None else _message(row)
 
 
@@ -405,7 +396,7 @@ async def _update_message(conn: Connection, out: list[Update], message: Message)
     return stored
 
 
-async def _save_turn(conn: Connection, turn: Turn) -> Action:
+async def _save_turn(conn: Connection, turn: Turn) -> rows.Action:
     created = await conn.fetchval(_UPSERT_TURN, *rows.turn_row(turn))
     return "created" if created else "updated"
 
@@ -438,14 +429,8 @@ async def _begin_turn(
     action = await _save_turn(conn, turn)
     row = await conn.fetchrow(_TOUCH_SESSION, message.session_id, message.created_at)
     session = _session(row)
-    items = [
-        UpdateItem("message", "created", stored.id),
-        UpdateItem("turn", action, turn.id),
-        UpdateItem("session", "updated", session.id),
-        *(UpdateItem("message", "created", created.id) for created in reply_stored),
-    ]
-    entities: tuple[Entity, ...] = (stored, turn, session, *reply_stored)
-    await _log_for_owner(conn, out, session.owner, tuple(items), entities)
+    change = rows.begun_turn(stored, action, turn, session, reply_stored)
+    await _log_for_owner(conn, out, session.owner, *change)
     return stored
 
 
@@ -454,7 +439,7 @@ async def _end_turn(conn: Connection, out: list[Update], turn: Turn, reply: Mess
     entities: list[Entity] = []
     if reply is not None:
         stored = await _replace_message(conn, reply)
-        action: Action = "updated"
+        action: rows.Action = "updated"
         if stored is None:
             (stored,), action = await _insert_messages(conn, (reply,)), "created"
         items.append(UpdateItem("message", action, stored.id))
@@ -478,11 +463,7 @@ async def _fork_session(
     # An existing id fails here.
     created = _session(await conn.fetchrow(_INSERT_SESSION, *rows.session_row(session)))
     stored = await _insert_messages(conn, messages) if messages else []
-    items = (
-        UpdateItem("session", "created", created.id),
-        *(UpdateItem("message", "created", message.id) for message in stored),
-    )
-    await _log_for_owner(conn, out, created.owner, items, (created, *stored))
+    await _log_for_owner(conn, out, created.owner, *rows.forked(created, stored))
     return stored
 
 
@@ -514,14 +495,6 @@ async def _interrupt_unfinished_turns(conn: Connection, out: list[Update], now: 
         entities = tuple(changed[owner])
         await _log_for_owner(conn, out, owner, rows.updated_items(entities), entities)
     return len(turns)
-
-
-def _write_error(exc: Exception) -> StoreError:
-    if isinstance(exc, StoreError):  # raised by the write itself, already explained
-        return exc
-    error = StoreError("archive write failed")
-    error.__cause__ = exc
-    return error
 
 
 class PostgresStore:
@@ -580,7 +553,7 @@ class PostgresStore:
                 # write of this owner may commit meanwhile, and updates go out in order.
                 publish(updates, collector, self._listener)
         except Exception as exc:
-            raise _write_error(exc) from None
+            raise as_store_error(exc) from None
         return result
 
     def set_update_listener(self, listener: UpdateListener | None) -> None:
@@ -776,10 +749,7 @@ class PostgresStore:
     async def update_log(self, owner: str) -> UpdateLog:
         row = await self._fetchrow(_UPDATE_LOG, owner)
         assert row is not None  # a SELECT without FROM returns one row
-        last, first = row[0] or 0, row[1]
-        return UpdateLog(
-            epoch=self._epoch, last_offset=last, first_offset=last + 1 if first is None else first
-        )
+        return rows.update_log(self._epoch, row[0], row[1])
 
     async def list_updates(self, owner: str, *, after_offset: int, limit: int) -> list[Update]:
         found = await self._fetch(_SELECT_UPDATES, owner, after_offset, limit)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -26,6 +26,7 @@ from portico.core.model import (
     Turn,
     Update,
     UpdateItem,
+    UpdateLog,
     new_id,
 )
 from portico.core.states import ToolCallState, TurnState
@@ -42,6 +43,7 @@ _metadata_decoder = msgspec.json.Decoder(dict[str, str])
 _declare_decoder = msgspec.json.Decoder(dict[str, Any] | None)
 _any_decoder = msgspec.json.Decoder()
 _JSON_TOOL_COLUMNS = ("arguments", "categories", "result")
+Action = Literal["created", "updated"]
 
 # Struct fields are bound positionally (astuple), in declaration order; these are the
 # positions that need encoding first.
@@ -83,6 +85,17 @@ def message_from_data(data: dict[str, Any]) -> Message:
     data["parts"] = _parts_decoder.decode(data["parts"])
     data["metadata"] = _metadata_decoder.decode(data["metadata"])
     return Message(**data)
+
+
+def message_change(message: Message) -> tuple[Any, ...]:
+    """What replacing a stored message sets: content, parts, status, metadata, updated_at."""
+    return (
+        message.content,
+        json_encode(message.parts),
+        message.status,
+        json_encode(message.metadata),
+        message.updated_at,
+    )
 
 
 def turn_row(turn: Turn) -> list[Any]:
@@ -166,3 +179,38 @@ def updated_items(entities: Iterable[Entity]) -> tuple[UpdateItem, ...]:
 def owned(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """A row that leads with its session's owner: the owner, and the entity's columns."""
     return data.pop("owner"), data
+
+
+Change = tuple[tuple[UpdateItem, ...], tuple[Entity, ...]]  # one update's items and entities
+
+
+def begun_turn(
+    stored: Message, action: Action, turn: Turn, session: Session, replies: Sequence[Message]
+) -> Change:
+    """What `begin_turn` logs: the user's message, the turn, the touched session, then
+    the reply created with them, if any."""
+    items = (
+        UpdateItem("message", "created", stored.id),
+        UpdateItem("turn", action, turn.id),
+        UpdateItem("session", "updated", session.id),
+        *(UpdateItem("message", "created", created.id) for created in replies),
+    )
+    return items, (stored, turn, session, *replies)
+
+
+def forked(session: Session, messages: Sequence[Message]) -> Change:
+    """What `fork_session` logs: the session, then each message."""
+    items = (
+        UpdateItem("session", "created", session.id),
+        *(UpdateItem("message", "created", message.id) for message in messages),
+    )
+    return items, (session, *messages)
+
+
+def update_log(epoch: str, last: int | None, first: int | None) -> UpdateLog:
+    """The log position from the last offset handed out (None: none yet) and the oldest
+    retained (None: nothing retained)."""
+    last = last or 0
+    return UpdateLog(
+        epoch=epoch, last_offset=last, first_offset=last + 1 if first is None else first
+    )

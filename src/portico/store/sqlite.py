@@ -40,7 +40,7 @@ from portico.core.model import (
 from portico.core.states import TERMINAL_TURN_STATES, TurnState
 from portico.errors import DuplicateClientId, StoreError
 from portico.store import rows
-from portico.store.base import UpdateListener, current_collector, publish
+from portico.store.base import UpdateListener, as_store_error, current_collector, publish
 
 log = logging.getLogger("portico.store")
 
@@ -444,14 +444,9 @@ def _begin_turn(
     session = _session_from_row(
         conn.execute(_TOUCH_SESSION, (at, at, message.session_id)).fetchone()
     )
-    items = [
-        UpdateItem("message", "created", stored.id),
-        UpdateItem("turn", action, turn.id),
-        UpdateItem("session", "updated", session.id),
-    ]
-    entities: list[Entity] = [stored, turn, session, *reply_stored]
-    items += [UpdateItem("message", "created", created.id) for created in reply_stored]
-    _log_for_owner(conn, out, session.owner, tuple(items), tuple(entities))
+    _log_for_owner(
+        conn, out, session.owner, *rows.begun_turn(stored, action, turn, session, reply_stored)
+    )
     return stored
 
 
@@ -466,15 +461,7 @@ def _save_tool_call(conn: Archive, out: list[Update], call: ToolCallRecord) -> N
 
 def _replace_message(conn: Archive, message: Message) -> Message | None:
     """The stored message after its content changed; None when there is none."""
-    values = (
-        message.content,
-        rows.json_encode(message.parts),
-        message.status,
-        rows.json_encode(message.metadata),
-        message.updated_at,
-        message.id,
-    )
-    row = conn.execute(_UPDATE_MESSAGE, values).fetchone()
+    row = conn.execute(_UPDATE_MESSAGE, (*rows.message_change(message), message.id)).fetchone()
     return None if row is None else _message_from_row(row)
 
 
@@ -510,11 +497,7 @@ def _fork_session(
     conn.execute(_INSERT_SESSION, rows.session_row(session))  # an existing id fails here
     created = _session_from_row(conn.execute(_SELECT_SESSION, (session.id,)).fetchone())
     stored = [_insert_message(conn, message) for message in messages]
-    items = (
-        UpdateItem("session", "created", created.id),
-        *(UpdateItem("message", "created", message.id) for message in stored),
-    )
-    _log_for_owner(conn, out, created.owner, items, (created, *stored))
+    _log_for_owner(conn, out, created.owner, *rows.forked(created, stored))
     return stored
 
 
@@ -625,18 +608,10 @@ def _run_in_savepoints(conn: Archive, operations: list[Operation]) -> list[Outco
             conn.execute("ROLLBACK TO op")
             conn.execute("RELEASE op")
             conn.heads.clear()  # what the failed operation numbered did not land
-            outcomes.append((_write_error(exc), []))
+            outcomes.append((as_store_error(exc), []))
         else:
             outcomes.append((result, updates))
     return outcomes
-
-
-def _write_error(exc: Exception) -> StoreError:
-    if isinstance(exc, StoreError):  # raised by the write itself, already explained
-        return exc
-    error = StoreError("archive write failed")
-    error.__cause__ = exc
-    return error
 
 
 @functools.cache
@@ -867,7 +842,7 @@ class SqliteStore:
             try:
                 outcomes = await self._in_thread(functools.partial(_run_batch, conn, operations))
             except sqlite3.Error as exc:
-                outcomes = [(_write_error(exc), [])] * len(batch)
+                outcomes = [(as_store_error(exc), [])] * len(batch)
             for (_, future, collector), (outcome, updates) in zip(batch, outcomes, strict=True):
                 if updates:
                     # Before the future resolves: the caller reads its collector
@@ -1134,10 +1109,7 @@ class SqliteStore:
             last, first = conn.execute(_UPDATE_LOG, (owner,)).fetchone()
             return last, first
 
-        last, first = await self._read(select)
-        return UpdateLog(
-            epoch=self._epoch, last_offset=last, first_offset=last + 1 if first is None else first
-        )
+        return rows.update_log(self._epoch, *await self._read(select))
 
     async def list_updates(self, owner: str, *, after_offset: int, limit: int) -> list[Update]:
         def select(conn: Archive) -> list[Update]:
