@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import asyncpg
 import msgspec
 import pytest
 
@@ -1452,6 +1453,17 @@ async def test_postgres_json_keeps_numbers_exactly() -> None:
         )
         await store.save_tool_call(call)
         assert await store.get_tool_call("c1") == call
+    finally:
+        await store.close()
+
+
+async def test_postgres_failing_write_keeps_its_cause() -> None:
+    (store,) = await open_postgres_replicas(1)
+    try:
+        await store.create_session(make_session())
+        with pytest.raises(StoreError) as failed:
+            await store.append_message(make_message("missing"))
+        assert isinstance(failed.value.__cause__, asyncpg.ForeignKeyViolationError)
     finally:
         await store.close()
 

@@ -553,7 +553,7 @@ class PostgresStore:
                 # write of this owner may commit meanwhile, and updates go out in order.
                 publish(updates, collector, self._listener)
         except Exception as exc:
-            raise as_store_error(exc) from None
+            raise as_store_error(exc)  # noqa: B904 - the cause is set on the error itself
         return result
 
     def set_update_listener(self, listener: UpdateListener | None) -> None:
