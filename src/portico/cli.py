@@ -12,7 +12,7 @@ from typing import Any, get_args
 import yaml
 
 from portico.client.chat import DEFAULT_URL, ChatOptions, run_chat
-from portico.config import RuntimeName, Settings, load_settings
+from portico.config import RuntimeName, Settings, StoreName, load_settings
 from portico.errors import ConfigError, StoreError
 from portico.server.app import serve
 from portico.server.observability import configure_logging
@@ -58,7 +58,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--script", help="the scripted runtime's file (JSON or YAML)")
     parser.add_argument("--auth", choices=["none", "apikey"], help="authentication")
-    parser.add_argument("--store", choices=["sqlite", "memory"], help="archive backend")
+    parser.add_argument("--store", choices=list(get_args(StoreName)), help="archive backend")
     parser.add_argument(
         "--allow-unauthenticated",
         dest="allow_unauthenticated",

@@ -7,11 +7,13 @@ with its unit in the name's documentation; durations are seconds (float).
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import jsonschema
 import msgspec
@@ -26,6 +28,7 @@ Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 Bytes = Annotated[int, msgspec.Meta(ge=1)]
 RuntimeName = Literal["demo", "echo", "scripted", "openai"]
+StoreName = Literal["sqlite", "memory", "postgres"]
 # What chat-completions endpoints accept as a function name.
 ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 
@@ -130,8 +133,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     openai_system_prompt: str = ""
     demo_word_delay: Annotated[float, msgspec.Meta(ge=0)] = 0.03  # seconds between demo words
 
-    # Archive backend: `sqlite` (file in data_dir) or `memory` (lost on exit).
-    store: Literal["sqlite", "memory"] = "sqlite"
+    # Archive backend: `sqlite` (file in data_dir), `memory` (lost on exit) or
+    # `postgres` (database_url; several replicas may share it).
+    store: StoreName = "sqlite"
+    database_url: str = ""  # postgresql://user:password@host:5432/database
+    database_pool_size: Count = 10  # connections each process opens to database_url
 
     # Authentication: `none` (one principal, `local`) or `apikey`.
     auth: Literal["none", "apikey"] = "none"
@@ -231,12 +237,26 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         if self.public_url and not self.public_url.startswith(("http://", "https://")):
             raise ConfigError("public_url must start with http:// or https://")
         self._check_keepalive()
+        self._check_store()
         for name in self.agent_names():
             agent = self.agent(name)
             if agent is not None and agent.runtime == "scripted" and not agent.script:
                 raise ConfigError(f"agent {name!r}: the scripted runtime needs a script file")
             if agent is not None and agent.runtime == "openai":
                 check_openai_agent(name, agent, os.environ if env is None else env)
+
+    def _check_store(self) -> None:
+        if self.store != "postgres":
+            return
+        if not self.database_url:
+            raise ConfigError(
+                "store=postgres needs database_url "
+                "(PORTICO_DATABASE_URL=postgresql://user:password@host:5432/database)"
+            )
+        if urlsplit(self.database_url).scheme not in ("postgresql", "postgres"):
+            raise ConfigError("database_url must start with postgresql:// or postgres://")
+        if importlib.util.find_spec("asyncpg") is None:
+            raise ConfigError("store=postgres needs asyncpg: pip install 'portico[postgres]'")
 
     def _check_keepalive(self) -> None:
         """A peer that pings on time must never be closed as idle."""
@@ -252,7 +272,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         data["api_keys"] = {
             f"<token {n}>": principal for n, principal in enumerate(self.api_keys.values(), 1)
         }
+        data["database_url"] = mask_url_password(self.database_url)
         return data
+
+
+def mask_url_password(url: str) -> str:
+    """`url` with its password (in the user info or a `password` parameter) masked."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        userinfo, _, hostport = netloc.rpartition("@")
+        netloc = f"{userinfo.partition(':')[0]}:***@{hostport}"
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    masked = [(key, "***" if key == "password" else value) for key, value in query]
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(masked, safe="*")))
 
 
 def check_openai_agent(name: str, agent: AgentSettings, env: Mapping[str, str]) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -14,7 +12,7 @@ import pytest
 from portico.core.states import TurnState
 from support.archive import open_archive, wait_for_messages, wait_for_open_reply
 from support.omnia import OmniaClient, scenario
-from support.server import SCRIPT, ServerProcess
+from support.server import SCRIPT, ServerProcess, run_cli
 
 
 def scripted(tmp_path: Path) -> ServerProcess:
@@ -85,17 +83,6 @@ async def test_turns_left_running_by_a_killed_server_are_interrupted_at_start(
         server.stop()
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "portico", *args],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={"PATH": "/usr/bin:/bin", **(env or {})},
-        check=False,
-    )
-
-
 def test_config_show_prints_effective_settings_with_masked_keys() -> None:
     result = run_cli(
         "config",
@@ -117,6 +104,7 @@ def test_config_show_prints_effective_settings_with_masked_keys() -> None:
         (("serve", "--host", "0.0.0.0", "--port", "0"), "without authentication"),
         (("serve", "--auth", "apikey", "--port", "0"), "api_keys"),
         (("serve", "--runtime", "scripted", "--port", "0"), "script"),
+        (("serve", "--store", "postgres", "--port", "0"), "store=postgres needs database_url"),
     ],
 )
 def test_serve_refuses_unsafe_or_incomplete_settings(args: tuple[str, ...], message: str) -> None:

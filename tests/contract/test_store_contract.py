@@ -1,7 +1,8 @@
 """The Store port's contract: every archive backend must pass this one suite.
 
 A backend joins by adding one entry to `BACKENDS`: a factory that returns an
-unopened store for a test's temporary directory.
+unopened store for a test's temporary directory. The PostgreSQL store gets a fresh
+schema per store, dropped after the test.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import asyncpg
 import msgspec
 import pytest
 
@@ -30,10 +32,13 @@ from portico.core.model import (
 )
 from portico.core.states import ToolCallState, TurnState
 from portico.errors import DuplicateClientId, StoreError
+from portico.store import postgres as postgres_backend
 from portico.store import sqlite as sqlite_backend
 from portico.store.base import Store, collecting_updates
 from portico.store.memory import MemoryStore
+from portico.store.postgres import PostgresStore
 from portico.store.sqlite import MIGRATIONS, SqliteStore
+from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
 
 StoreFactory = Callable[[Path], Awaitable[Store]]
 
@@ -46,10 +51,29 @@ async def sqlite_store(tmp_path: Path) -> Store:
     return SqliteStore(tmp_path / "archive.db")
 
 
+# Schemas the running test created, dropped once it ends (see `drop_test_schemas`).
+_schemas: list[str] = []
+
+
+async def postgres_store(tmp_path: Path) -> Store:
+    require_postgres()
+    schema = await create_schema()
+    _schemas.append(schema)
+    return PostgresStore(schema_url(schema), pool_size=4)
+
+
+@pytest.fixture(autouse=True)
+async def drop_test_schemas() -> AsyncIterator[None]:
+    yield
+    schemas = _schemas[:]
+    _schemas.clear()
+    await drop_schemas(schemas)
+
+
 BACKENDS = [
     pytest.param(memory_store, id="memory"),
     pytest.param(sqlite_store, id="sqlite"),
-    # pytest.param(postgres_store, id="postgres", marks=needs_postgres),
+    pytest.param(postgres_store, id="postgres"),
 ]
 
 
@@ -1349,3 +1373,104 @@ async def test_sqlite_reader_beside_the_owner_sees_commits_and_cannot_write(
     finally:
         await reader.close()
         await owner.close()
+
+
+# -- PostgreSQL only: replicas sharing one database -------------------------------------
+
+
+async def open_postgres_replicas(count: int) -> list[PostgresStore]:
+    """`count` stores on one fresh schema, opened together, as replicas start."""
+    require_postgres()
+    schema = await create_schema()
+    _schemas.append(schema)
+    replicas = [PostgresStore(schema_url(schema), pool_size=4) for _ in range(count)]
+    await asyncio.gather(*(replica.open() for replica in replicas))
+    return replicas
+
+
+async def test_postgres_replicas_migrate_once_and_share_the_epoch() -> None:
+    replicas = await open_postgres_replicas(3)
+    try:
+        logs = [await replica.update_log("alice") for replica in replicas]
+        assert len({log.epoch for log in logs}) == 1
+        (version,) = {
+            await replica._connected().fetchval("SELECT MAX(version) FROM schema_migrations")
+            for replica in replicas
+        }
+        assert version == len(postgres_backend.MIGRATIONS)
+    finally:
+        await asyncio.gather(*(replica.close() for replica in replicas))
+
+
+async def test_postgres_replicas_number_messages_and_updates_without_gaps() -> None:
+    first, second = await open_postgres_replicas(2)
+    try:
+        await first.create_session(make_session())
+        received: tuple[list[Update], list[Update]] = ([], [])
+        first.set_update_listener(received[0].append)
+        second.set_update_listener(received[1].append)
+        stored = await asyncio.gather(
+            *(
+                (first, second)[n % 2].append_message(make_message(n=n, content=f"m{n}"))
+                for n in range(40)
+            )
+        )
+        assert sorted(offsets(stored)) == list(range(1, 41))
+        assert offsets(await second.list_messages("s1")) == list(range(1, 41))
+        log = await all_updates(first, "alice")
+        assert [update.offset for update in log] == list(range(1, 42))
+        # Each replica published exactly its own writes, in offset order.
+        assert sorted([*received[0], *received[1]], key=lambda u: u.offset) == log[1:]
+        for published in received:
+            assert len(published) == 20
+            assert [u.offset for u in published] == sorted(u.offset for u in published)
+    finally:
+        await asyncio.gather(first.close(), second.close())
+
+
+async def test_postgres_data_and_schema_survive_reopen() -> None:
+    (first,) = await open_postgres_replicas(1)
+    await first.create_session(make_session())
+    await append_many(first, "s1", 2)
+    log = await first.update_log("alice")
+    await first.close()
+    (schema,) = _schemas[-1:]
+    second = PostgresStore(schema_url(schema))
+    await second.open()  # migrations already applied: none runs again
+    try:
+        assert await second.update_log("alice") == log
+        assert offsets([await second.append_message(make_message(n=9))]) == [3]
+    finally:
+        await second.close()
+
+
+async def test_postgres_json_keeps_numbers_exactly() -> None:
+    (store,) = await open_postgres_replicas(1)
+    try:
+        await store.create_session(make_session())
+        call = msgspec.structs.replace(
+            make_tool_call("c1"), result={"big": 1e20, "small": 5e-324, "nul": "a\u0000b"}
+        )
+        await store.save_tool_call(call)
+        assert await store.get_tool_call("c1") == call
+    finally:
+        await store.close()
+
+
+async def test_postgres_failing_write_keeps_its_cause() -> None:
+    (store,) = await open_postgres_replicas(1)
+    try:
+        await store.create_session(make_session())
+        with pytest.raises(StoreError) as failed:
+            await store.append_message(make_message("missing"))
+        assert isinstance(failed.value.__cause__, asyncpg.ForeignKeyViolationError)
+    finally:
+        await store.close()
+
+
+async def test_postgres_unreachable_database_is_a_store_error() -> None:
+    store = PostgresStore("postgresql://postgres@127.0.0.1:1/test")
+    with pytest.raises(StoreError, match="cannot open the PostgreSQL archive"):
+        await store.open()
+    with pytest.raises(StoreError):
+        await store.get_session("s1")

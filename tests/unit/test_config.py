@@ -62,6 +62,9 @@ SETTINGS_TABLE: list[tuple[str, object, str, object]] = [
     ("PORTICO_RESEND_BUFFER_MESSAGES", 1000, "10", 10),
     ("PORTICO_RESEND_BUFFER_BYTES", 8388608, "2048", 2048),
     ("PORTICO_UPDATE_RETENTION", 604800, "3600", 3600),
+    ("PORTICO_STORE", "sqlite", "postgres", "postgres"),
+    ("PORTICO_DATABASE_URL", "", "postgresql://db/portico", "postgresql://db/portico"),
+    ("PORTICO_DATABASE_POOL_SIZE", 10, "3", 3),
 ]
 
 
@@ -328,6 +331,44 @@ def test_redacted_masks_tokens_and_keeps_the_rest() -> None:
     assert data["port"] == 1
     # Redaction is a copy: the live settings keep their tokens.
     assert settings.api_keys == {"sekrit-one": "alice", "sekrit-two": "bob"}
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (
+            "postgresql://portico:s3cret@db.internal:5432/archive",
+            "postgresql://portico:***@db.internal:5432/archive",
+        ),
+        ("postgres://:s3cret@[::1]/archive", "postgres://:***@[::1]/archive"),
+        (
+            "postgresql://db/archive?user=portico&password=s3cret",
+            "postgresql://db/archive?user=portico&password=***",
+        ),
+        ("postgresql://portico@db/archive", "postgresql://portico@db/archive"),
+        ("", ""),
+    ],
+)
+def test_redacted_masks_the_database_password(url: str, shown: str) -> None:
+    settings = load({"PORTICO_STORE": "postgres", "PORTICO_DATABASE_URL": url})
+    data = settings.redacted()
+    assert data["database_url"] == shown
+    assert "s3cret" not in json.dumps(data)
+    assert settings.database_url == url
+
+
+def test_postgres_store_needs_a_database_url() -> None:
+    with pytest.raises(ConfigError, match="store=postgres needs database_url"):
+        load({"PORTICO_STORE": "postgres"}).check_startable()
+    with pytest.raises(ConfigError, match="database_url must start with postgresql://"):
+        load(
+            {"PORTICO_STORE": "postgres", "PORTICO_DATABASE_URL": "mysql://db/x"}
+        ).check_startable()
+    load(
+        {"PORTICO_STORE": "postgres", "PORTICO_DATABASE_URL": "postgresql://db/x"}
+    ).check_startable()
+    # Other stores ignore it.
+    load({"PORTICO_DATABASE_URL": "mysql://db/x"}).check_startable()
 
 
 def test_default_agent_comes_from_runtime_and_script() -> None:

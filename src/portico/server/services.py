@@ -93,6 +93,11 @@ SERVICES = web.AppKey("services", Services)
 def build_store(settings: Settings) -> Store:
     if settings.store == "memory":
         return MemoryStore()
+    if settings.store == "postgres":
+        # Imported here: asyncpg is an optional extra (`portico[postgres]`).
+        from portico.store.postgres import PostgresStore
+
+        return PostgresStore(settings.database_url, pool_size=settings.database_pool_size)
     return SqliteStore(Path(settings.data_dir) / ARCHIVE_FILE)
 
 

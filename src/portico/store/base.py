@@ -34,6 +34,7 @@ from contextvars import ContextVar
 from typing import Any, Protocol, TypeVar
 
 from portico.core.model import Message, Session, ToolCallRecord, Turn, Update, UpdateLog
+from portico.errors import StoreError
 
 log = logging.getLogger("portico.store")
 UpdateListener = Callable[[Update], None]
@@ -65,6 +66,32 @@ def detached(coro: Coroutine[Any, Any, T], *, name: str | None = None) -> asynci
 def current_collector() -> list[Update] | None:
     """The list a write made now should report its updates to, if any (read at enqueue)."""
     return _collector.get()
+
+
+def publish(
+    updates: Sequence[Update], collector: list[Update] | None, listener: UpdateListener | None
+) -> None:
+    """Report a write's committed updates: to the collector of the context that made the
+    write (read when it was made), then to the listener, in order."""
+    if collector is not None:
+        collector.extend(updates)
+    if listener is None:
+        return
+    for update in updates:
+        try:
+            listener(update)
+        except Exception:
+            # The update has committed; a broken listener must not fail the write.
+            log.exception("update listener failed on update %s", update.id)
+
+
+def as_store_error(exc: Exception) -> StoreError:
+    """A failed write's exception as the StoreError its caller gets."""
+    if isinstance(exc, StoreError):  # raised by the write itself, already explained
+        return exc
+    error = StoreError("archive write failed")
+    error.__cause__ = exc
+    return error
 
 
 class Store(Protocol):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from typing import Literal, TypeVar
@@ -23,9 +22,8 @@ from portico.core.model import (
 )
 from portico.core.states import TERMINAL_TURN_STATES, TurnState
 from portico.errors import DuplicateClientId, StoreError
-from portico.store.base import UpdateListener, current_collector
+from portico.store.base import UpdateListener, current_collector, publish
 
-log = logging.getLogger("portico.store")
 Change = tuple[Literal["created", "updated"], Entity]
 T = TypeVar("T", Turn, ToolCallRecord)
 OPEN_STATUSES = frozenset({"pending", "streaming"})  # replies a stopped server left
@@ -67,14 +65,7 @@ class MemoryStore:
             created_at=time.time(),
         )
         self._updates.setdefault(owner, []).append(update)
-        collector = current_collector()
-        if collector is not None:
-            collector.append(update)
-        if self._listener is not None:
-            try:
-                self._listener(update)
-            except Exception:
-                log.exception("update listener failed")
+        publish((update,), current_collector(), self._listener)
 
     # -- sessions -----------------------------------------------------------------
 

@@ -19,7 +19,6 @@ import fcntl
 import functools
 import logging
 import sqlite3
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,10 +28,7 @@ from typing import IO, Any, Literal, TypeVar
 import msgspec
 
 from portico.core.model import (
-    ENTITY_KINDS,
-    ContentPart,
     Entity,
-    EntityKind,
     Message,
     Session,
     ToolCallRecord,
@@ -40,11 +36,11 @@ from portico.core.model import (
     Update,
     UpdateItem,
     UpdateLog,
-    new_id,
 )
-from portico.core.states import TERMINAL_TURN_STATES, ToolCallState, TurnState
+from portico.core.states import TERMINAL_TURN_STATES, TurnState
 from portico.errors import DuplicateClientId, StoreError
-from portico.store.base import UpdateListener, current_collector
+from portico.store import rows
+from portico.store.base import UpdateListener, as_store_error, current_collector, publish
 
 log = logging.getLogger("portico.store")
 
@@ -210,25 +206,6 @@ MIGRATIONS: tuple[str, ...] = (
     """,
 )
 
-SESSION_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Session))
-MESSAGE_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Message))
-TURN_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Turn))
-TOOL_CALL_COLUMNS = tuple(field.name for field in msgspec.structs.fields(ToolCallRecord))
-_json_encode = msgspec.json.encode
-_parts_decoder = msgspec.json.Decoder(tuple[ContentPart, ...])
-_metadata_decoder = msgspec.json.Decoder(dict[str, str])
-_declare_decoder = msgspec.json.Decoder(dict[str, Any] | None)
-_any_decoder = msgspec.json.Decoder()
-_JSON_TOOL_COLUMNS = ("arguments", "categories", "result")
-
-# Struct fields are bound positionally (astuple), in declaration order; these are the
-# positions that need encoding first.
-_MESSAGE_PARTS = MESSAGE_COLUMNS.index("parts")
-_MESSAGE_METADATA = MESSAGE_COLUMNS.index("metadata")
-_TURN_STATE = TURN_COLUMNS.index("state")
-_TOOL_STATE = TOOL_CALL_COLUMNS.index("state")
-_TOOL_JSON = tuple(TOOL_CALL_COLUMNS.index(column) for column in _JSON_TOOL_COLUMNS)
-
 
 def _insert_sql(table: str, columns: tuple[str, ...], verb: str = "INSERT") -> str:
     return f"{verb} INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
@@ -241,9 +218,9 @@ def _replace_sql(table: str, columns: tuple[str, ...]) -> str:
 
 
 # Built once: sqlite3 caches compiled statements by their text.
-_INSERT_SESSION = _insert_sql("sessions", SESSION_COLUMNS)
-_INSERT_SESSION_IF_ABSENT = _insert_sql("sessions", SESSION_COLUMNS, "INSERT OR IGNORE")
-_REPLACE_SESSION = _replace_sql("sessions", SESSION_COLUMNS) + " RETURNING *"
+_INSERT_SESSION = _insert_sql("sessions", rows.SESSION_COLUMNS)
+_INSERT_SESSION_IF_ABSENT = _insert_sql("sessions", rows.SESSION_COLUMNS, "INSERT OR IGNORE")
+_REPLACE_SESSION = _replace_sql("sessions", rows.SESSION_COLUMNS) + " RETURNING *"
 _SELECT_SESSION = "SELECT * FROM sessions WHERE id = ?"
 _TOUCH_SESSION = "UPDATE sessions SET last_activity_at = ?, updated_at = ? WHERE id = ? RETURNING *"
 _LAST_MESSAGE_OFFSET = "SELECT COALESCE(MAX(global_offset), 0) FROM messages WHERE session_id = ?"
@@ -251,10 +228,10 @@ _UPDATE_MESSAGE = (
     "UPDATE messages SET content = ?, parts = ?, status = ?, metadata = ?, updated_at = ? "
     "WHERE id = ? RETURNING *"
 )
-_INSERT_TURN = _insert_sql("turns", TURN_COLUMNS)
-_REPLACE_TURN = _replace_sql("turns", TURN_COLUMNS)
-_INSERT_TOOL_CALL = _insert_sql("tool_calls", TOOL_CALL_COLUMNS)
-_REPLACE_TOOL_CALL = _replace_sql("tool_calls", TOOL_CALL_COLUMNS)
+_INSERT_TURN = _insert_sql("turns", rows.TURN_COLUMNS)
+_REPLACE_TURN = _replace_sql("turns", rows.TURN_COLUMNS)
+_INSERT_TOOL_CALL = _insert_sql("tool_calls", rows.TOOL_CALL_COLUMNS)
+_REPLACE_TOOL_CALL = _replace_sql("tool_calls", rows.TOOL_CALL_COLUMNS)
 
 # An owner's last offset: its newest update, or the head prune left when it dropped
 # that one. A read, not a counter row written by every write: the log is hot.
@@ -269,10 +246,9 @@ _NEXT_OFFSET = f"SELECT ?1, 1 + {_LAST_OFFSET_OF.format('?1')}"
 _NEXT_OFFSET_OF_SESSION = (
     f"SELECT s.owner, 1 + {_LAST_OFFSET_OF.format('s.owner')} FROM sessions s WHERE s.id = ?"
 )
-_UPDATE_COLUMNS = ("owner", "log_offset", "id", "items", "data_list", "created_at")
-_INSERT_UPDATE = _insert_sql("updates", _UPDATE_COLUMNS)
+_INSERT_UPDATE = _insert_sql("updates", rows.UPDATE_COLUMNS)
 _SELECT_UPDATES = (
-    f"SELECT {', '.join(_UPDATE_COLUMNS)} FROM updates "
+    f"SELECT {', '.join(rows.UPDATE_COLUMNS)} FROM updates "
     "WHERE owner = ? AND log_offset > ? ORDER BY log_offset LIMIT ?"
 )
 _UPDATE_LOG = (
@@ -289,16 +265,6 @@ _KEEP_HEADS = (
     "ON CONFLICT (owner) DO UPDATE SET last_offset = excluded.last_offset"
 )
 
-_items_decoder = msgspec.json.Decoder(tuple[UpdateItem, ...])
-# data_list mixes entity types without a tag: each is decoded by its item's kind.
-_raw_list_decoder = msgspec.json.Decoder(tuple[msgspec.Raw, ...])
-_ENTITY_DECODERS: dict[EntityKind, msgspec.json.Decoder[Any]] = {
-    "session": msgspec.json.Decoder(Session),
-    "message": msgspec.json.Decoder(Message),
-    "turn": msgspec.json.Decoder(Turn),
-    "rtc": msgspec.json.Decoder(ToolCallRecord),
-}
-
 
 def _migrate(conn: Archive) -> None:
     version: int = conn.execute("PRAGMA user_version").fetchone()[0]
@@ -309,82 +275,24 @@ def _migrate(conn: Archive) -> None:
 # -- rows -----------------------------------------------------------------------------
 
 
-def _session_row(session: Session) -> tuple[Any, ...]:
-    values = msgspec.structs.astuple(session)
-    return (*values[:-1], None if session.declare is None else _json_encode(session.declare))
-
-
 def _row_dict(row: sqlite3.Row) -> dict[str, Any]:
     return dict(zip(row.keys(), tuple(row), strict=True))
 
 
 def _session_from_row(row: sqlite3.Row) -> Session:
-    data = _row_dict(row)
-    data["declare"] = _declare_decoder.decode(data["declare"]) if data["declare"] else None
-    return Session(**data)
-
-
-def _message_row(message: Message) -> list[Any]:
-    row = list(msgspec.structs.astuple(message))
-    row[_MESSAGE_PARTS] = _json_encode(message.parts)
-    row[_MESSAGE_METADATA] = _json_encode(message.metadata)
-    return row
+    return rows.session_from_data(_row_dict(row))
 
 
 def _message_from_row(row: sqlite3.Row) -> Message:
-    return _message_from_data(_row_dict(row))
-
-
-def _message_from_data(data: dict[str, Any]) -> Message:
-    data["parts"] = _parts_decoder.decode(data["parts"])
-    data["metadata"] = _metadata_decoder.decode(data["metadata"])
-    return Message(**data)
-
-
-def _turn_row(turn: Turn) -> list[Any]:
-    row = list(msgspec.structs.astuple(turn))
-    row[_TURN_STATE] = turn.state.value
-    return row
+    return rows.message_from_data(_row_dict(row))
 
 
 def _turn_from_row(row: sqlite3.Row) -> Turn:
-    data = _row_dict(row)
-    data["state"] = TurnState(data["state"])
-    return Turn(**data)
-
-
-def _tool_call_row(call: ToolCallRecord) -> list[Any]:
-    row = list(msgspec.structs.astuple(call))
-    row[_TOOL_STATE] = call.state.value
-    for index in _TOOL_JSON:
-        row[index] = _json_encode(row[index])
-    return row
+    return rows.turn_from_data(_row_dict(row))
 
 
 def _tool_call_from_row(row: sqlite3.Row) -> ToolCallRecord:
-    data = _row_dict(row)
-    for column in _JSON_TOOL_COLUMNS:
-        data[column] = _any_decoder.decode(data[column])
-    data["state"] = ToolCallState(data["state"])
-    data["categories"] = tuple(data["categories"])
-    return ToolCallRecord(**data)
-
-
-def _update_from_row(row: sqlite3.Row) -> Update:
-    owner, offset, update_id, items_json, data_json, created_at = row
-    items = _items_decoder.decode(items_json)
-    raws = _raw_list_decoder.decode(data_json)
-    data_list = tuple(
-        _ENTITY_DECODERS[item.entity].decode(raw) for item, raw in zip(items, raws, strict=True)
-    )
-    return Update(
-        id=update_id,
-        owner=owner,
-        offset=offset,
-        items=items,
-        data_list=data_list,
-        created_at=created_at,
-    )
+    return rows.tool_call_from_data(_row_dict(row))
 
 
 # -- the update log (run inside a write's savepoint) ----------------------------------
@@ -401,18 +309,8 @@ def _log(
     if head is None:  # no such session: no owner's data changed
         return
     owner, offset = head
-    update = Update(
-        id=new_id("upd"),
-        owner=owner,
-        offset=offset,
-        items=items,
-        data_list=data_list,
-        created_at=time.time(),
-    )
-    conn.execute(
-        _INSERT_UPDATE,
-        (owner, offset, update.id, _json_encode(items), _json_encode(data_list), update.created_at),
-    )
+    update = rows.new_update(owner, offset, items, data_list)
+    conn.execute(_INSERT_UPDATE, rows.update_row(update))
     conn.heads.updates[owner] = offset
     out.append(update)
 
@@ -457,9 +355,10 @@ def _insert_message(conn: Archive, message: Message) -> Message:
 
 
 @functools.cache
-def _insert_messages_sql(rows: int) -> str:
-    row = f"({', '.join('?' * len(MESSAGE_COLUMNS))})"
-    return f"INSERT INTO messages ({', '.join(MESSAGE_COLUMNS)}) VALUES {', '.join([row] * rows)}"
+def _insert_messages_sql(count: int) -> str:
+    columns = rows.MESSAGE_COLUMNS
+    row = f"({', '.join('?' * len(columns))})"
+    return f"INSERT INTO messages ({', '.join(columns)}) VALUES {', '.join([row] * count)}"
 
 
 def _insert_messages(conn: Archive, messages: Sequence[Message]) -> list[Message]:
@@ -473,7 +372,8 @@ def _insert_messages(conn: Archive, messages: Sequence[Message]) -> list[Message
         msgspec.structs.replace(message, global_offset=last + n)
         for n, message in enumerate(messages, start=1)
     ]
-    conn.execute(_insert_messages_sql(len(stored)), [v for m in stored for v in _message_row(m)])
+    values = [v for m in stored for v in rows.message_row(m)]
+    conn.execute(_insert_messages_sql(len(stored)), values)
     conn.heads.messages[session_id] = last + len(stored)
     return stored
 
@@ -487,7 +387,7 @@ def _append_message(conn: Archive, out: list[Update], message: Message) -> Messa
 
 def _save_turn(conn: Archive, turn: Turn) -> Action:
     """Replace in place when known (keeping the rowid, so creation order holds)."""
-    row = _turn_row(turn)
+    row = rows.turn_row(turn)
     if conn.execute(_REPLACE_TURN, (*row[1:], turn.id)).rowcount:
         return "updated"
     conn.execute(_INSERT_TURN, row)
@@ -496,7 +396,7 @@ def _save_turn(conn: Archive, turn: Turn) -> Action:
 
 def _create_turn(conn: Archive, turn: Turn) -> Action:
     """Insert first: a turn being created is new, so this is one statement."""
-    row = _turn_row(turn)
+    row = rows.turn_row(turn)
     try:
         conn.execute(_INSERT_TURN, row)
     except sqlite3.IntegrityError:
@@ -546,19 +446,14 @@ def _begin_turn(
     session = _session_from_row(
         conn.execute(_TOUCH_SESSION, (at, at, message.session_id)).fetchone()
     )
-    items = [
-        UpdateItem("message", "created", stored.id),
-        UpdateItem("turn", action, turn.id),
-        UpdateItem("session", "updated", session.id),
-    ]
-    entities: list[Entity] = [stored, turn, session, *reply_stored]
-    items += [UpdateItem("message", "created", created.id) for created in reply_stored]
-    _log_for_owner(conn, out, session.owner, tuple(items), tuple(entities))
+    _log_for_owner(
+        conn, out, session.owner, *rows.begun_turn(stored, action, turn, session, reply_stored)
+    )
     return stored
 
 
 def _save_tool_call(conn: Archive, out: list[Update], call: ToolCallRecord) -> None:
-    row = _tool_call_row(call)
+    row = rows.tool_call_row(call)
     action: Action = "updated"
     if not conn.execute(_REPLACE_TOOL_CALL, (*row[1:], call.id)).rowcount:
         conn.execute(_INSERT_TOOL_CALL, row)
@@ -568,15 +463,7 @@ def _save_tool_call(conn: Archive, out: list[Update], call: ToolCallRecord) -> N
 
 def _replace_message(conn: Archive, message: Message) -> Message | None:
     """The stored message after its content changed; None when there is none."""
-    values = (
-        message.content,
-        _json_encode(message.parts),
-        message.status,
-        _json_encode(message.metadata),
-        message.updated_at,
-        message.id,
-    )
-    row = conn.execute(_UPDATE_MESSAGE, values).fetchone()
+    row = conn.execute(_UPDATE_MESSAGE, (*rows.message_change(message), message.id)).fetchone()
     return None if row is None else _message_from_row(row)
 
 
@@ -609,14 +496,10 @@ def _fork_session(
 ) -> list[Message]:
     if any(message.session_id != session.id for message in messages):
         raise StoreError(f"a forked message does not belong to session {session.id}")
-    conn.execute(_INSERT_SESSION, _session_row(session))  # an existing id fails here
+    conn.execute(_INSERT_SESSION, rows.session_row(session))  # an existing id fails here
     created = _session_from_row(conn.execute(_SELECT_SESSION, (session.id,)).fetchone())
     stored = [_insert_message(conn, message) for message in messages]
-    items = (
-        UpdateItem("session", "created", created.id),
-        *(UpdateItem("message", "created", message.id) for message in stored),
-    )
-    _log_for_owner(conn, out, created.owner, items, (created, *stored))
+    _log_for_owner(conn, out, created.owner, *rows.forked(created, stored))
     return stored
 
 
@@ -637,30 +520,25 @@ _FAIL_STREAMING = (
 )
 
 
-def _owned(row: sqlite3.Row) -> tuple[str, dict[str, Any]]:
-    data = _row_dict(row)
-    return data.pop("owner"), data
-
-
 def _interrupt_unfinished_turns(conn: Archive, out: list[Update], now: float) -> int:
     """Interrupt the turns and fail the replies a stopped server left; one update per owner."""
     changed: dict[str, list[Entity]] = {}
     turns = conn.execute(_UNFINISHED_TURNS, _TERMINAL).fetchall()
     count = conn.execute(_INTERRUPT_TURNS, (TurnState.INTERRUPTED.value, now, *_TERMINAL)).rowcount
     for row in turns:
-        owner, data = _owned(row)
+        owner, data = rows.owned(_row_dict(row))
         # What the UPDATE stored, without reading every row back.
         data.update(state=TurnState.INTERRUPTED, ended_at=now)
         changed.setdefault(owner, []).append(Turn(**data))
     replies = conn.execute(_STREAMING_REPLIES).fetchall()
     conn.execute(_FAIL_STREAMING, (now,))
     for row in replies:
-        owner, data = _owned(row)
-        message = _message_from_data(data)
+        owner, data = rows.owned(_row_dict(row))
+        message = rows.message_from_data(data)
         failed = msgspec.structs.replace(message, status="failed", updated_at=now)
         changed.setdefault(owner, []).append(failed)
     for owner, entities in changed.items():
-        items = tuple(UpdateItem(ENTITY_KINDS[type(e)], "updated", e.id) for e in entities)
+        items = rows.updated_items(entities)
         _log_for_owner(conn, out, owner, items, tuple(entities))
     return count
 
@@ -732,18 +610,10 @@ def _run_in_savepoints(conn: Archive, operations: list[Operation]) -> list[Outco
             conn.execute("ROLLBACK TO op")
             conn.execute("RELEASE op")
             conn.heads.clear()  # what the failed operation numbered did not land
-            outcomes.append((_write_error(exc), []))
+            outcomes.append((as_store_error(exc), []))
         else:
             outcomes.append((result, updates))
     return outcomes
-
-
-def _write_error(exc: Exception) -> StoreError:
-    if isinstance(exc, StoreError):  # raised by the write itself, already explained
-        return exc
-    error = StoreError("archive write failed")
-    error.__cause__ = exc
-    return error
 
 
 @functools.cache
@@ -974,7 +844,7 @@ class SqliteStore:
             try:
                 outcomes = await self._in_thread(functools.partial(_run_batch, conn, operations))
             except sqlite3.Error as exc:
-                outcomes = [(_write_error(exc), [])] * len(batch)
+                outcomes = [(as_store_error(exc), [])] * len(batch)
             for (_, future, collector), (outcome, updates) in zip(batch, outcomes, strict=True):
                 if updates:
                     # Before the future resolves: the caller reads its collector
@@ -989,17 +859,7 @@ class SqliteStore:
 
     def _publish(self, updates: list[Update], collector: list[Update] | None) -> None:
         self._sessions.learn(updates)
-        if collector is not None:
-            collector.extend(updates)
-        listener = self._listener
-        if listener is None:
-            return
-        for update in updates:
-            try:
-                listener(update)
-            except Exception:
-                # The update has committed; a broken listener must not fail the write.
-                log.exception("update listener failed on update %s", update.id)
+        publish(updates, collector, self._listener)
 
     def set_update_listener(self, listener: UpdateListener | None) -> None:
         self._listener = listener
@@ -1045,7 +905,7 @@ class SqliteStore:
 
     async def create_session(self, session: Session) -> Session:
         def insert_or_get(conn: Archive, out: list[Update]) -> Session:
-            inserted = conn.execute(_INSERT_SESSION_IF_ABSENT, _session_row(session)).rowcount
+            inserted = conn.execute(_INSERT_SESSION_IF_ABSENT, rows.session_row(session)).rowcount
             stored = _session_from_row(conn.execute(_SELECT_SESSION, (session.id,)).fetchone())
             if inserted:
                 item = UpdateItem("session", "created", stored.id)
@@ -1092,7 +952,7 @@ class SqliteStore:
 
     async def update_session(self, session: Session) -> Session:
         def update(conn: Archive, out: list[Update]) -> Session:
-            values = (*_session_row(session)[1:], session.id)
+            values = (*rows.session_row(session)[1:], session.id)
             row = conn.execute(_REPLACE_SESSION, values).fetchone()
             if row is None:
                 raise StoreError(f"no session {session.id}")
@@ -1162,12 +1022,12 @@ class SqliteStore:
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None
     ) -> list[Message]:
         def select(conn: Archive) -> list[Message]:
-            rows = conn.execute(
+            found = conn.execute(
                 "SELECT * FROM messages WHERE session_id = ? AND global_offset > ? "
                 "ORDER BY global_offset LIMIT ?",
                 (session_id, after_offset, -1 if limit is None else limit),
             ).fetchall()
-            return [_message_from_row(row) for row in rows]
+            return [_message_from_row(row) for row in found]
 
         return await self._read(select)
 
@@ -1191,11 +1051,11 @@ class SqliteStore:
 
     async def list_turns(self, session_id: str) -> list[Turn]:
         def select(conn: Archive) -> list[Turn]:
-            rows = conn.execute(
+            found = conn.execute(
                 "SELECT * FROM turns WHERE session_id = ? ORDER BY created_at, rowid",
                 (session_id,),
             ).fetchall()
-            return [_turn_from_row(row) for row in rows]
+            return [_turn_from_row(row) for row in found]
 
         return await self._read(select)
 
@@ -1222,11 +1082,11 @@ class SqliteStore:
 
     async def list_tool_calls(self, session_id: str) -> list[ToolCallRecord]:
         def select(conn: Archive) -> list[ToolCallRecord]:
-            rows = conn.execute(
+            found = conn.execute(
                 "SELECT * FROM tool_calls WHERE session_id = ? ORDER BY created_at, rowid",
                 (session_id,),
             ).fetchall()
-            return [_tool_call_from_row(row) for row in rows]
+            return [_tool_call_from_row(row) for row in found]
 
         return await self._read(select)
 
@@ -1251,15 +1111,12 @@ class SqliteStore:
             last, first = conn.execute(_UPDATE_LOG, (owner,)).fetchone()
             return last, first
 
-        last, first = await self._read(select)
-        return UpdateLog(
-            epoch=self._epoch, last_offset=last, first_offset=last + 1 if first is None else first
-        )
+        return rows.update_log(self._epoch, *await self._read(select))
 
     async def list_updates(self, owner: str, *, after_offset: int, limit: int) -> list[Update]:
         def select(conn: Archive) -> list[Update]:
-            rows = conn.execute(_SELECT_UPDATES, (owner, after_offset, limit)).fetchall()
-            return [_update_from_row(row) for row in rows]
+            found = conn.execute(_SELECT_UPDATES, (owner, after_offset, limit)).fetchall()
+            return [rows.update_from_row(row) for row in found]
 
         return await self._read(select)
 

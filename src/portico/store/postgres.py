@@ -1,0 +1,782 @@
+"""PostgreSQL archive, the scale-out backend: several replicas share one database.
+
+Nothing is numbered or cached in the process. A session's next message offset and
+an owner's next update offset live in counter rows (`message_heads`, `update_heads`)
+that a write bumps with an upsert inside its own transaction: the row stays locked
+until that transaction ends, so writers of one session (or one owner), on any
+replica, take consecutive numbers one after the other, and a write that rolls back
+gives its number back. Each method is one transaction at READ COMMITTED; a write's
+updates are published after its commit and before it returns. Decisions and what
+replicas do not share yet: docs/storage.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeAlias, TypeVar
+
+import asyncpg
+import msgspec
+from asyncpg.pool import PoolConnectionProxy
+
+from portico.core.model import (
+    Entity,
+    Message,
+    Session,
+    ToolCallRecord,
+    Turn,
+    Update,
+    UpdateItem,
+    UpdateLog,
+)
+from portico.core.states import TERMINAL_TURN_STATES, TurnState
+from portico.errors import DuplicateClientId, StoreError
+from portico.store import rows
+from portico.store.base import UpdateListener, as_store_error, current_collector, publish
+
+T = TypeVar("T")
+# Strings: asyncpg's classes are generic only in its stubs.
+Connection: TypeAlias = "PoolConnectionProxy[asyncpg.Record]"
+# A write runs inside its transaction and appends the updates it logged to the list.
+Operation: TypeAlias = "Callable[[Connection, list[Update]], Awaitable[T]]"
+POOL_SIZE = 10  # connections per process (each write holds one for its transaction)
+# What a broken or unreachable database raises, besides errors the server reports.
+_DRIVER_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+
+# Each entry upgrades the schema by one version (recorded in `schema_migrations`).
+# Ids compare bytewise (COLLATE "C"), as in SQLite, so pages keep the same order
+# whatever the database's locale. JSON is `json`, which keeps the text msgspec wrote:
+# `jsonb` would rewrite numbers (1e20 comes back an integer) and refuse \u0000.
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE meta (
+        id integer PRIMARY KEY CHECK (id = 1),
+        epoch text NOT NULL
+    );
+    INSERT INTO meta (id, epoch) VALUES (1, 'epoch-' || replace(gen_random_uuid()::text, '-', ''));
+    CREATE TABLE sessions (
+        id text COLLATE "C" PRIMARY KEY,
+        owner text COLLATE "C" NOT NULL,
+        agent text NOT NULL,
+        created_at double precision NOT NULL,
+        updated_at double precision NOT NULL,
+        last_activity_at double precision NOT NULL,
+        title text NOT NULL,
+        status text NOT NULL,
+        closed_at double precision,
+        deleted_at double precision,
+        client_session_id text NOT NULL,
+        parent_session_id text NOT NULL,
+        root_session_id text NOT NULL,
+        forked_from_message_id text NOT NULL,
+        declare json
+    );
+    CREATE INDEX sessions_owner_created ON sessions (owner, created_at, id);
+    CREATE TABLE message_heads (
+        session_id text COLLATE "C" PRIMARY KEY REFERENCES sessions (id),
+        last_offset bigint NOT NULL
+    );
+    CREATE TABLE messages (
+        seq bigint GENERATED ALWAYS AS IDENTITY,
+        id text COLLATE "C" PRIMARY KEY,
+        session_id text COLLATE "C" NOT NULL REFERENCES sessions (id),
+        role text NOT NULL,
+        content text NOT NULL,
+        created_at double precision NOT NULL,
+        updated_at double precision NOT NULL,
+        turn_id text NOT NULL,
+        client_id text NOT NULL,
+        content_type text NOT NULL,
+        parts json NOT NULL,
+        metadata json NOT NULL,
+        status text NOT NULL,
+        global_offset bigint NOT NULL,
+        turn_offset bigint NOT NULL,
+        parent_message_id text NOT NULL,
+        UNIQUE (session_id, global_offset)
+    );
+    CREATE INDEX messages_client_id ON messages (client_id) WHERE client_id <> '';
+    CREATE INDEX messages_open ON messages (status) WHERE status IN ('pending', 'streaming');
+    CREATE TABLE turns (
+        seq bigint GENERATED ALWAYS AS IDENTITY,
+        id text COLLATE "C" PRIMARY KEY,
+        session_id text COLLATE "C" NOT NULL REFERENCES sessions (id),
+        state text NOT NULL,
+        created_at double precision NOT NULL,
+        started_at double precision,
+        ended_at double precision,
+        error_code text NOT NULL,
+        error_message text NOT NULL,
+        merged_into text NOT NULL,
+        input_tokens bigint NOT NULL,
+        output_tokens bigint NOT NULL
+    );
+    CREATE INDEX turns_session ON turns (session_id, created_at, seq);
+    CREATE TABLE tool_calls (
+        seq bigint GENERATED ALWAYS AS IDENTITY,
+        id text COLLATE "C" PRIMARY KEY,
+        session_id text COLLATE "C" NOT NULL REFERENCES sessions (id),
+        turn_id text NOT NULL,
+        name text NOT NULL,
+        arguments json NOT NULL,
+        state text NOT NULL,
+        created_at double precision NOT NULL,
+        updated_at double precision NOT NULL,
+        consent_message text,
+        categories json NOT NULL,
+        result json NOT NULL,
+        error text NOT NULL,
+        message_id text NOT NULL,
+        client_id text NOT NULL
+    );
+    CREATE INDEX tool_calls_session ON tool_calls (session_id, created_at, seq);
+    CREATE TABLE update_heads (
+        owner text COLLATE "C" PRIMARY KEY,
+        last_offset bigint NOT NULL
+    );
+    CREATE TABLE updates (
+        owner text COLLATE "C" NOT NULL,
+        log_offset bigint NOT NULL,
+        id text NOT NULL,
+        items json NOT NULL,
+        data_list json NOT NULL,
+        created_at double precision NOT NULL,
+        PRIMARY KEY (owner, log_offset)
+    );
+    CREATE INDEX updates_created ON updates (created_at);
+    """,
+)
+
+_MIGRATIONS_TABLE = (
+    "CREATE TABLE IF NOT EXISTS schema_migrations "
+    "(version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+)
+# Replicas starting together migrate one after the other (per schema).
+_MIGRATION_LOCK = (
+    "SELECT pg_advisory_xact_lock(hashtextextended('portico:' || current_schema(), 0))"
+)
+
+
+def _columns(columns: Sequence[str], alias: str = "") -> str:
+    return ", ".join(f"{alias}{column}" for column in columns)
+
+
+def _placeholders(count: int, start: int = 1) -> str:
+    return ", ".join(f"${n}" for n in range(start, start + count))
+
+
+def _upsert_sql(table: str, columns: Sequence[str]) -> str:
+    """Insert, or replace every column but `id` (the first); says which it did."""
+    assignments = ", ".join(f"{column} = excluded.{column}" for column in columns[1:])
+    return (
+        f"INSERT INTO {table} ({_columns(columns)}) VALUES ({_placeholders(len(columns))}) "
+        f"ON CONFLICT (id) DO UPDATE SET {assignments} RETURNING (xmax = 0) AS created"
+    )
+
+
+S = _columns(rows.SESSION_COLUMNS)
+M = _columns(rows.MESSAGE_COLUMNS)
+TC = _columns(rows.TURN_COLUMNS)
+CC = _columns(rows.TOOL_CALL_COLUMNS)
+
+_INSERT_SESSION = (
+    f"INSERT INTO sessions ({S}) VALUES ({_placeholders(len(rows.SESSION_COLUMNS))}) RETURNING {S}"
+)
+_INSERT_SESSION_IF_ABSENT = _INSERT_SESSION.replace(
+    " RETURNING", " ON CONFLICT (id) DO NOTHING RETURNING"
+)
+_SELECT_SESSION = f"SELECT {S} FROM sessions WHERE id = $1"
+_REPLACE_SESSION = (
+    "UPDATE sessions SET "
+    + ", ".join(f"{c} = ${n}" for n, c in enumerate(rows.SESSION_COLUMNS[1:], start=2))
+    + f" WHERE id = $1 RETURNING {S}"
+)
+_TOUCH_SESSION = (
+    f"UPDATE sessions SET last_activity_at = $2, updated_at = $2 WHERE id = $1 RETURNING {S}"
+)
+# The session's last offset moves on by the number of messages written ($2).
+_BUMP_MESSAGES = (
+    "INSERT INTO message_heads AS h (session_id, last_offset) VALUES ($1, $2) "
+    "ON CONFLICT (session_id) DO UPDATE SET last_offset = h.last_offset + excluded.last_offset "
+    "RETURNING last_offset"
+)
+_INSERT_MESSAGE = f"INSERT INTO messages ({M}) VALUES ({_placeholders(len(rows.MESSAGE_COLUMNS))})"
+_UPDATE_MESSAGE = (
+    "UPDATE messages SET content = $2, parts = $3, status = $4, metadata = $5, updated_at = $6 "
+    f"WHERE id = $1 RETURNING {M}"
+)
+_UPSERT_TURN = _upsert_sql("turns", rows.TURN_COLUMNS)
+_UPSERT_TOOL_CALL = _upsert_sql("tool_calls", rows.TOOL_CALL_COLUMNS)
+# Two writers checking one owner's client id queue on this lock, so the second sees
+# the first's message (READ COMMITTED reads what committed before each statement).
+_LOCK_CLIENT_ID = (
+    "SELECT pg_advisory_xact_lock(hashtextextended(owner || chr(31) || $2, 0)) "
+    "FROM sessions WHERE id = $1"
+)
+_OWNERS_CLIENT_ID = (
+    "SELECT m.session_id, m.id FROM messages m JOIN sessions s ON s.id = m.session_id "
+    "WHERE m.client_id = $1 AND m.client_id <> '' "
+    "AND s.owner = (SELECT owner FROM sessions WHERE id = $2) ORDER BY m.seq LIMIT 1"
+)
+
+# The owner's counter, bumped by one (by owner, or by the owner of session $1: no row
+# when the session is missing), and the update stored under the number it returned.
+_BUMP_OWNER = "VALUES ($1, 1)"
+_BUMP_SESSION_OWNER = "SELECT owner, 1 FROM sessions WHERE id = $1"
+_LOG = (
+    "WITH head AS (INSERT INTO update_heads AS h (owner, last_offset) {source} "
+    "ON CONFLICT (owner) DO UPDATE SET last_offset = h.last_offset + 1 "
+    "RETURNING owner, last_offset) "
+    f"INSERT INTO updates ({_columns(rows.UPDATE_COLUMNS)}) "
+    "SELECT owner, last_offset, $2, $3, $4, $5 FROM head RETURNING owner, log_offset"
+)
+_LOG_FOR_OWNER = _LOG.format(source=_BUMP_OWNER)
+_LOG_FOR_SESSION = _LOG.format(source=_BUMP_SESSION_OWNER)
+_SELECT_UPDATES = (
+    f"SELECT {_columns(rows.UPDATE_COLUMNS)} FROM updates "
+    "WHERE owner = $1 AND log_offset > $2 ORDER BY log_offset LIMIT $3"
+)
+_UPDATE_LOG = (
+    "SELECT (SELECT last_offset FROM update_heads WHERE owner = $1), "
+    "(SELECT MIN(log_offset) FROM updates WHERE owner = $1)"
+)
+
+_TERMINAL = [state.value for state in TERMINAL_TURN_STATES]
+# Replies first, then turns: the order end_turn locks them in, so the two cannot deadlock.
+_FAIL_OPEN_REPLIES = (
+    "UPDATE messages m SET status = 'failed', updated_at = $1 FROM sessions s "
+    "WHERE s.id = m.session_id AND m.status IN ('pending', 'streaming') "
+    f"RETURNING s.owner, m.seq, {_columns(rows.MESSAGE_COLUMNS, 'm.')}"
+)
+_INTERRUPT_TURNS = (
+    "UPDATE turns t SET state = $1, ended_at = $2 FROM sessions s "
+    "WHERE s.id = t.session_id AND t.state <> ALL($3::text[]) "
+    f"RETURNING s.owner, t.seq, {_columns(rows.TURN_COLUMNS, 't.')}"
+)
+
+
+@functools.cache
+def _list_sessions_sql(include_deleted: bool, after_cursor: bool) -> str:
+    deleted = "" if include_deleted else " AND deleted_at IS NULL"
+    # A cursor unknown to this owner compares as NULL: an empty page.
+    after = (
+        " AND (created_at, id) < (SELECT created_at, id FROM sessions WHERE id = $3 AND owner = $1)"
+        if after_cursor
+        else ""
+    )
+    return (
+        f"SELECT {S} FROM sessions WHERE owner = $1{deleted}{after} "
+        "ORDER BY created_at DESC, id DESC LIMIT $2"
+    )
+
+
+@functools.cache
+def _page_sql(table: str, columns: str, after_cursor: bool) -> str:
+    # `seq` stands for creation order among equal timestamps, as SQLite's rowid does.
+    after = (
+        f" AND (created_at, seq) < "
+        f"(SELECT created_at, seq FROM {table} WHERE id = $3 AND session_id = $1)"
+        if after_cursor
+        else ""
+    )
+    return (
+        f"SELECT {columns} FROM {table} WHERE session_id = $1{after} "
+        "ORDER BY created_at DESC, seq DESC LIMIT $2"
+    )
+
+
+def _page_args(session_id: str, limit: int, cursor: str) -> tuple[Any, ...]:
+    return (session_id, limit, cursor) if cursor else (session_id, limit)
+
+
+def _identity(value: bytes) -> bytes:
+    return value
+
+
+async def _init_connection(conn: asyncpg.Connection[asyncpg.Record]) -> None:
+    # `json` travels as its text (its binary format), so the bytes msgspec encodes
+    # go in as they are and come back as bytes for msgspec to decode.
+    await conn.set_type_codec(
+        "json", schema="pg_catalog", encoder=_identity, decoder=_identity, format="binary"
+    )
+
+
+def _session(row: asyncpg.Record | None) -> Session:
+    """A session from a row the write's own statement just read or wrote."""
+    assert row is not None
+    return rows.session_from_data(dict(row))
+
+
+def _message(row: asyncpg.Record) -> Message:
+    return rows.message_from_data(dict(row))
+
+
+# -- the update log (run inside a write's transaction) --------------------------------
+
+
+async def _log(
+    conn: Connection,
+    out: list[Update],
+    sql: str,
+    key: str,
+    items: tuple[UpdateItem, ...],
+    data_list: tuple[Entity, ...],
+) -> None:
+    """Number one update with its owner's next offset, store and report it."""
+    draft = rows.new_update("", 0, items, data_list)
+    _, _, update_id, items_json, data_json, created_at = rows.update_row(draft)
+    head = await conn.fetchrow(sql, key, update_id, items_json, data_json, created_at)
+    if head is None:  # no such session: no owner's data changed
+        return
+    out.append(msgspec.structs.replace(draft, owner=head[0], offset=head[1]))
+
+
+async def _log_for_owner(
+    conn: Connection,
+    out: list[Update],
+    owner: str,
+    items: tuple[UpdateItem, ...],
+    data_list: tuple[Entity, ...],
+) -> None:
+    await _log(conn, out, _LOG_FOR_OWNER, owner, items, data_list)
+
+
+async def _log_for_session(
+    conn: Connection,
+    out: list[Update],
+    session_id: str,
+    items: tuple[UpdateItem, ...],
+    data_list: tuple[Entity, ...],
+) -> None:
+    await _log(conn, out, _LOG_FOR_SESSION, session_id, items, data_list)
+
+
+# -- writes ---------------------------------------------------------------------------
+
+
+async def _insert_messages(conn: Connection, messages: Sequence[Message]) -> list[Message]:
+    """Append messages of one session, numbered on from its last (1, 2, ... no gaps).
+
+    The counter is bumped first: a missing session fails here, and the counter row
+    keeps other writers of this session waiting until this transaction ends."""
+    session_id = messages[0].session_id
+    if any(message.session_id != session_id for message in messages):
+        raise StoreError("messages of one write must belong to one session")
+    last = await conn.fetchval(_BUMP_MESSAGES, session_id, len(messages))
+    first = last - len(messages)
+    stored = [
+        msgspec.structs.replace(message, global_offset=first + n)
+        for n, message in enumerate(messages, start=1)
+    ]
+    await conn.executemany(_INSERT_MESSAGE, [rows.message_row(message) for message in stored])
+    return stored
+
+
+async def _append_message(conn: Connection, out: list[Update], message: Message) -> Message:
+    (stored,) = await _insert_messages(conn, (message,))
+    item = UpdateItem("message", "created", stored.id)
+    await _log_for_session(conn, out, stored.session_id, (item,), (stored,))
+    return stored
+
+
+async def _replace_message(conn: Connection, message: Message) -> Message | None:
+    """The stored message after its content changed; None when there is none."""
+    row = await conn.fetchrow(_UPDATE_MESSAGE, message.id, *rows.message_change(message))
+    return None if row is None else _message(row)
+
+
+async def _update_message(conn: Connection, out: list[Update], message: Message) -> Message:
+    stored = await _replace_message(conn, message)
+    if stored is None:
+        raise StoreError(f"no message {message.id}")
+    item = UpdateItem("message", "updated", stored.id)
+    await _log_for_session(conn, out, stored.session_id, (item,), (stored,))
+    return stored
+
+
+async def _save_turn(conn: Connection, turn: Turn) -> rows.Action:
+    created = await conn.fetchval(_UPSERT_TURN, *rows.turn_row(turn))
+    return "created" if created else "updated"
+
+
+async def _log_turn(conn: Connection, out: list[Update], turn: Turn) -> None:
+    item = UpdateItem("turn", await _save_turn(conn, turn), turn.id)
+    await _log_for_session(conn, out, turn.session_id, (item,), (turn,))
+
+
+async def _refuse_taken_client_id(conn: Connection, message: Message) -> None:
+    await conn.execute(_LOCK_CLIENT_ID, message.session_id, message.client_id)
+    taken = await conn.fetchrow(_OWNERS_CLIENT_ID, message.client_id, message.session_id)
+    if taken is not None:
+        raise DuplicateClientId(message.client_id, session_id=taken[0], message_id=taken[1])
+
+
+async def _begin_turn(
+    conn: Connection,
+    out: list[Update],
+    turn: Turn,
+    message: Message,
+    reply: Message | None,
+    unique_client_id: bool,
+) -> Message:
+    if unique_client_id and message.client_id:
+        await _refuse_taken_client_id(conn, message)
+    stored, *reply_stored = await _insert_messages(
+        conn, (message,) if reply is None else (message, reply)
+    )
+    action = await _save_turn(conn, turn)
+    row = await conn.fetchrow(_TOUCH_SESSION, message.session_id, message.created_at)
+    session = _session(row)
+    change = rows.begun_turn(stored, action, turn, session, reply_stored)
+    await _log_for_owner(conn, out, session.owner, *change)
+    return stored
+
+
+async def _end_turn(conn: Connection, out: list[Update], turn: Turn, reply: Message | None) -> None:
+    items: list[UpdateItem] = []
+    entities: list[Entity] = []
+    if reply is not None:
+        stored = await _replace_message(conn, reply)
+        action: rows.Action = "updated"
+        if stored is None:
+            (stored,), action = await _insert_messages(conn, (reply,)), "created"
+        items.append(UpdateItem("message", action, stored.id))
+        entities.append(stored)
+    items.append(UpdateItem("turn", await _save_turn(conn, turn), turn.id))
+    entities.append(turn)
+    await _log_for_session(conn, out, turn.session_id, tuple(items), tuple(entities))
+
+
+async def _save_tool_call(conn: Connection, out: list[Update], call: ToolCallRecord) -> None:
+    created = await conn.fetchval(_UPSERT_TOOL_CALL, *rows.tool_call_row(call))
+    item = UpdateItem("rtc", "created" if created else "updated", call.id)
+    await _log_for_session(conn, out, call.session_id, (item,), (call,))
+
+
+async def _fork_session(
+    conn: Connection, out: list[Update], session: Session, messages: Sequence[Message]
+) -> list[Message]:
+    if any(message.session_id != session.id for message in messages):
+        raise StoreError(f"a forked message does not belong to session {session.id}")
+    # An existing id fails here.
+    created = _session(await conn.fetchrow(_INSERT_SESSION, *rows.session_row(session)))
+    stored = await _insert_messages(conn, messages) if messages else []
+    await _log_for_owner(conn, out, created.owner, *rows.forked(created, stored))
+    return stored
+
+
+def _by_owner(
+    found: list[asyncpg.Record], build: Callable[[dict[str, Any]], Entity]
+) -> list[tuple[str, Entity]]:
+    """(owner, entity) per returned row, in creation order (RETURNING has none)."""
+    ordered = sorted(found, key=lambda row: row["seq"])
+    result = []
+    for row in ordered:
+        owner, data = rows.owned(dict(row))
+        del data["seq"]
+        result.append((owner, build(data)))
+    return result
+
+
+async def _interrupt_unfinished_turns(conn: Connection, out: list[Update], now: float) -> int:
+    """Interrupt the turns and fail the replies a stopped server left; one update per owner."""
+    replies = await conn.fetch(_FAIL_OPEN_REPLIES, now)
+    turns = await conn.fetch(_INTERRUPT_TURNS, TurnState.INTERRUPTED.value, now, _TERMINAL)
+    changed: dict[str, list[Entity]] = {}
+    for owner, entity in [
+        *_by_owner(turns, rows.turn_from_data),
+        *_by_owner(replies, rows.message_from_data),
+    ]:
+        changed.setdefault(owner, []).append(entity)
+    # Owners in one order, so two such writes lock their counters without deadlock.
+    for owner in sorted(changed):
+        entities = tuple(changed[owner])
+        await _log_for_owner(conn, out, owner, rows.updated_items(entities), entities)
+    return len(turns)
+
+
+class PostgresStore:
+    def __init__(self, dsn: str, *, pool_size: int = POOL_SIZE) -> None:
+        """`dsn`: a libpq URL (postgresql://user:password@host:port/database); query
+        parameters asyncpg does not know become server settings (e.g. search_path)."""
+        self._dsn = dsn
+        self._pool_size = pool_size
+        self._pool: asyncpg.Pool[asyncpg.Record] | None = None
+        self._epoch = ""
+        self._listener: UpdateListener | None = None
+        self._writes: set[asyncio.Task[Any]] = set()
+
+    # -- plumbing ---------------------------------------------------------------
+
+    def _connected(self) -> asyncpg.Pool[asyncpg.Record]:
+        if self._pool is None:
+            raise StoreError("the archive is not open")
+        return self._pool
+
+    async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        pool = self._connected()
+        try:
+            return await pool.fetch(sql, *args)
+        except _DRIVER_ERRORS as exc:
+            raise StoreError("archive read failed") from exc
+
+    async def _fetchrow(self, sql: str, *args: Any) -> asyncpg.Record | None:
+        found = await self._fetch(sql, *args)
+        return found[0] if found else None
+
+    async def _write(self, operation: Operation[T]) -> T:
+        """Run `operation` in a transaction of its own, then publish its updates.
+
+        The write goes on when its caller is cancelled: once it may have committed,
+        its updates must reach the listener, as with the SQLite store's batches."""
+        pool = self._connected()
+        collector = current_collector()
+        task = asyncio.ensure_future(self._transact(pool, operation, collector))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return await asyncio.shield(task)
+
+    async def _transact(
+        self,
+        pool: asyncpg.Pool[asyncpg.Record],
+        operation: Operation[T],
+        collector: list[Update] | None,
+    ) -> T:
+        updates: list[Update] = []
+        try:
+            async with pool.acquire() as conn:
+                async with conn.transaction():
+                    result = await operation(conn, updates)
+                # Before the connection goes back to the pool (a round trip): the next
+                # write of this owner may commit meanwhile, and updates go out in order.
+                publish(updates, collector, self._listener)
+        except Exception as exc:
+            raise as_store_error(exc)  # noqa: B904 - the cause is set on the error itself
+        return result
+
+    def set_update_listener(self, listener: UpdateListener | None) -> None:
+        self._listener = listener
+
+    # -- lifecycle --------------------------------------------------------------
+
+    async def open(self) -> None:
+        try:
+            pool = await asyncpg.create_pool(
+                self._dsn, min_size=1, max_size=self._pool_size, init=_init_connection
+            )
+        except (*_DRIVER_ERRORS, ValueError) as exc:
+            raise StoreError(f"cannot open the PostgreSQL archive: {exc}") from exc
+        try:
+            async with pool.acquire() as conn:
+                self._epoch = await _migrate(conn)
+        except BaseException as exc:
+            await pool.close()
+            if isinstance(exc, _DRIVER_ERRORS):
+                raise StoreError(f"cannot migrate the PostgreSQL archive: {exc}") from exc
+            raise
+        self._pool = pool
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._writes, return_exceptions=True)
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    # -- sessions ---------------------------------------------------------------
+
+    async def create_session(self, session: Session) -> Session:
+        async def insert_or_get(conn: Connection, out: list[Update]) -> Session:
+            row = await conn.fetchrow(_INSERT_SESSION_IF_ABSENT, *rows.session_row(session))
+            if row is None:  # the id exists: what is stored under it
+                return _session(await conn.fetchrow(_SELECT_SESSION, session.id))
+            stored = _session(row)
+            item = UpdateItem("session", "created", stored.id)
+            await _log_for_owner(conn, out, stored.owner, (item,), (stored,))
+            return stored
+
+        return await self._write(insert_or_get)
+
+    async def get_session(self, session_id: str) -> Session | None:
+        row = await self._fetchrow(_SELECT_SESSION, session_id)
+        return None if row is None else _session(row)
+
+    async def list_sessions(
+        self, owner: str, *, limit: int, cursor: str = "", include_deleted: bool = True
+    ) -> list[Session]:
+        sql = _list_sessions_sql(include_deleted, bool(cursor))
+        args = (owner, limit, cursor) if cursor else (owner, limit)
+        return [_session(row) for row in await self._fetch(sql, *args)]
+
+    async def touch_session(self, session_id: str, now: float) -> None:
+        async def update(conn: Connection, out: list[Update]) -> None:
+            row = await conn.fetchrow(_TOUCH_SESSION, session_id, now)
+            if row is not None:  # touching a missing session changes nothing
+                session = _session(row)
+                item = UpdateItem("session", "updated", session.id)
+                await _log_for_owner(conn, out, session.owner, (item,), (session,))
+
+        await self._write(update)
+
+    async def update_session(self, session: Session) -> Session:
+        async def update(conn: Connection, out: list[Update]) -> Session:
+            row = await conn.fetchrow(_REPLACE_SESSION, *rows.session_row(session))
+            if row is None:
+                raise StoreError(f"no session {session.id}")
+            stored = _session(row)
+            item = UpdateItem("session", "updated", stored.id)
+            await _log_for_owner(conn, out, stored.owner, (item,), (stored,))
+            return stored
+
+        return await self._write(update)
+
+    async def fork_session(self, session: Session, messages: Sequence[Message]) -> list[Message]:
+        return await self._write(
+            functools.partial(_fork_session, session=session, messages=tuple(messages))
+        )
+
+    # -- messages ---------------------------------------------------------------
+
+    async def append_message(self, message: Message) -> Message:
+        return await self._write(functools.partial(_append_message, message=message))
+
+    async def update_message(self, message: Message) -> Message:
+        return await self._write(functools.partial(_update_message, message=message))
+
+    async def get_message(self, message_id: str) -> Message | None:
+        row = await self._fetchrow(f"SELECT {M} FROM messages WHERE id = $1", message_id)
+        return None if row is None else _message(row)
+
+    async def find_message_by_client_id(self, owner: str, client_id: str) -> Message | None:
+        if not client_id:
+            return None
+        # `client_id <> ''` lets the planner use the partial index.
+        row = await self._fetchrow(
+            f"SELECT {_columns(rows.MESSAGE_COLUMNS, 'm.')} FROM messages m "
+            "JOIN sessions s ON s.id = m.session_id "
+            "WHERE m.client_id = $1 AND m.client_id <> '' AND s.owner = $2 "
+            "ORDER BY m.seq LIMIT 1",
+            client_id,
+            owner,
+        )
+        return None if row is None else _message(row)
+
+    async def list_messages(
+        self, session_id: str, *, after_offset: int = 0, limit: int | None = None
+    ) -> list[Message]:
+        found = await self._fetch(
+            f"SELECT {M} FROM messages WHERE session_id = $1 AND global_offset > $2 "
+            "ORDER BY global_offset LIMIT $3",
+            session_id,
+            after_offset,
+            limit,  # NULL: no limit
+        )
+        return [_message(row) for row in found]
+
+    # -- turns ------------------------------------------------------------------
+
+    async def create_turn(self, turn: Turn) -> None:
+        await self._write(functools.partial(_log_turn, turn=turn))
+
+    async def begin_turn(
+        self,
+        turn: Turn,
+        message: Message,
+        *,
+        reply: Message | None = None,
+        unique_client_id: bool = False,
+    ) -> Message:
+        return await self._write(
+            functools.partial(
+                _begin_turn,
+                turn=turn,
+                message=message,
+                reply=reply,
+                unique_client_id=unique_client_id,
+            )
+        )
+
+    async def save_turn(self, turn: Turn) -> None:
+        await self._write(functools.partial(_log_turn, turn=turn))
+
+    async def end_turn(self, turn: Turn, reply: Message | None) -> None:
+        await self._write(functools.partial(_end_turn, turn=turn, reply=reply))
+
+    async def get_turn(self, turn_id: str) -> Turn | None:
+        row = await self._fetchrow(f"SELECT {TC} FROM turns WHERE id = $1", turn_id)
+        return None if row is None else rows.turn_from_data(dict(row))
+
+    async def list_turns(self, session_id: str) -> list[Turn]:
+        found = await self._fetch(
+            f"SELECT {TC} FROM turns WHERE session_id = $1 ORDER BY created_at, seq", session_id
+        )
+        return [rows.turn_from_data(dict(row)) for row in found]
+
+    async def page_turns(self, session_id: str, *, limit: int, cursor: str = "") -> list[Turn]:
+        sql = _page_sql("turns", TC, bool(cursor))
+        found = await self._fetch(sql, *_page_args(session_id, limit, cursor))
+        return [rows.turn_from_data(dict(row)) for row in found]
+
+    # -- tool calls -------------------------------------------------------------
+
+    async def save_tool_call(self, call: ToolCallRecord) -> None:
+        await self._write(functools.partial(_save_tool_call, call=call))
+
+    async def get_tool_call(self, call_id: str) -> ToolCallRecord | None:
+        row = await self._fetchrow(f"SELECT {CC} FROM tool_calls WHERE id = $1", call_id)
+        return None if row is None else rows.tool_call_from_data(dict(row))
+
+    async def list_tool_calls(self, session_id: str) -> list[ToolCallRecord]:
+        found = await self._fetch(
+            f"SELECT {CC} FROM tool_calls WHERE session_id = $1 ORDER BY created_at, seq",
+            session_id,
+        )
+        return [rows.tool_call_from_data(dict(row)) for row in found]
+
+    async def page_tool_calls(
+        self, session_id: str, *, limit: int, cursor: str = ""
+    ) -> list[ToolCallRecord]:
+        sql = _page_sql("tool_calls", CC, bool(cursor))
+        found = await self._fetch(sql, *_page_args(session_id, limit, cursor))
+        return [rows.tool_call_from_data(dict(row)) for row in found]
+
+    async def interrupt_unfinished_turns(self, now: float) -> int:
+        return await self._write(functools.partial(_interrupt_unfinished_turns, now=now))
+
+    # -- the update log ---------------------------------------------------------
+
+    async def update_log(self, owner: str) -> UpdateLog:
+        row = await self._fetchrow(_UPDATE_LOG, owner)
+        assert row is not None  # a SELECT without FROM returns one row
+        return rows.update_log(self._epoch, row[0], row[1])
+
+    async def list_updates(self, owner: str, *, after_offset: int, limit: int) -> list[Update]:
+        found = await self._fetch(_SELECT_UPDATES, owner, after_offset, limit)
+        return [rows.update_from_row(tuple(row)) for row in found]
+
+    async def prune_updates(self, older_than: float) -> int:
+        # The counters in update_heads keep each owner's last offset: nothing to save.
+        async def delete(conn: Connection, out: list[Update]) -> int:
+            status = await conn.execute("DELETE FROM updates WHERE created_at < $1", older_than)
+            return int(status.split()[-1])
+
+        return await self._write(delete)
+
+
+async def _migrate(conn: Connection) -> str:
+    """Bring the schema to the newest version; returns the archive's epoch."""
+    async with conn.transaction():
+        await conn.execute(_MIGRATION_LOCK)
+        await conn.execute(_MIGRATIONS_TABLE)
+        version = await conn.fetchval("SELECT COALESCE(MAX(version), 0) FROM schema_migrations")
+        if version > len(MIGRATIONS):
+            raise StoreError(
+                f"the archive's schema is version {version}, newer than this Portico knows "
+                f"({len(MIGRATIONS)})"
+            )
+        for index, script in enumerate(MIGRATIONS[version:], start=version + 1):
+            await conn.execute(script)
+            await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", index)
+        epoch: str = await conn.fetchval("SELECT epoch FROM meta")
+    return epoch

@@ -1,0 +1,216 @@
+"""Archive records as table rows and back, and the updates writes log: shared by
+the SQL backends (SQLite, PostgreSQL), so both store and read exactly the same data.
+
+A row holds a struct's fields in declaration order; nested values (parts, metadata,
+a session's `declare`, a tool call's arguments, categories and result, an update's
+items and entities) are JSON, encoded by msgspec. Reads hand in each row as a dict
+of column name to value.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from portico.core.model import (
+    ENTITY_KINDS,
+    ContentPart,
+    Entity,
+    EntityKind,
+    Message,
+    Session,
+    ToolCallRecord,
+    Turn,
+    Update,
+    UpdateItem,
+    UpdateLog,
+    new_id,
+)
+from portico.core.states import ToolCallState, TurnState
+
+SESSION_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Session))
+MESSAGE_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Message))
+TURN_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Turn))
+TOOL_CALL_COLUMNS = tuple(field.name for field in msgspec.structs.fields(ToolCallRecord))
+UPDATE_COLUMNS = ("owner", "log_offset", "id", "items", "data_list", "created_at")
+
+json_encode = msgspec.json.encode
+_parts_decoder = msgspec.json.Decoder(tuple[ContentPart, ...])
+_metadata_decoder = msgspec.json.Decoder(dict[str, str])
+_declare_decoder = msgspec.json.Decoder(dict[str, Any] | None)
+_any_decoder = msgspec.json.Decoder()
+_JSON_TOOL_COLUMNS = ("arguments", "categories", "result")
+Action = Literal["created", "updated"]
+
+# Struct fields are bound positionally (astuple), in declaration order; these are the
+# positions that need encoding first.
+_MESSAGE_PARTS = MESSAGE_COLUMNS.index("parts")
+_MESSAGE_METADATA = MESSAGE_COLUMNS.index("metadata")
+_TURN_STATE = TURN_COLUMNS.index("state")
+_TOOL_STATE = TOOL_CALL_COLUMNS.index("state")
+_TOOL_JSON = tuple(TOOL_CALL_COLUMNS.index(column) for column in _JSON_TOOL_COLUMNS)
+
+_items_decoder = msgspec.json.Decoder(tuple[UpdateItem, ...])
+# data_list mixes entity types without a tag: each is decoded by its item's kind.
+_raw_list_decoder = msgspec.json.Decoder(tuple[msgspec.Raw, ...])
+_ENTITY_DECODERS: dict[EntityKind, msgspec.json.Decoder[Any]] = {
+    "session": msgspec.json.Decoder(Session),
+    "message": msgspec.json.Decoder(Message),
+    "turn": msgspec.json.Decoder(Turn),
+    "rtc": msgspec.json.Decoder(ToolCallRecord),
+}
+
+
+def session_row(session: Session) -> tuple[Any, ...]:
+    values = msgspec.structs.astuple(session)
+    return (*values[:-1], None if session.declare is None else json_encode(session.declare))
+
+
+def session_from_data(data: dict[str, Any]) -> Session:
+    data["declare"] = _declare_decoder.decode(data["declare"]) if data["declare"] else None
+    return Session(**data)
+
+
+def message_row(message: Message) -> list[Any]:
+    row = list(msgspec.structs.astuple(message))
+    row[_MESSAGE_PARTS] = json_encode(message.parts)
+    row[_MESSAGE_METADATA] = json_encode(message.metadata)
+    return row
+
+
+def message_from_data(data: dict[str, Any]) -> Message:
+    data["parts"] = _parts_decoder.decode(data["parts"])
+    data["metadata"] = _metadata_decoder.decode(data["metadata"])
+    return Message(**data)
+
+
+def message_change(message: Message) -> tuple[Any, ...]:
+    """What replacing a stored message sets: content, parts, status, metadata, updated_at."""
+    return (
+        message.content,
+        json_encode(message.parts),
+        message.status,
+        json_encode(message.metadata),
+        message.updated_at,
+    )
+
+
+def turn_row(turn: Turn) -> list[Any]:
+    row = list(msgspec.structs.astuple(turn))
+    row[_TURN_STATE] = turn.state.value
+    return row
+
+
+def turn_from_data(data: dict[str, Any]) -> Turn:
+    data["state"] = TurnState(data["state"])
+    return Turn(**data)
+
+
+def tool_call_row(call: ToolCallRecord) -> list[Any]:
+    row = list(msgspec.structs.astuple(call))
+    row[_TOOL_STATE] = call.state.value
+    for index in _TOOL_JSON:
+        row[index] = json_encode(row[index])
+    return row
+
+
+def tool_call_from_data(data: dict[str, Any]) -> ToolCallRecord:
+    for column in _JSON_TOOL_COLUMNS:
+        data[column] = _any_decoder.decode(data[column])
+    data["state"] = ToolCallState(data["state"])
+    data["categories"] = tuple(data["categories"])
+    return ToolCallRecord(**data)
+
+
+# -- the update log ---------------------------------------------------------------------
+
+
+def new_update(
+    owner: str, offset: int, items: tuple[UpdateItem, ...], data_list: tuple[Entity, ...]
+) -> Update:
+    return Update(
+        id=new_id("upd"),
+        owner=owner,
+        offset=offset,
+        items=items,
+        data_list=data_list,
+        created_at=time.time(),
+    )
+
+
+def update_row(update: Update) -> tuple[Any, ...]:
+    """The values of `UPDATE_COLUMNS`."""
+    return (
+        update.owner,
+        update.offset,
+        update.id,
+        json_encode(update.items),
+        json_encode(update.data_list),
+        update.created_at,
+    )
+
+
+def update_from_row(row: Sequence[Any]) -> Update:
+    """An update from the values of `UPDATE_COLUMNS`."""
+    owner, offset, update_id, items_json, data_json, created_at = row
+    items = _items_decoder.decode(items_json)
+    raws = _raw_list_decoder.decode(data_json)
+    data_list = tuple(
+        _ENTITY_DECODERS[item.entity].decode(raw) for item, raw in zip(items, raws, strict=True)
+    )
+    return Update(
+        id=update_id,
+        owner=owner,
+        offset=offset,
+        items=items,
+        data_list=data_list,
+        created_at=created_at,
+    )
+
+
+def updated_items(entities: Iterable[Entity]) -> tuple[UpdateItem, ...]:
+    """One `updated` item per entity, in order."""
+    return tuple(UpdateItem(ENTITY_KINDS[type(e)], "updated", e.id) for e in entities)
+
+
+def owned(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A row that leads with its session's owner: the owner, and the entity's columns."""
+    return data.pop("owner"), data
+
+
+Change = tuple[tuple[UpdateItem, ...], tuple[Entity, ...]]  # one update's items and entities
+
+
+def begun_turn(
+    stored: Message, action: Action, turn: Turn, session: Session, replies: Sequence[Message]
+) -> Change:
+    """What `begin_turn` logs: the user's message, the turn, the touched session, then
+    the reply created with them, if any."""
+    items = (
+        UpdateItem("message", "created", stored.id),
+        UpdateItem("turn", action, turn.id),
+        UpdateItem("session", "updated", session.id),
+        *(UpdateItem("message", "created", created.id) for created in replies),
+    )
+    return items, (stored, turn, session, *replies)
+
+
+def forked(session: Session, messages: Sequence[Message]) -> Change:
+    """What `fork_session` logs: the session, then each message."""
+    items = (
+        UpdateItem("session", "created", session.id),
+        *(UpdateItem("message", "created", message.id) for message in messages),
+    )
+    return items, (session, *messages)
+
+
+def update_log(epoch: str, last: int | None, first: int | None) -> UpdateLog:
+    """The log position from the last offset handed out (None: none yet) and the oldest
+    retained (None: nothing retained)."""
+    last = last or 0
+    return UpdateLog(
+        epoch=epoch, last_offset=last, first_offset=last + 1 if first is None else first
+    )

@@ -1,0 +1,103 @@
+"""`portico serve --store postgres`: a real server archiving to PostgreSQL, on a schema
+of its own, and a restart that keeps the conversation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from portico.core.model import Message
+from portico.store.postgres import PostgresStore
+from support.omnia import OmniaClient
+from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
+from support.server import SCRIPT, ServerProcess, run_cli
+
+
+@pytest.fixture
+async def database_url() -> AsyncIterator[str]:
+    require_postgres()
+    schema = await create_schema()
+    try:
+        yield schema_url(schema)
+    finally:
+        await drop_schemas([schema])
+
+
+async def settled_messages(url: str, session_id: str, count: int) -> list[Message]:
+    """The session's messages once `count` are archived and none is still being written
+    (the server archives a reply after its last frame)."""
+    store = PostgresStore(url, pool_size=1)
+    await store.open()
+    try:
+        deadline = time.monotonic() + 10.0
+        while True:
+            messages = await store.list_messages(session_id)
+            settled = all(m.status not in ("pending", "streaming") for m in messages)
+            if (len(messages) >= count and settled) or time.monotonic() > deadline:
+                return messages
+            await asyncio.sleep(0.05)
+    finally:
+        await store.close()
+
+
+async def test_a_postgres_server_archives_turns_and_keeps_them_across_a_restart(
+    http: aiohttp.ClientSession, tmp_path: Path, database_url: str
+) -> None:
+    server = ServerProcess(
+        tmp_path / "data",
+        args=("--store", "postgres", "--runtime", "scripted", "--script", str(SCRIPT)),
+        env={"PORTICO_DATABASE_URL": database_url},
+    ).start()
+    try:
+        client = OmniaClient(await http.ws_connect(server.ws_url))
+        session_id = (await client.connected())["session_id"]
+        frames = await client.ask("hello")
+        assert frames[-1]["type"] == "done"
+        await client.ws.close()
+        first = await settled_messages(database_url, session_id, 2)
+        assert [(m.global_offset, m.role, m.status) for m in first] == [
+            (1, "user", "completed"),
+            (2, "assistant", "completed"),
+        ]
+        assert (first[0].content, first[1].content) == ("hello", "Hello world")
+        assert not (tmp_path / "data" / "archive.sqlite3").exists()
+
+        server.restart()
+        resumed = OmniaClient(await http.ws_connect(server.ws_url))
+        await resumed.connected()
+        again = await resumed.ask("again", session_id=session_id)
+        assert {frame["session_id"] for frame in again} == {session_id}
+        assert again[-1]["type"] == "done"
+        await resumed.ws.close()
+        messages = await settled_messages(database_url, session_id, 4)
+        assert messages[:2] == first
+        assert [(m.global_offset, m.content) for m in messages[2:]] == [
+            (3, "again"),
+            (4, "Hello world"),
+        ]
+    finally:
+        server.stop()
+
+
+def test_config_show_masks_the_database_password() -> None:
+    url = "postgresql://portico:s3cret@db.internal:5432/archive"
+    result = run_cli("config", "show", "--store", "postgres", env={"PORTICO_DATABASE_URL": url})
+    assert result.returncode == 0, result.stderr
+    assert "database_url: postgresql://portico:***@db.internal:5432/archive" in result.stdout
+    assert "s3cret" not in result.stdout
+
+
+def test_serve_on_an_unreachable_database_exits_with_one_line() -> None:
+    url = "postgresql://portico:s3cret@127.0.0.1:1/archive"
+    result = run_cli(
+        "serve", "--store", "postgres", "--port", "0", env={"PORTICO_DATABASE_URL": url}
+    )
+    assert result.returncode == 1
+    assert "cannot open the PostgreSQL archive" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "s3cret" not in result.stderr
