@@ -175,7 +175,8 @@ class Engine:
 
     async def _keep_lease(self) -> None:
         # Renewed three times per lease, so one or two slow writes do not let it lapse;
-        # swept twice per lease, so a dead replica's turns end within about one lease.
+        # swept twice per lease, so a dead replica's turns end at most one and a half
+        # leases after its last renewal.
         await asyncio.gather(
             _every(self._lease / 3, "lease renewal", self._renew),
             _every(self._lease / 2, "orphan sweep", self._interrupt_orphans),
@@ -567,8 +568,8 @@ class Engine:
         """Interrupt every running turn; each still archives what it had."""
         self._stopping = True
         if self._leasing is not None:
-            # Before the turns stop: a sweep must not race their last writes. The lease
-            # is left to expire; the turns end archived, so nothing is orphaned.
+            # The archive closes after shutdown: no renewal or sweep may still be due.
+            # The lease is left to expire; the turns end archived, so nothing is orphaned.
             self._leasing.cancel()
             await asyncio.gather(self._leasing, return_exceptions=True)
         await asyncio.gather(
