@@ -360,7 +360,7 @@ async def test_turns_created_at_the_same_time_keep_creation_order(store: Store) 
     assert [t.id for t in await store.list_turns("s1")] == ["ta", "tb", "tc"]
 
 
-async def test_interrupt_unfinished_turns(store: Store) -> None:
+async def test_a_starting_server_interrupts_every_unfinished_turn(store: Store) -> None:
     for session_id in ("s1", "s2"):
         await store.create_session(make_session(session_id))
     terminal = [
