@@ -138,6 +138,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     store: StoreName = "sqlite"
     database_url: str = ""  # postgresql://user:password@host:5432/database
     database_pool_size: Count = 10  # connections each process opens to database_url
+    # This process as the replica that runs its turns; empty: a fresh id per start.
+    # A stable id lets a restarted replica interrupt the turns its earlier run left.
+    replica_id: str = ""
+    # Seconds a replica may go without renewing its lease before it counts as dead
+    # and another replica interrupts its unfinished turns.
+    replica_lease: Seconds = 30.0
 
     # Authentication: `none` (one principal, `local`) or `apikey`.
     auth: Literal["none", "apikey"] = "none"

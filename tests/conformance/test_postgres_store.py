@@ -1,19 +1,21 @@
 """`portico serve --store postgres`: a real server archiving to PostgreSQL, on a schema
-of its own, and a restart that keeps the conversation."""
+of its own, a restart that keeps the conversation, and two replicas sharing it."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from portico.core.model import Message
+from portico.core.model import Message, Turn
+from portico.core.states import TurnState
 from portico.store.postgres import PostgresStore
-from support.omnia import OmniaClient
+from support.omnia import OmniaClient, scenario
 from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
 from support.server import SCRIPT, ServerProcess, run_cli
 
@@ -40,6 +42,25 @@ async def settled_messages(url: str, session_id: str, count: int) -> list[Messag
             settled = all(m.status not in ("pending", "streaming") for m in messages)
             if (len(messages) >= count and settled) or time.monotonic() > deadline:
                 return messages
+            await asyncio.sleep(0.05)
+    finally:
+        await store.close()
+
+
+async def turns_once(
+    url: str, session_id: str, done: Callable[[list[Turn]], bool], within: float
+) -> tuple[list[Turn], float]:
+    """The session's turns as soon as `done` holds for them (or after `within` seconds),
+    and how long that took."""
+    store = PostgresStore(url, pool_size=1)
+    await store.open()
+    try:
+        start = time.monotonic()
+        while True:
+            turns = await store.list_turns(session_id)
+            waited = time.monotonic() - start
+            if done(turns) or waited > within:
+                return turns, waited
             await asyncio.sleep(0.05)
     finally:
         await store.close()
@@ -101,3 +122,62 @@ def test_serve_on_an_unreachable_database_exits_with_one_line() -> None:
     assert "cannot open the PostgreSQL archive" in result.stderr
     assert "Traceback" not in result.stderr
     assert "s3cret" not in result.stderr
+
+
+LEASE = 1.0  # seconds: short, so a dead replica is noticed quickly
+
+
+def replica(tmp_path: Path, name: str, database_url: str) -> ServerProcess:
+    return ServerProcess(
+        tmp_path / name,
+        args=("--store", "postgres", "--runtime", "scripted", "--script", str(SCRIPT)),
+        env={
+            "PORTICO_DATABASE_URL": database_url,
+            "PORTICO_REPLICA_ID": name,
+            "PORTICO_REPLICA_LEASE": str(LEASE),
+        },
+    )
+
+
+def running(turns: list[Turn]) -> bool:
+    return bool(turns) and turns[-1].state is TurnState.RUNNING
+
+
+async def test_replicas_spare_each_others_turns_until_one_dies(
+    http: aiohttp.ClientSession, tmp_path: Path, database_url: str
+) -> None:
+    a = replica(tmp_path, "rep-a", database_url).start()
+    b = replica(tmp_path, "rep-b", database_url)
+    try:
+        client = OmniaClient(await http.ws_connect(a.ws_url))
+        session_id = (await client.connected())["session_id"]
+        asked = asyncio.create_task(client.ask("slow", **scenario("lingering")))
+        await turns_once(database_url, session_id, running, 10.0)
+
+        # B starts (and sweeps) while A's turn runs: the turn is A's, and A is alive.
+        b.start()
+        turns, _ = await turns_once(database_url, session_id, running, 0.0)
+        assert [(t.state, t.replica) for t in turns] == [(TurnState.RUNNING, "rep-a")]
+        frames = await asyncio.wait_for(asked, 15.0)
+        assert frames[-1]["type"] == "done"
+        turns, _ = await turns_once(database_url, session_id, lambda t: not running(t), 10.0)
+        assert turns[-1].state is TurnState.COMPLETED
+
+        # A dies under its next turn: B interrupts it once A's lease has run out.
+        await client.send({"type": "message", "content": "slow", **scenario("lingering")})
+        await client.recv()
+        await turns_once(database_url, session_id, lambda t: len(t) == 2 and running(t), 10.0)
+        a.stop(signal.SIGKILL)
+        turns, waited = await turns_once(
+            database_url, session_id, lambda t: not running(t), 2 * LEASE + 2.0
+        )
+        assert (turns[-1].state, turns[-1].replica) == (TurnState.INTERRUPTED, "rep-a")
+        assert waited <= 2 * LEASE + 1.0  # a lease, then B's next sweep
+        messages = await settled_messages(database_url, session_id, 4)
+        assert [(m.role, m.status) for m in messages[2:]] == [
+            ("user", "completed"),
+            ("assistant", "failed"),
+        ]
+    finally:
+        a.stop()
+        b.stop()

@@ -30,9 +30,10 @@ from portico.core.model import (
     Update,
     UpdateLog,
 )
-from portico.core.states import ToolCallState, TurnState
+from portico.core.states import TERMINAL_TURN_STATES, ToolCallState, TurnState
 from portico.errors import DuplicateClientId, StoreError
 from portico.store import postgres as postgres_backend
+from portico.store import rows
 from portico.store import sqlite as sqlite_backend
 from portico.store.base import Store, collecting_updates
 from portico.store.memory import MemoryStore
@@ -41,6 +42,8 @@ from portico.store.sqlite import MIGRATIONS, SqliteStore
 from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
 
 StoreFactory = Callable[[Path], Awaitable[Store]]
+STARTING = "rep-starting"  # the replica that sweeps in the tests
+LEASE = 30.0
 
 
 async def memory_store(tmp_path: Path) -> Store:
@@ -135,6 +138,13 @@ def make_turn(
     turn_id: str, *, session_id: str = "s1", state: TurnState = TurnState.PENDING, at: float = 1.0
 ) -> Turn:
     return Turn(id=turn_id, session_id=session_id, state=state, created_at=at)
+
+
+async def interrupt_at_start(store: Store, now: float) -> int:
+    """What a starting server does: it holds the only lease, for turns it runs none of."""
+    return await store.interrupt_orphaned_turns(
+        now, replica_id=STARTING, lease=LEASE, include_own=True
+    )
 
 
 async def append_many(store: Store, session_id: str, count: int) -> list[Message]:
@@ -350,7 +360,7 @@ async def test_turns_created_at_the_same_time_keep_creation_order(store: Store) 
     assert [t.id for t in await store.list_turns("s1")] == ["ta", "tb", "tc"]
 
 
-async def test_interrupt_unfinished_turns(store: Store) -> None:
+async def test_a_starting_server_interrupts_every_unfinished_turn(store: Store) -> None:
     for session_id in ("s1", "s2"):
         await store.create_session(make_session(session_id))
     terminal = [
@@ -370,14 +380,156 @@ async def test_interrupt_unfinished_turns(store: Store) -> None:
     for turn in (*terminal, pending, running):
         await store.create_turn(turn)
 
-    assert await store.interrupt_unfinished_turns(50.0) == 2
+    assert await interrupt_at_start(store, 50.0) == 2
 
     for turn in terminal:
         assert await store.get_turn(turn.id) == turn
     for turn in (pending, running):
         expected = msgspec.structs.replace(turn, state=TurnState.INTERRUPTED, ended_at=50.0)
         assert await store.get_turn(turn.id) == expected
-    assert await store.interrupt_unfinished_turns(60.0) == 0
+    assert await interrupt_at_start(store, 60.0) == 0
+
+
+# -- replicas: leases and orphaned turns -------------------------------------------
+
+
+def replica_turn(turn_id: str, replica: str, *, session_id: str = "s1") -> Turn:
+    return msgspec.structs.replace(
+        make_turn(turn_id, session_id=session_id, state=TurnState.RUNNING), replica=replica
+    )
+
+
+async def begin_replica_turn(store: Store, turn_id: str, replica: str, n: int) -> Message:
+    """A running turn of `replica` with its pending reply; returns the reply."""
+    reply = make_pending_reply(f"r-{turn_id}", turn_id=turn_id)
+    await store.begin_turn(replica_turn(turn_id, replica), make_message(n=n), reply=reply)
+    stored = await store.get_message(reply.id)
+    assert stored is not None
+    return stored
+
+
+async def sweep(store: Store, now: float, *, include_own: bool = False) -> int:
+    return await store.interrupt_orphaned_turns(
+        now, replica_id=STARTING, lease=LEASE, include_own=include_own
+    )
+
+
+async def test_a_turn_of_a_replica_with_a_live_lease_is_left_alone(store: Store) -> None:
+    await store.create_session(make_session())
+    reply = await begin_replica_turn(store, "t1", "rep-b", 1)
+    await store.renew_replica("rep-b", 100.0)
+    with collecting_updates() as collected:
+        assert await sweep(store, 100.0 + LEASE) == 0
+        assert await interrupt_at_start(store, 100.0 + LEASE) == 0
+    assert collected == []
+    assert await store.get_turn("t1") == replica_turn("t1", "rep-b")
+    stored = await store.get_message(reply.id)
+    assert stored is not None
+    assert stored.status == "pending"
+
+
+async def test_a_turn_of_a_replica_whose_lease_expired_is_interrupted(store: Store) -> None:
+    await store.create_session(make_session("s1", owner="alice"))
+    await store.create_session(make_session("s2", owner="bob"))
+    alive = await begin_replica_turn(store, "alive", "rep-b", 1)
+    dead = await begin_replica_turn(store, "dead", "rep-c", 2)
+    await store.create_turn(replica_turn("dead2", "rep-c", session_id="s2"))
+    await store.renew_replica("rep-b", 150.0)
+    await store.renew_replica("rep-c", 100.0)
+    before = {owner: (await store.update_log(owner)).last_offset for owner in ("alice", "bob")}
+
+    with collecting_updates() as collected:
+        assert await sweep(store, 100.0 + LEASE + 1) == 2
+
+    interrupted = {
+        turn_id: msgspec.structs.replace(
+            replica_turn(turn_id, "rep-c", session_id=session_id),
+            state=TurnState.INTERRUPTED,
+            ended_at=100.0 + LEASE + 1,
+        )
+        for turn_id, session_id in (("dead", "s1"), ("dead2", "s2"))
+    }
+    failed = msgspec.structs.replace(dead, status="failed", updated_at=100.0 + LEASE + 1)
+    assert [(u.owner, u.offset, items_of(u)) for u in collected] == [
+        (
+            "alice",
+            before["alice"] + 1,
+            [("turn", "updated", "dead"), ("message", "updated", failed.id)],
+        ),
+        ("bob", before["bob"] + 1, [("turn", "updated", "dead2")]),
+    ]
+    assert collected[0].data_list == (interrupted["dead"], failed)
+    assert collected[1].data_list == (interrupted["dead2"],)
+    for turn in interrupted.values():
+        assert await store.get_turn(turn.id) == turn
+    assert await store.get_message(failed.id) == failed
+    assert await store.get_turn("alive") == replica_turn("alive", "rep-b")
+    assert (await store.get_message(alive.id)) == alive
+    with collecting_updates() as collected:
+        assert await sweep(store, 200.0) == 1  # now rep-b's lease has expired too
+    assert [items_of(u) for u in collected] == [
+        [("turn", "updated", "alive"), ("message", "updated", alive.id)]
+    ]
+
+
+async def test_a_turn_of_a_replica_without_a_lease_is_interrupted(store: Store) -> None:
+    await store.create_session(make_session())
+    await store.create_turn(replica_turn("unnamed", ""))  # from before replicas
+    await store.create_turn(replica_turn("unknown", "rep-never-renewed"))
+    assert await sweep(store, 1.0) == 2
+    for turn_id in ("unnamed", "unknown"):
+        turn = await store.get_turn(turn_id)
+        assert turn is not None
+        assert (turn.state, turn.ended_at) == (TurnState.INTERRUPTED, 1.0)
+
+
+async def test_own_turns_are_interrupted_at_start_only(store: Store) -> None:
+    await store.create_session(make_session())
+    reply = await begin_replica_turn(store, "mine", STARTING, 1)
+    await store.renew_replica(STARTING, 100.0)
+    # While serving, this replica runs its own turns: the sweep leaves them alone...
+    assert await sweep(store, 1000.0) == 0
+    assert await store.get_turn("mine") == replica_turn("mine", STARTING)
+    # ...but at start-up (a stable replica id), they are what its earlier run left.
+    assert await sweep(store, 101.0, include_own=True) == 1
+    turn = await store.get_turn("mine")
+    assert turn is not None
+    assert (turn.state, turn.ended_at) == (TurnState.INTERRUPTED, 101.0)
+    failed = await store.get_message(reply.id)
+    assert failed is not None
+    assert (failed.status, failed.updated_at) == ("failed", 101.0)
+
+
+async def test_renewing_a_lease_moves_last_seen(store: Store) -> None:
+    await store.create_session(make_session())
+    await store.create_turn(replica_turn("t1", "rep-b"))
+    await store.renew_replica("rep-b", 100.0)
+    await store.renew_replica("rep-b", 200.0)
+    # Expired when counted from the first renewal, live from the second.
+    assert await sweep(store, 200.0 + LEASE) == 0
+    assert await sweep(store, 200.0 + LEASE + 1) == 1
+
+
+async def test_an_open_reply_without_an_unfinished_turn_fails(store: Store) -> None:
+    # Nobody will write it again: its turn ended, or it never had one.
+    await store.create_session(make_session())
+    await store.create_turn(make_turn("ended", state=TurnState.COMPLETED))
+    await store.create_turn(replica_turn("live", "rep-b"))
+    await store.renew_replica("rep-b", 100.0)
+    left = msgspec.structs.replace(make_reply("s1", 1, "streaming"), turn_id="ended")
+    live = msgspec.structs.replace(make_reply("s1", 2, "streaming"), turn_id="live")
+    left, live = await store.append_message(left), await store.append_message(live)
+    assert await sweep(store, 110.0) == 0
+    assert await store.get_message(left.id) == msgspec.structs.replace(
+        left, status="failed", updated_at=110.0
+    )
+    assert await store.get_message(live.id) == live
+
+
+def test_the_unfinished_turn_predicate_names_every_terminal_state() -> None:
+    # The SQL backends' partial index repeats it: it must not drift from the states.
+    terminal = ", ".join(f"'{state.value}'" for state in sorted(TERMINAL_TURN_STATES))
+    assert f"state NOT IN ({terminal})" == rows.UNFINISHED_TURN
 
 
 # -- SQLite only --------------------------------------------------------------------
@@ -410,6 +562,23 @@ async def test_sqlite_data_survives_close_and_reopen(tmp_path: Path) -> None:
         assert await second.list_messages("s1") == messages
         assert await second.get_turn("t1") == turn
         assert offsets([await second.append_message(make_message(n=9))]) == [4]
+    finally:
+        await second.close()
+
+
+async def test_sqlite_forgets_leases_on_open(tmp_path: Path) -> None:
+    # The archive lock keeps every other process out: whatever it left unfinished is a
+    # stopped server's, whichever replica id the new one has.
+    path = tmp_path / "archive.db"
+    first = await open_sqlite(path)
+    await first.create_session(make_session())
+    await first.create_turn(replica_turn("t1", "rep-killed"))
+    await first.renew_replica("rep-killed", time.time())
+    await first.close()
+
+    second = await open_sqlite(path)
+    try:
+        assert await interrupt_at_start(second, time.time()) == 1
     finally:
         await second.close()
 
@@ -716,7 +885,7 @@ async def test_interrupt_logs_one_update_per_owner(store: Store) -> None:
     before = {owner: (await store.update_log(owner)).last_offset for owner in ("alice", "bob")}
 
     with collecting_updates() as collected:
-        assert await store.interrupt_unfinished_turns(50.0) == 3
+        assert await interrupt_at_start(store, 50.0) == 3
 
     by_owner = {update.owner: update for update in collected}
     assert len(collected) == len(by_owner) == 2
@@ -745,7 +914,7 @@ async def test_interrupt_logs_one_update_per_owner(store: Store) -> None:
     assert await store.get_message(finished.id) == finished
 
     with collecting_updates() as collected:
-        assert await store.interrupt_unfinished_turns(60.0) == 0
+        assert await interrupt_at_start(store, 60.0) == 0
     assert collected == []
 
 
@@ -851,7 +1020,7 @@ async def test_listener_receives_every_update_in_order(store: Store) -> None:
         store.begin_turn(make_turn("t1"), make_message(n=100)),
         store.save_tool_call(make_tool_call("c1")),
     )
-    await store.interrupt_unfinished_turns(9.0)
+    await interrupt_at_start(store, 9.0)
     for owner in ("alice", "bob"):
         mine = [update for update in received if update.owner == owner]
         assert mine == await all_updates(store, owner)
@@ -1264,7 +1433,7 @@ async def test_begin_turn_can_create_the_turns_reply_in_the_same_write(store: St
         ("message", "created", "r1"),
     ]
     # A server stopped under the turn leaves the reply `pending`: it fails at the next start.
-    assert await store.interrupt_unfinished_turns(5.0) == 1
+    assert await interrupt_at_start(store, 5.0) == 1
     failed = await store.get_message("r1")
     assert failed is not None
     assert (failed.status, failed.updated_at) == ("failed", 5.0)
@@ -1424,6 +1593,27 @@ async def test_postgres_replicas_number_messages_and_updates_without_gaps() -> N
         for published in received:
             assert len(published) == 20
             assert [u.offset for u in published] == sorted(u.offset for u in published)
+    finally:
+        await asyncio.gather(first.close(), second.close())
+
+
+async def test_postgres_replicas_sweeping_together_interrupt_each_turn_once() -> None:
+    first, second = await open_postgres_replicas(2)
+    try:
+        await first.create_session(make_session())
+        for n in range(10):
+            await begin_replica_turn(first, f"t{n}", "rep-dead", n)
+        with collecting_updates() as collected:
+            counts = await asyncio.gather(
+                *(
+                    replica.interrupt_orphaned_turns(200.0, replica_id=name, lease=LEASE)
+                    for replica, name in ((first, "rep-a"), (second, "rep-b"))
+                )
+            )
+        assert sum(counts) == 10
+        logged = [item for update in collected for item in items_of(update)]
+        assert len(logged) == len(set(logged)) == 20  # every turn and reply, once
+        assert all(t.state is TurnState.INTERRUPTED for t in await first.list_turns("s1"))
     finally:
         await asyncio.gather(first.close(), second.close())
 

@@ -65,6 +65,8 @@ SETTINGS_TABLE: list[tuple[str, object, str, object]] = [
     ("PORTICO_STORE", "sqlite", "postgres", "postgres"),
     ("PORTICO_DATABASE_URL", "", "postgresql://db/portico", "postgresql://db/portico"),
     ("PORTICO_DATABASE_POOL_SIZE", 10, "3", 3),
+    ("PORTICO_REPLICA_ID", "", "portico-0", "portico-0"),
+    ("PORTICO_REPLICA_LEASE", 30, "4.5", 4.5),
 ]
 
 

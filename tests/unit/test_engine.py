@@ -11,7 +11,7 @@ import pytest
 from portico.config import AgentSettings
 from portico.core.engine import Engine, UserMessage
 from portico.core.events import TERMINAL_EVENTS, TurnChunk, TurnCompleted, TurnEvent, TurnFailed
-from portico.core.model import Message, Turn
+from portico.core.model import Message, Session, Turn
 from portico.core.states import TurnState
 from portico.errors import (
     SessionDeclarationRefused,
@@ -428,6 +428,100 @@ async def test_start_interrupts_turns_left_unfinished_in_the_archive() -> None:
     stored = await engine.store.get_turn("old")
     assert stored is not None
     assert (stored.state, stored.ended_at) == (TurnState.INTERRUPTED, 1000.0)
+    await engine.shutdown()
+
+
+def make_replica(
+    runtime: Runtime, store: MemoryStore, clock: Clock, *, replica_id: str = "", lease: float = 30.0
+) -> Engine:
+    return Engine(
+        store=store,
+        runtimes={"default": runtime},
+        agents={"default": AgentSettings()},
+        context_ttl=TTL,
+        clock=clock,
+        replica_id=replica_id,
+        replica_lease=lease,
+    )
+
+
+async def running_turn_of(store: MemoryStore, turn_id: str, replica: str) -> None:
+    if await store.get_session("s0") is None:
+        await store.create_session(
+            Session(
+                id="s0",
+                owner="bob",
+                agent="default",
+                created_at=1,
+                updated_at=1,
+                last_activity_at=1,
+            )
+        )
+    await store.create_turn(
+        Turn(id=turn_id, session_id="s0", state=TurnState.RUNNING, created_at=1.0, replica=replica)
+    )
+
+
+async def test_turns_carry_the_replica_that_runs_them() -> None:
+    store, clock = MemoryStore(), Clock()
+    engine = make_replica(ListRuntime(Done()), store, clock, replica_id="rep-1")
+    turn, _ = await run_turn(engine, user_message())
+    assert turn.replica == "rep-1"
+    assert (await engine.store.list_turns("s1"))[0].replica == "rep-1"
+    # Without a configured id, each engine draws its own.
+    assert make_engine(ListRuntime(Done())).replica_id.startswith("rep-")
+    assert (
+        make_engine(ListRuntime(Done())).replica_id != make_engine(ListRuntime(Done())).replica_id
+    )
+
+
+async def test_start_spares_the_turns_of_a_live_replica() -> None:
+    store, clock = MemoryStore(), Clock()
+    await running_turn_of(store, "theirs", "rep-live")
+    await running_turn_of(store, "dead", "rep-dead")
+    await running_turn_of(store, "mine", "rep-1")  # left by this replica's earlier run
+    await store.renew_replica("rep-live", clock() - 1)
+    await store.renew_replica("rep-dead", clock() - 31)
+    engine = make_replica(ListRuntime(Done()), store, clock, replica_id="rep-1")
+    await engine.start()
+    try:
+        states = {t.id: t.state for t in await store.list_turns("s0")}
+        assert states == {
+            "theirs": TurnState.RUNNING,
+            "dead": TurnState.INTERRUPTED,
+            "mine": TurnState.INTERRUPTED,
+        }
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_serving_replica_renews_its_lease_and_sweeps_orphans() -> None:
+    store, clock = MemoryStore(), Clock()
+    engine = make_replica(ListRuntime(Done()), store, clock, replica_id="rep-1", lease=0.06)
+    await engine.start()
+    try:
+        await running_turn_of(store, "theirs", "rep-2")
+        await store.renew_replica("rep-2", clock())
+        clock.now += 1.0  # rep-2 stops renewing; rep-1 goes on
+        for _ in range(100):
+            turn = await store.get_turn("theirs")
+            assert turn is not None
+            if turn.state is TurnState.INTERRUPTED:
+                break
+            await asyncio.sleep(0.01)
+        assert turn.state is TurnState.INTERRUPTED
+        for _ in range(100):  # rep-1 renews with the clock
+            if store._replicas.get("rep-1") == clock():
+                break
+            await asyncio.sleep(0.01)
+        # So its own turns are safe from another replica's sweep.
+        await running_turn_of(store, "mine", "rep-1")
+        swept = await store.interrupt_orphaned_turns(clock(), replica_id="rep-3", lease=0.06)
+        assert swept == 0
+    finally:
+        await engine.shutdown()
+    assert engine._leasing is not None
+    assert engine._leasing.done()
 
 
 # -- ownership and expiry -------------------------------------------------------------

@@ -11,7 +11,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NamedTuple
 
 import msgspec
@@ -47,6 +47,7 @@ log = logging.getLogger("portico.engine")
 
 # How many archived messages a runtime is given as history.
 HISTORY_LIMIT = 1000
+REPLICA_LEASE = 30.0  # seconds; the `replica_lease` setting's default
 
 
 class UserMessage(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,7 +136,12 @@ class Engine:
         telemetry: Telemetry | None = None,
         media: MediaAccess | None = None,
         clock: Callable[[], float] = time.time,
+        replica_id: str = "",
+        replica_lease: float = REPLICA_LEASE,
     ) -> None:
+        """`replica_id` names this process among the replicas sharing the archive (empty:
+        a fresh one); `replica_lease`: seconds without renewal after which a replica
+        counts as dead and its turns are interrupted (docs/storage.md)."""
         self._media = media
         self._telemetry = telemetry or NoTelemetry()
         self.store = store
@@ -156,11 +162,35 @@ class Engine:
         self._stopping = False  # shutting down: waiting turns stay pending
         self._compacting: set[str] = set()  # sessions with a compaction queued
         self._claimed: set[str] = set()  # sessions whose next turn is being archived
+        self.replica_id = replica_id or new_id("rep")
+        self._lease = replica_lease
+        self._leasing: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        interrupted = await self.store.interrupt_unfinished_turns(self._clock())
+        """Take the lease, interrupt the turns left without a live replica (this one's
+        too: it runs none yet), then keep the lease and sweep while serving."""
+        await self.store.renew_replica(self.replica_id, self._clock())
+        await self._interrupt_orphans(include_own=True)
+        self._leasing = detached(self._keep_lease(), name="replica-lease")
+
+    async def _keep_lease(self) -> None:
+        # Renewed three times per lease, so one or two slow writes do not let it lapse;
+        # swept twice per lease, so a dead replica's turns end at most one and a half
+        # leases after its last renewal.
+        await asyncio.gather(
+            _every(self._lease / 3, "lease renewal", self._renew),
+            _every(self._lease / 2, "orphan sweep", self._interrupt_orphans),
+        )
+
+    async def _renew(self) -> None:
+        await self.store.renew_replica(self.replica_id, self._clock())
+
+    async def _interrupt_orphans(self, *, include_own: bool = False) -> None:
+        interrupted = await self.store.interrupt_orphaned_turns(
+            self._clock(), replica_id=self.replica_id, lease=self._lease, include_own=include_own
+        )
         if interrupted:
-            log.info("marked %d turns interrupted by the previous shutdown", interrupted)
+            log.info("marked %d turns interrupted: their replica stopped", interrupted)
 
     def has_agent(self, name: str) -> bool:
         return name in self._agents and name in self._runtimes
@@ -400,7 +430,11 @@ class Engine:
         """A pending turn and its user message, not archived yet."""
         now = self._clock()
         turn = Turn(
-            id=new_id("turn"), session_id=session.id, state=TurnState.PENDING, created_at=now
+            id=new_id("turn"),
+            session_id=session.id,
+            state=TurnState.PENDING,
+            created_at=now,
+            replica=self.replica_id,
         )
         return turn, Message(
             id=new_id("msg"),
@@ -533,6 +567,11 @@ class Engine:
     async def shutdown(self) -> None:
         """Interrupt every running turn; each still archives what it had."""
         self._stopping = True
+        if self._leasing is not None:
+            # The archive closes after shutdown: no renewal or sweep may still be due.
+            # The lease is left to expire; the turns end archived, so nothing is orphaned.
+            self._leasing.cancel()
+            await asyncio.gather(self._leasing, return_exceptions=True)
         await asyncio.gather(
             *(self._stop(session_id, TurnTrigger.INTERRUPT) for session_id in list(self._tasks))
         )
@@ -540,6 +579,17 @@ class Engine:
         for runtime in self._runtimes.values():
             if isinstance(runtime, Closable):
                 await runtime.close()
+
+
+async def _every(interval: float, what: str, job: Callable[[], Awaitable[None]]) -> None:
+    """Run `job` every `interval` seconds until cancelled; a failure is logged and the
+    next round tries again (the archive may be back by then)."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await job()
+        except Exception:
+            log.exception("%s failed", what)
 
 
 def _with_agent_tools(

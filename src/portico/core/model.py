@@ -132,6 +132,9 @@ class Turn(msgspec.Struct, frozen=True, kw_only=True):
     # Model tokens the turn used (all rounds), as the runtime reported them.
     input_tokens: int = 0
     output_tokens: int = 0
+    # The replica running the turn (the engine's `replica_id`); empty in archives from
+    # before replicas, and such a turn counts as orphaned (docs/storage.md).
+    replica: str = ""
 
 
 class ToolCallRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -67,6 +67,8 @@ class Services:
             runtimes={name: build_runtime(agent, settings) for name, agent in resolved.items()},
             agents=resolved,
             context_ttl=settings.context_ttl,
+            replica_id=settings.replica_id,
+            replica_lease=settings.replica_lease,
         )
         self.updates = InProcessUpdates()
         self.store.set_update_listener(self.updates.publish)

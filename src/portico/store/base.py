@@ -17,10 +17,15 @@ what:
 | end_turn                     | message updated (or created), then turn updated      |
 | save_tool_call               | rtc created (new id) or rtc updated                   |
 | fork_session                 | session created, then message created per message     |
-| interrupt_unfinished_turns   | turn updated per turn, message updated per reply left |
+| interrupt_orphaned_turns     | turn updated per turn, message updated per reply left |
 |                              | pending or streaming (one update per owner)           |
+| renew_replica                | nothing (no owner's data changes)                     |
 
 The owner of an update is the owner of the session its entities belong to.
+
+Replicas: each turn names the replica running it (`Turn.replica`). A replica renews
+its lease (`renew_replica`) while it lives; a turn whose replica let its lease expire
+is orphaned, and any live replica interrupts it (`interrupt_orphaned_turns`).
 """
 
 from __future__ import annotations
@@ -206,10 +211,24 @@ class Store(Protocol):
     ) -> list[ToolCallRecord]:
         """A session's tool calls newest first (ties: created later first), after `cursor`."""
 
-    async def interrupt_unfinished_turns(self, now: float) -> int:
-        """Mark turns left pending or running by a stopped server `interrupted`, and
-        replies it left `pending` or `streaming` `failed` (keeping their content).
-        Returns the number of turns."""
+    # -- replicas -------------------------------------------------------------------
+
+    async def renew_replica(self, replica_id: str, now: float) -> None:
+        """Record that the replica is alive at `now` (its lease runs from there)."""
+
+    async def interrupt_orphaned_turns(
+        self, now: float, *, replica_id: str, lease: float, include_own: bool = False
+    ) -> int:
+        """Mark the unfinished turns no live replica runs `interrupted`, and fail open
+        replies (`pending` or `streaming`) whose turn is no longer unfinished, keeping
+        their content. Returns the number of turns.
+
+        Orphaned (`is_orphaned`): turns of another replica that has not renewed its
+        lease for more than `lease` seconds before `now` (or never did), and, with
+        `include_own`, `replica_id`'s own (at start-up, when it runs none yet). A store
+        that only one process opens (SQLite, memory) forgets every lease on open: the
+        turns it holds at start-up are orphans of a stopped server.
+        """
 
     # -- the update log -------------------------------------------------------------
 
@@ -221,6 +240,22 @@ class Store(Protocol):
 
     async def prune_updates(self, older_than: float) -> int:
         """Drop updates created before `older_than` (seconds since the epoch)."""
+
+
+def is_orphaned(
+    replica: str,
+    last_seen: float | None,
+    *,
+    replica_id: str,
+    lease: float,
+    now: float,
+    include_own: bool,
+) -> bool:
+    """Whether an unfinished turn run by `replica` (last seen at `last_seen`, None when
+    it holds no lease) is left without a live replica, as `replica_id` judges at `now`."""
+    if replica == replica_id:
+        return include_own
+    return last_seen is None or now - last_seen > lease
 
 
 class Background:

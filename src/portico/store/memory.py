@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Literal, TypeVar
 
@@ -20,13 +19,13 @@ from portico.core.model import (
     UpdateLog,
     new_id,
 )
-from portico.core.states import TERMINAL_TURN_STATES, TurnState
+from portico.core.states import TERMINAL_TURN_STATES
 from portico.errors import DuplicateClientId, StoreError
-from portico.store.base import UpdateListener, current_collector, publish
+from portico.store import rows
+from portico.store.base import UpdateListener, current_collector, is_orphaned, publish
 
 Change = tuple[Literal["created", "updated"], Entity]
 T = TypeVar("T", Turn, ToolCallRecord)
-OPEN_STATUSES = frozenset({"pending", "streaming"})  # replies a stopped server left
 P = TypeVar("P", Session, Turn, ToolCallRecord)
 
 
@@ -41,6 +40,7 @@ class MemoryStore:
         self._updates: dict[str, list[Update]] = {}
         self._heads: dict[str, int] = {}
         self._listener: UpdateListener | None = None
+        self._replicas: dict[str, float] = {}  # replica id -> when it last renewed its lease
 
     async def open(self) -> None:
         return None
@@ -53,17 +53,21 @@ class MemoryStore:
 
     def _log(self, session_id: str, *changes: Change) -> None:
         """Append one update to the log of the session's owner and announce it."""
-        owner = self._sessions[session_id].owner
+        self._log_for_owner(
+            self._owner_of(session_id),
+            tuple(UpdateItem(ENTITY_KINDS[type(e)], a, e.id) for a, e in changes),
+            tuple(entity for _, entity in changes),
+        )
+
+    def _owner_of(self, session_id: str) -> str:
+        return self._sessions[session_id].owner
+
+    def _log_for_owner(
+        self, owner: str, items: tuple[UpdateItem, ...], data_list: tuple[Entity, ...]
+    ) -> None:
         offset = self._heads.get(owner, 0) + 1
         self._heads[owner] = offset
-        update = Update(
-            id=new_id("upd"),
-            owner=owner,
-            offset=offset,
-            items=tuple(UpdateItem(ENTITY_KINDS[type(e)], a, e.id) for a, e in changes),
-            data_list=tuple(entity for _, entity in changes),
-            created_at=time.time(),
-        )
+        update = rows.new_update(owner, offset, items, data_list)
         self._updates.setdefault(owner, []).append(update)
         publish((update,), current_collector(), self._listener)
 
@@ -267,25 +271,41 @@ class MemoryStore:
     ) -> list[ToolCallRecord]:
         return _newest_page(self._tool_calls, session_id, limit, cursor)
 
-    async def interrupt_unfinished_turns(self, now: float) -> int:
-        unfinished = [t for t in self._turns.values() if t.state not in TERMINAL_TURN_STATES]
-        changes: dict[str, list[Change]] = {}
-        for turn in unfinished:
-            ended = msgspec.structs.replace(turn, state=TurnState.INTERRUPTED, ended_at=now)
-            self._turns[turn.id] = ended
-            changes.setdefault(turn.session_id, []).append(("updated", ended))
-        open_replies = [m for m in self._message_index.values() if m.status in OPEN_STATUSES]
-        for message in open_replies:
-            failed = msgspec.structs.replace(message, status="failed", updated_at=now)
-            self._replace_message(failed)
-            changes.setdefault(message.session_id, []).append(("updated", failed))
-        by_owner: dict[str, tuple[str, list[Change]]] = {}
-        for session_id, session_changes in changes.items():
-            owner = self._sessions[session_id].owner
-            by_owner.setdefault(owner, (session_id, []))[1].extend(session_changes)
-        for session_id, owner_changes in by_owner.values():
-            self._log(session_id, *owner_changes)
-        return len(unfinished)
+    # -- replicas -----------------------------------------------------------------
+
+    async def renew_replica(self, replica_id: str, now: float) -> None:
+        self._replicas[replica_id] = now
+
+    async def interrupt_orphaned_turns(
+        self, now: float, *, replica_id: str, lease: float, include_own: bool = False
+    ) -> int:
+        orphans = [
+            rows.interrupted(turn, now)
+            for turn in self._turns.values()
+            if turn.state not in TERMINAL_TURN_STATES
+            and is_orphaned(
+                turn.replica,
+                self._replicas.get(turn.replica),
+                replica_id=replica_id,
+                lease=lease,
+                now=now,
+                include_own=include_own,
+            )
+        ]
+        self._turns.update((turn.id, turn) for turn in orphans)
+        running = {t.id for t in self._turns.values() if t.state not in TERMINAL_TURN_STATES}
+        replies = [
+            rows.failed(message, now)
+            for message in self._message_index.values()
+            if message.status in rows.OPEN_REPLY_STATUSES and message.turn_id not in running
+        ]
+        for reply in replies:
+            self._replace_message(reply)
+        owned_turns = [(self._owner_of(turn.session_id), turn) for turn in orphans]
+        owned_replies = [(self._owner_of(reply.session_id), reply) for reply in replies]
+        for owner, (items, entities) in rows.interruption(owned_turns, owned_replies):
+            self._log_for_owner(owner, items, entities)
+        return len(orphans)
 
     # -- the update log -----------------------------------------------------------
 

@@ -31,10 +31,16 @@ from portico.core.model import (
     UpdateItem,
     UpdateLog,
 )
-from portico.core.states import TERMINAL_TURN_STATES, TurnState
+from portico.core.states import TurnState
 from portico.errors import DuplicateClientId, StoreError
 from portico.store import rows
-from portico.store.base import UpdateListener, as_store_error, current_collector, publish
+from portico.store.base import (
+    UpdateListener,
+    as_store_error,
+    current_collector,
+    is_orphaned,
+    publish,
+)
 
 T = TypeVar("T")
 # Strings: asyncpg's classes are generic only in its stubs.
@@ -147,6 +153,18 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX updates_created ON updates (created_at);
     """,
+    # Turns name the replica running them; replicas hold leases (store/base.py). The
+    # index keeps the orphan sweep to unfinished turns; its predicate is
+    # rows.UNFINISHED_TURN.
+    """
+    ALTER TABLE turns ADD COLUMN replica text COLLATE "C" NOT NULL DEFAULT '';
+    CREATE INDEX turns_unfinished ON turns (replica)
+        WHERE state NOT IN ('cancelled', 'completed', 'failed', 'interrupted', 'merged');
+    CREATE TABLE replicas (
+        id text COLLATE "C" PRIMARY KEY,
+        last_seen double precision NOT NULL
+    );
+    """,
 )
 
 _MIGRATIONS_TABLE = (
@@ -243,17 +261,29 @@ _UPDATE_LOG = (
     "(SELECT MIN(log_offset) FROM updates WHERE owner = $1)"
 )
 
-_TERMINAL = [state.value for state in TERMINAL_TURN_STATES]
-# Replies first, then turns: the order end_turn locks them in, so the two cannot deadlock.
-_FAIL_OPEN_REPLIES = (
+# Unfinished turns with the lease of their replica (NULL: it holds none).
+_UNFINISHED_TURNS = (
+    "SELECT t.id, t.replica, r.last_seen FROM turns t "
+    f"LEFT JOIN replicas r ON r.id = t.replica WHERE t.{rows.UNFINISHED_TURN}"
+)
+# Replies first, then turns: the order end_turn locks them in, so the two cannot
+# deadlock. Open replies of the orphans ($2) or of no unfinished turn: nobody will
+# write them again. Each UPDATE re-checks its row once a concurrent writer commits,
+# so a turn its replica ended meanwhile, or another sweep took, is left alone.
+_FAIL_ORPHANED_REPLIES = (
     "UPDATE messages m SET status = 'failed', updated_at = $1 FROM sessions s "
-    "WHERE s.id = m.session_id AND m.status IN ('pending', 'streaming') "
+    f"WHERE s.id = m.session_id AND m.{rows.OPEN_REPLY} AND (m.turn_id = ANY($2::text[]) "
+    f"OR NOT EXISTS (SELECT 1 FROM turns t WHERE t.id = m.turn_id AND t.{rows.UNFINISHED_TURN})) "
     f"RETURNING s.owner, m.seq, {_columns(rows.MESSAGE_COLUMNS, 'm.')}"
 )
 _INTERRUPT_TURNS = (
     "UPDATE turns t SET state = $1, ended_at = $2 FROM sessions s "
-    "WHERE s.id = t.session_id AND t.state <> ALL($3::text[]) "
+    f"WHERE s.id = t.session_id AND t.id = ANY($3::text[]) AND t.{rows.UNFINISHED_TURN} "
     f"RETURNING s.owner, t.seq, {_columns(rows.TURN_COLUMNS, 't.')}"
+)
+_RENEW_REPLICA = (
+    "INSERT INTO replicas (id, last_seen) VALUES ($1, $2) "
+    "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen"
 )
 
 
@@ -480,20 +510,35 @@ def _by_owner(
     return result
 
 
-async def _interrupt_unfinished_turns(conn: Connection, out: list[Update], now: float) -> int:
-    """Interrupt the turns and fail the replies a stopped server left; one update per owner."""
-    replies = await conn.fetch(_FAIL_OPEN_REPLIES, now)
-    turns = await conn.fetch(_INTERRUPT_TURNS, TurnState.INTERRUPTED.value, now, _TERMINAL)
-    changed: dict[str, list[Entity]] = {}
-    for owner, entity in [
-        *_by_owner(turns, rows.turn_from_data),
-        *_by_owner(replies, rows.message_from_data),
-    ]:
-        changed.setdefault(owner, []).append(entity)
-    # Owners in one order, so two such writes lock their counters without deadlock.
-    for owner in sorted(changed):
-        entities = tuple(changed[owner])
-        await _log_for_owner(conn, out, owner, rows.updated_items(entities), entities)
+async def _interrupt_orphaned_turns(
+    conn: Connection,
+    out: list[Update],
+    now: float,
+    replica_id: str,
+    lease: float,
+    include_own: bool,
+) -> int:
+    """Interrupt the orphaned turns and fail the replies left open without a turn to
+    finish them; one update per owner."""
+    orphans = [
+        turn_id
+        for turn_id, replica, last_seen in await conn.fetch(_UNFINISHED_TURNS)
+        if is_orphaned(
+            replica,
+            last_seen,
+            replica_id=replica_id,
+            lease=lease,
+            now=now,
+            include_own=include_own,
+        )
+    ]
+    replies = await conn.fetch(_FAIL_ORPHANED_REPLIES, now, orphans)
+    turns = await conn.fetch(_INTERRUPT_TURNS, TurnState.INTERRUPTED.value, now, orphans)
+    changes = rows.interruption(
+        _by_owner(turns, rows.turn_from_data), _by_owner(replies, rows.message_from_data)
+    )
+    for owner, (items, entities) in changes:
+        await _log_for_owner(conn, out, owner, items, entities)
     return len(turns)
 
 
@@ -741,8 +786,26 @@ class PostgresStore:
         found = await self._fetch(sql, *_page_args(session_id, limit, cursor))
         return [rows.tool_call_from_data(dict(row)) for row in found]
 
-    async def interrupt_unfinished_turns(self, now: float) -> int:
-        return await self._write(functools.partial(_interrupt_unfinished_turns, now=now))
+    # -- replicas ---------------------------------------------------------------
+
+    async def renew_replica(self, replica_id: str, now: float) -> None:
+        async def renew(conn: Connection, out: list[Update]) -> None:
+            await conn.execute(_RENEW_REPLICA, replica_id, now)
+
+        await self._write(renew)
+
+    async def interrupt_orphaned_turns(
+        self, now: float, *, replica_id: str, lease: float, include_own: bool = False
+    ) -> int:
+        return await self._write(
+            functools.partial(
+                _interrupt_orphaned_turns,
+                now=now,
+                replica_id=replica_id,
+                lease=lease,
+                include_own=include_own,
+            )
+        )
 
     # -- the update log ---------------------------------------------------------
 

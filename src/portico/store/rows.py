@@ -207,6 +207,39 @@ def forked(session: Session, messages: Sequence[Message]) -> Change:
     return items, (session, *messages)
 
 
+# -- interrupting orphaned turns ---------------------------------------------------------
+
+# Turns no replica will run again, spelled out because the SQL backends' partial index
+# of unfinished turns repeats this predicate, and a query uses that index only when its
+# WHERE says the same (tests check it against TERMINAL_TURN_STATES).
+UNFINISHED_TURN = "state NOT IN ('cancelled', 'completed', 'failed', 'interrupted', 'merged')"
+OPEN_REPLY_STATUSES = ("pending", "streaming")  # replies still being written
+OPEN_REPLY = "status IN ('pending', 'streaming')"  # the predicate of the index of open replies
+
+
+def interrupted(turn: Turn, now: float) -> Turn:
+    return msgspec.structs.replace(turn, state=TurnState.INTERRUPTED, ended_at=now)
+
+
+def failed(reply: Message, now: float) -> Message:
+    """An open reply nobody will finish: failed, keeping what it had."""
+    return msgspec.structs.replace(reply, status="failed", updated_at=now)
+
+
+def interruption(
+    turns: Iterable[tuple[str, Entity]], replies: Iterable[tuple[str, Entity]]
+) -> list[tuple[str, Change]]:
+    """What interrupting orphaned turns logs, from (owner, entity) pairs in creation
+    order: one update per owner, its turns then its replies. Owners come sorted, the
+    order PostgreSQL locks their counters in, so two such writes cannot deadlock."""
+    changed: dict[str, list[Entity]] = {}
+    for owner, entity in (*turns, *replies):
+        changed.setdefault(owner, []).append(entity)
+    return [
+        (owner, (updated_items(changed[owner]), tuple(changed[owner]))) for owner in sorted(changed)
+    ]
+
+
 def update_log(epoch: str, last: int | None, first: int | None) -> UpdateLog:
     """The log position from the last offset handed out (None: none yet) and the oldest
     retained (None: nothing retained)."""

@@ -37,10 +37,15 @@ from portico.core.model import (
     UpdateItem,
     UpdateLog,
 )
-from portico.core.states import TERMINAL_TURN_STATES, TurnState
 from portico.errors import DuplicateClientId, StoreError
 from portico.store import rows
-from portico.store.base import UpdateListener, as_store_error, current_collector, publish
+from portico.store.base import (
+    UpdateListener,
+    as_store_error,
+    current_collector,
+    is_orphaned,
+    publish,
+)
 
 log = logging.getLogger("portico.store")
 
@@ -203,6 +208,18 @@ MIGRATIONS: tuple[str, ...] = (
     """
     DROP INDEX messages_streaming;
     CREATE INDEX messages_open ON messages (status) WHERE status IN ('pending', 'streaming');
+    """,
+    # Turns name the replica running them; replicas hold leases (store/base.py). The
+    # index keeps the orphan sweep to unfinished turns; its predicate is
+    # rows.UNFINISHED_TURN.
+    """
+    ALTER TABLE turns ADD COLUMN replica TEXT NOT NULL DEFAULT '';
+    CREATE INDEX turns_unfinished ON turns (replica)
+        WHERE state NOT IN ('cancelled', 'completed', 'failed', 'interrupted', 'merged');
+    CREATE TABLE replicas (
+        id TEXT PRIMARY KEY,
+        last_seen REAL NOT NULL
+    ) WITHOUT ROWID;
     """,
 )
 
@@ -503,44 +520,61 @@ def _fork_session(
     return stored
 
 
-_TERMINAL = tuple(state.value for state in TERMINAL_TURN_STATES)
-_UNFINISHED = f"state NOT IN ({', '.join('?' * len(_TERMINAL))})"
-# Each row leads with its session's owner (the update's owner).
+# Each row leads with its session's owner (the update's owner) and the lease of the
+# turn's replica (NULL: it holds none).
 _UNFINISHED_TURNS = (
-    "SELECT s.owner AS owner, t.* FROM turns t JOIN sessions s ON s.id = t.session_id "
-    f"WHERE t.{_UNFINISHED} ORDER BY t.created_at, t.rowid"
+    "SELECT s.owner AS owner, r.last_seen AS last_seen, t.* FROM turns t "
+    "JOIN sessions s ON s.id = t.session_id LEFT JOIN replicas r ON r.id = t.replica "
+    f"WHERE t.{rows.UNFINISHED_TURN} ORDER BY t.created_at, t.rowid"
 )
-_INTERRUPT_TURNS = f"UPDATE turns SET state = ?, ended_at = ? WHERE {_UNFINISHED}"
-_STREAMING_REPLIES = (
+_INTERRUPT_TURN = "UPDATE turns SET state = ?, ended_at = ? WHERE id = ?"
+# Open replies whose turn is not unfinished: nobody will write them again.
+_ORPHANED_REPLIES = (
     "SELECT s.owner AS owner, m.* FROM messages m JOIN sessions s ON s.id = m.session_id "
-    "WHERE m.status IN ('pending', 'streaming') ORDER BY m.rowid"
+    f"WHERE m.{rows.OPEN_REPLY} AND NOT EXISTS "
+    f"(SELECT 1 FROM turns t WHERE t.id = m.turn_id AND t.{rows.UNFINISHED_TURN}) "
+    "ORDER BY m.rowid"
 )
-_FAIL_STREAMING = (
-    "UPDATE messages SET status = 'failed', updated_at = ? WHERE status IN ('pending', 'streaming')"
+_FAIL_REPLY = "UPDATE messages SET status = ?, updated_at = ? WHERE id = ?"
+_RENEW_REPLICA = (
+    "INSERT INTO replicas (id, last_seen) VALUES (?, ?) "
+    "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen"
 )
 
 
-def _interrupt_unfinished_turns(conn: Archive, out: list[Update], now: float) -> int:
-    """Interrupt the turns and fail the replies a stopped server left; one update per owner."""
-    changed: dict[str, list[Entity]] = {}
-    turns = conn.execute(_UNFINISHED_TURNS, _TERMINAL).fetchall()
-    count = conn.execute(_INTERRUPT_TURNS, (TurnState.INTERRUPTED.value, now, *_TERMINAL)).rowcount
-    for row in turns:
+def _interrupt_orphaned_turns(
+    conn: Archive,
+    out: list[Update],
+    now: float,
+    replica_id: str,
+    lease: float,
+    include_own: bool,
+) -> int:
+    """Interrupt the orphaned turns, then fail the replies left open without a turn to
+    finish them; one update per owner. One writer: nothing changes in between."""
+    turns: list[tuple[str, Turn]] = []
+    for row in conn.execute(_UNFINISHED_TURNS).fetchall():
         owner, data = rows.owned(_row_dict(row))
-        # What the UPDATE stored, without reading every row back.
-        data.update(state=TurnState.INTERRUPTED, ended_at=now)
-        changed.setdefault(owner, []).append(Turn(**data))
-    replies = conn.execute(_STREAMING_REPLIES).fetchall()
-    conn.execute(_FAIL_STREAMING, (now,))
-    for row in replies:
-        owner, data = rows.owned(_row_dict(row))
-        message = rows.message_from_data(data)
-        failed = msgspec.structs.replace(message, status="failed", updated_at=now)
-        changed.setdefault(owner, []).append(failed)
-    for owner, entities in changed.items():
-        items = rows.updated_items(entities)
-        _log_for_owner(conn, out, owner, items, tuple(entities))
-    return count
+        last_seen = data.pop("last_seen")
+        turn = rows.turn_from_data(data)
+        if is_orphaned(
+            turn.replica,
+            last_seen,
+            replica_id=replica_id,
+            lease=lease,
+            now=now,
+            include_own=include_own,
+        ):
+            turns.append((owner, rows.interrupted(turn, now)))
+    conn.executemany(_INTERRUPT_TURN, [(t.state.value, now, t.id) for _, t in turns])
+    replies = [
+        (owner, rows.failed(rows.message_from_data(data), now))
+        for owner, data in map(rows.owned, map(_row_dict, conn.execute(_ORPHANED_REPLIES)))
+    ]
+    conn.executemany(_FAIL_REPLY, [(m.status, now, m.id) for _, m in replies])
+    for owner, (items, entities) in rows.interruption(turns, replies):
+        _log_for_owner(conn, out, owner, items, entities)
+    return len(turns)
 
 
 def _prune_updates(conn: Archive, out: list[Update], older_than: float) -> int:
@@ -770,6 +804,9 @@ class SqliteStore:
         # A passive checkpoint reading the WAL may hold a lock for a moment: wait for it.
         conn.execute(f"PRAGMA busy_timeout={WRITER_BUSY_TIMEOUT_MS}")
         _migrate(conn)
+        # The archive lock lets no other process in, so no other replica is alive: the
+        # turns left unfinished are a stopped server's, orphans from the start.
+        conn.execute("DELETE FROM replicas")
         return conn
 
     def _connect_read_only(self) -> Archive:
@@ -1101,8 +1138,24 @@ class SqliteStore:
 
         return await self._read(select)
 
-    async def interrupt_unfinished_turns(self, now: float) -> int:
-        return await self._write(functools.partial(_interrupt_unfinished_turns, now=now))
+    async def renew_replica(self, replica_id: str, now: float) -> None:
+        def renew(conn: Archive, out: list[Update]) -> None:
+            conn.execute(_RENEW_REPLICA, (replica_id, now))
+
+        await self._write(renew)
+
+    async def interrupt_orphaned_turns(
+        self, now: float, *, replica_id: str, lease: float, include_own: bool = False
+    ) -> int:
+        return await self._write(
+            functools.partial(
+                _interrupt_orphaned_turns,
+                now=now,
+                replica_id=replica_id,
+                lease=lease,
+                include_own=include_own,
+            )
+        )
 
     # -- the update log ---------------------------------------------------------
 
