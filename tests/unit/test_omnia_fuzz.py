@@ -200,7 +200,8 @@ def test_the_fuzz_reaches_every_frame_body(kind: str, event: type) -> None:
         found = events_of(frame)
         return bool(found) and isinstance(found[0], event)
 
-    find(frames, reached, settings=settings(max_examples=2000, database=None))
+    # Derandomized: a search that found its frame once finds it every run.
+    find(frames, reached, settings=settings(max_examples=2000, database=None, derandomize=True))
 
 
 # -- round trip: every frame type through the core's encoder and the decoders -------------
