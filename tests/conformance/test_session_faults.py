@@ -8,6 +8,7 @@ zero duplicates, whatever the proxy did to the frames.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -421,8 +422,10 @@ async def test_half_open_connection_is_taken_over(
     ready = await client.resume()
     assert (ready["resumed"], ready["last_seq"]) == (True, 1)  # message 2 never arrived
     # The old end still thinks it is up and sends on. Were it counted, this would be the
-    # session's message 3, and the new connection's 3 a duplicate.
-    await old.message("from the old socket", seq=3)
+    # session's message 3, and the new connection's 3 a duplicate. (The 4409 may have
+    # reached it first: then the send cannot even be written, which proves as much.)
+    with contextlib.suppress(ConnectionResetError):
+        await old.message("from the old socket", seq=3)
     assert (await old.closed())[0] == 4409
     await client.p.message("into the void", seq=lost)  # the client resends above last_seq
     assert (await client.p.turn())[-1]["content"] == HELLO
