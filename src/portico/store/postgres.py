@@ -20,6 +20,7 @@ from typing import Any, TypeAlias, TypeVar
 import asyncpg
 import msgspec
 from asyncpg.pool import PoolConnectionProxy
+from asyncpg.transaction import Transaction
 
 from portico.core.model import (
     Entity,
@@ -552,6 +553,7 @@ class PostgresStore:
         self._epoch = ""
         self._listener: UpdateListener | None = None
         self._writes: set[asyncio.Task[Any]] = set()
+        self._commit_order = asyncio.Lock()  # see _commit_and_publish
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -592,14 +594,33 @@ class PostgresStore:
         updates: list[Update] = []
         try:
             async with pool.acquire() as conn:
-                async with conn.transaction():
+                transaction = conn.transaction()
+                await transaction.start()
+                try:
                     result = await operation(conn, updates)
-                # Before the connection goes back to the pool (a round trip): the next
-                # write of this owner may commit meanwhile, and updates go out in order.
-                publish(updates, collector, self._listener)
+                except BaseException:
+                    await transaction.rollback()
+                    raise
+                await self._commit_and_publish(transaction, updates, collector)
         except Exception as exc:
             raise as_store_error(exc)  # noqa: B904 - the cause is set on the error itself
         return result
+
+    async def _commit_and_publish(
+        self, transaction: Transaction, updates: list[Update], collector: list[Update] | None
+    ) -> None:
+        """Commit, then publish, one write at a time in this process.
+
+        The counter row lock makes writes of one owner commit in offset order on the
+        server, but their COMMIT replies come back on different connections, in any
+        order: a later write could publish first. A write reaches this point only once
+        every earlier write of its owner has committed (it waited on the counter row
+        lock), so taking turns from the COMMIT to the publish publishes in offset
+        order. Only the COMMIT round trip is serialised, never a statement that can
+        wait on a row lock, so this cannot deadlock."""
+        async with self._commit_order:
+            await transaction.commit()
+            publish(updates, collector, self._listener)
 
     def set_update_listener(self, listener: UpdateListener | None) -> None:
         self._listener = listener
