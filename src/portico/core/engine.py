@@ -11,7 +11,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import msgspec
@@ -20,6 +20,7 @@ from portico.config import AgentSettings, ClientToolSettings
 from portico.core.compaction import SUMMARY_THROUGH, compose_summary, since_latest_summary
 from portico.core.events import Listener
 from portico.core.model import ContentPart, Message, Session, Turn, new_id
+from portico.core.periodic import every
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.core.tools import NoClientTools, ToolBroker
@@ -178,8 +179,9 @@ class Engine:
         # swept twice per lease, so a dead replica's turns end at most one and a half
         # leases after its last renewal.
         await asyncio.gather(
-            _every(self._lease / 3, "lease renewal", self._renew),
-            _every(self._lease / 2, "orphan sweep", self._interrupt_orphans),
+            # Not at once: start() has just done both.
+            every(self._lease / 3, "lease renewal", self._renew, at_once=False),
+            every(self._lease / 2, "orphan sweep", self._interrupt_orphans, at_once=False),
         )
 
     async def _renew(self) -> None:
@@ -579,17 +581,6 @@ class Engine:
         for runtime in self._runtimes.values():
             if isinstance(runtime, Closable):
                 await runtime.close()
-
-
-async def _every(interval: float, what: str, job: Callable[[], Awaitable[None]]) -> None:
-    """Run `job` every `interval` seconds until cancelled; a failure is logged and the
-    next round tries again (the archive may be back by then)."""
-    while True:
-        await asyncio.sleep(interval)
-        try:
-            await job()
-        except Exception:
-            log.exception("%s failed", what)
 
 
 def _with_agent_tools(

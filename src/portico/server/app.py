@@ -15,6 +15,7 @@ from aiohttp import web
 
 from portico.bus.memory import InProcessTransportStates
 from portico.config import Settings
+from portico.core.periodic import every
 from portico.server import media_routes, observability
 from portico.server.rpc_ws import rpc_handler
 from portico.server.services import SERVICES, Services
@@ -52,10 +53,17 @@ async def _open(app: web.Application) -> None:
     await services.store.open()
     await services.media.open()
     await services.engine.start()
-    jobs = [_every(settings.update_prune_interval, "update prune", _prune_updates(services))]
+    # At once: what expired while the server was stopped goes first.
+    prune = _prune_updates(services)
+    jobs = [every(settings.update_prune_interval, "update prune", prune, at_once=True)]
     if services.media.enabled:
         jobs.append(
-            _every(settings.media_sweep_interval, "media sweep", services.media.sweep_expired)
+            every(
+                settings.media_sweep_interval,
+                "media sweep",
+                services.media.sweep_expired,
+                at_once=True,
+            )
         )
     app[HOUSEKEEPING] = [asyncio.create_task(job) for job in jobs]
     services.ready = True
@@ -66,18 +74,6 @@ def _prune_updates(services: Services) -> Callable[[], Awaitable[int]]:
         return await services.store.prune_updates(time.time() - services.settings.update_retention)
 
     return prune
-
-
-async def _every(interval: float, name: str, job: Callable[[], Awaitable[int]]) -> None:
-    """Run `job` now (for what expired while stopped), then every `interval` seconds."""
-    while True:
-        try:
-            removed = await job()
-            if removed:
-                log.info("%s removed=%d", name, removed)
-        except Exception:
-            log.exception("%s failed", name)
-        await asyncio.sleep(interval)
 
 
 async def _close_sockets(app: web.Application) -> None:
