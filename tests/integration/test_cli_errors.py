@@ -170,6 +170,25 @@ def test_config_file_errors_are_one_line_naming_file_and_key(
         assert refusal(result) == f"portico: {expected}"
 
 
+def test_a_script_with_broken_yaml(tmp_path: Path) -> None:
+    script = tmp_path / "script.yaml"
+    script.write_text("scenarios: [\n")
+    result = run_cli(
+        "serve", "--runtime", "scripted", "--script", str(script), "--data-dir", str(tmp_path)
+    )
+    assert refusal(result) == (
+        f"portico: script {script}: invalid YAML at line 2, column 1: "
+        "expected the node content, but found '<stream end>'"
+    )
+
+
+def test_a_flag_error_names_the_flag_and_the_choices(tmp_path: Path) -> None:
+    result = run_cli("serve", "--log-level", "chatty", "--data-dir", str(tmp_path))
+    assert refusal(result) == (
+        "portico: --log-level: invalid value 'chatty'; valid values: DEBUG, INFO, WARNING, ERROR"
+    )
+
+
 def test_a_missing_or_unreadable_config_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     assert refusal(run_cli("config", "show", "--config", str(missing))) == (
@@ -212,14 +231,6 @@ def test_chat_with_a_url_that_is_not_a_websocket() -> None:
     assert refusal(run_cli("chat", "--url", "127.0.0.1:8080")) == (
         "portico: --url must start with ws:// or wss://, not '127.0.0.1:8080'"
     )
-
-
-def test_chat_without_a_server_is_one_line(tmp_path: Path) -> None:
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
-    line = refusal(run_cli("chat", "--url", f"ws://127.0.0.1:{port}/v1/session"), status=1)
-    assert line.startswith("portico chat: could not open the session: ")
 
 
 def test_version_comes_from_the_package_metadata() -> None:
