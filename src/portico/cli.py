@@ -1,9 +1,16 @@
-"""The `portico` command: `serve`, `config show`, `chat`."""
+"""The `portico` command: `serve`, `config show`, `chat`.
+
+Exit status: 0 done; 1 the archive could not be opened or a chat session failed;
+2 the command line, a setting or the machine refuses to start the server (a bad
+value, a port in use, a data dir that cannot be written); 130 interrupted. Every
+failure a user can cause is one line on stderr, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
@@ -11,15 +18,25 @@ from typing import Any, get_args
 
 import yaml
 
+from portico import __version__
 from portico.client.chat import DEFAULT_URL, ChatOptions, run_chat
-from portico.config import RuntimeName, Settings, StoreName, load_settings
+from portico.config import (
+    RuntimeName,
+    Settings,
+    StoreName,
+    environment_warnings,
+    load_settings,
+)
 from portico.errors import ConfigError, StoreError
 from portico.server.app import serve
 from portico.server.observability import configure_logging
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="portico", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="portico", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"portico {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve_cmd = commands.add_parser("serve", help="run the server")
@@ -44,6 +61,14 @@ def _parser() -> argparse.ArgumentParser:
         help="metadata sent with every message (repeatable)",
     )
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version; the source tree's when run uninstalled."""
+    try:
+        return importlib.metadata.version("portico")
+    except importlib.metadata.PackageNotFoundError:
+        return __version__
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +109,8 @@ FLAG_SETTINGS = (
 
 def _settings(args: argparse.Namespace) -> Settings:
     flags: dict[str, Any] = {name: getattr(args, name) for name in FLAG_SETTINGS}
+    for warning in environment_warnings(os.environ):
+        print(f"portico: warning: {warning}", file=sys.stderr)
     return load_settings(config_file=args.config, flags=flags)
 
 
@@ -105,6 +132,8 @@ def _chat_options(args: argparse.Namespace) -> ChatOptions:
         if not sep or not key:
             raise ConfigError(f"--metadata takes KEY=VALUE, not {item!r}")
         metadata[key] = value
+    if not args.url.startswith(("ws://", "wss://")):
+        raise ConfigError(f"--url must start with ws:// or wss://, not {args.url!r}")
     return ChatOptions(
         url=args.url,
         credential=args.credential or os.environ.get("PORTICO_CREDENTIAL"),

@@ -11,17 +11,22 @@ import importlib.util
 import ipaddress
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import jsonschema
 import msgspec
-import yaml
 
+from portico.config_errors import Origin, explain, nearest, read_yaml
 from portico.errors import ConfigError
 
 ENV_PREFIX = "PORTICO_"
+# Variables read by something other than the settings tree.
+OTHER_VARIABLES = ("PORTICO_CONFIG", "PORTICO_CREDENTIAL")
+# Settings with no environment variable: nested structures.
+FILE_ONLY_SETTINGS = frozenset({"agents"})
+# Settings whose values an error message never repeats.
+SECRET_SETTINGS = frozenset({"api_keys", "database_url"})
 DEFAULT_AGENT = "default"
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -333,7 +338,7 @@ def parse_api_keys(text: str) -> dict[str, str]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         token, sep, principal = item.partition("=")
         if not sep or not token or not principal:
-            raise ConfigError("api_keys: expected token=principal[,token=principal...]")
+            raise ConfigError("expected token=principal[,token=principal...]")
         keys[token] = principal
     return keys
 
@@ -345,11 +350,12 @@ def _split_list(text: str) -> list[str]:
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for field in msgspec.structs.fields(Settings):
-        raw = env.get(ENV_PREFIX + field.name.upper())
-        if raw is None or field.name == "agents":
+        variable = ENV_PREFIX + field.name.upper()
+        raw = env.get(variable)
+        if raw is None or field.name in FILE_ONLY_SETTINGS:
             continue
         if field.name == "api_keys":
-            values[field.name] = parse_api_keys(raw)
+            values[field.name] = _parsed_api_keys(raw, variable)
         elif field.name == "origins":
             values[field.name] = _split_list(raw)
         else:
@@ -357,17 +363,23 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
-def _from_file(path: str) -> dict[str, Any]:
+def _parsed_api_keys(text: str, where: str) -> dict[str, str]:
     try:
-        loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        return parse_api_keys(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc.message}") from exc
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    loaded = read_yaml(path, "config file")
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path}: expected a mapping of settings")
     if isinstance(loaded.get("api_keys"), str):
-        loaded["api_keys"] = parse_api_keys(loaded["api_keys"])
+        loaded["api_keys"] = _parsed_api_keys(
+            loaded["api_keys"], f"config file {path}, key api_keys"
+        )
     return loaded
 
 
@@ -377,14 +389,45 @@ def load_settings(
     env: Mapping[str, str] | None = None,
     flags: Mapping[str, Any] | None = None,
 ) -> Settings:
-    """Merge defaults < file < environment < flags into one validated tree."""
+    """Merge defaults < file < environment < flags into one validated tree; an invalid
+    value is refused naming its source (file and key, variable or flag)."""
     env = os.environ if env is None else env
     config_file = config_file or env.get(ENV_PREFIX + "CONFIG")
     merged: dict[str, Any] = _from_file(config_file) if config_file else {}
-    merged.update(_from_env(env))
-    merged.update({key: value for key, value in (flags or {}).items() if value is not None})
+    origins = dict.fromkeys(merged, Origin("file", config_file or ""))
+    from_env = _from_env(env)
+    origins.update({name: Origin("env", ENV_PREFIX + name.upper()) for name in from_env})
+    set_flags = {key: value for key, value in (flags or {}).items() if value is not None}
+    origins.update({name: Origin("flag", "--" + name.replace("_", "-")) for name in set_flags})
+    merged.update(from_env)
+    merged.update(set_flags)
     try:
         # strict=False turns environment strings into the numbers and booleans declared.
         return msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid setting: {exc}") from exc
+        message = explain(exc, merged, Settings, origins, secret=SECRET_SETTINGS)
+        raise ConfigError(message) from exc
+
+
+def environment_warnings(env: Mapping[str, str]) -> list[str]:
+    """A line per `PORTICO_*` variable that no setting reads (a typo, most often)."""
+    settable = [
+        field.name
+        for field in msgspec.structs.fields(Settings)
+        if field.name not in FILE_ONLY_SETTINGS
+    ]
+    known = {*(ENV_PREFIX + name.upper() for name in settable), *OTHER_VARIABLES}
+    warnings = []
+    for variable in sorted(name for name in env if name.startswith(ENV_PREFIX)):
+        setting = variable.removeprefix(ENV_PREFIX).lower()
+        if variable in known:
+            continue
+        if setting in FILE_ONLY_SETTINGS:
+            warnings.append(f"{variable} is ignored: `{setting}` is read from the config file only")
+            continue
+        warning = f"{variable} is not a Portico setting and is ignored"
+        match = nearest(setting, settable)
+        warnings.append(
+            warning + (f" (did you mean {ENV_PREFIX}{match.upper()}?)" if match else "")
+        )
+    return warnings

@@ -162,6 +162,12 @@ class ConfigError(PorticoError):
     code = "CONFIG_ERROR"
 
 
+class StartupError(ConfigError):
+    """The settings are valid but this machine refuses them: the address cannot be
+    listened on, the data dir cannot be written. The message names the address or the
+    folder and the flag that changes it."""
+
+
 class ScriptError(ConfigError):
     """A scripted-runtime file does not follow the documented format."""
 

@@ -129,12 +129,15 @@ def _await_ready_port(
     raise RuntimeError(f"portico did not start in {START_TIMEOUT}s:\n{log_path.read_text()}")
 
 
-def run_cli(*args: str, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: Mapping[str, str] | None = None, prefix: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     """`portico ARGS` to its end, in an environment of `env` alone (plus the module path
-    the tests import portico from, so the command runs the same code)."""
+    the tests import portico from, so the command runs the same code). `prefix` runs it
+    under another command (`setpriv ...`)."""
     inherited = {key: os.environ[key] for key in ("PYTHONPATH",) if key in os.environ}
     return subprocess.run(
-        [sys.executable, "-m", "portico", *args],
+        [*prefix, sys.executable, "-m", "portico", *args],
         capture_output=True,
         text=True,
         timeout=30,

@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from portico.config import AgentSettings, Settings, load_settings, parse_api_keys
+from portico.config import (
+    AgentSettings,
+    Settings,
+    environment_warnings,
+    load_settings,
+    parse_api_keys,
+)
 from portico.errors import ConfigError
 
 
@@ -165,47 +171,135 @@ def test_env_origins_are_a_comma_list() -> None:
     assert settings.origins == ("https://a.example", "https://b.example")
 
 
-# -- invalid values -------------------------------------------------------------------
+# -- invalid values: each names its source and what would be valid --------------------------
+
+RUNTIMES = "demo, echo, scripted, openai"
 
 
 @pytest.mark.parametrize(
-    ("env", "setting"),
+    ("env", "refusal"),
     [
-        ({"PORTICO_PORT": "eighty"}, "port"),
-        ({"PORTICO_PORT": "70000"}, "port"),
-        ({"PORTICO_PING_INTERVAL": "0"}, "ping_interval"),
-        ({"PORTICO_PING_INTERVAL": "-1"}, "ping_interval"),
-        ({"PORTICO_WS_COMPRESSION": "maybe"}, "ws_compression"),
-        ({"PORTICO_AUTH": "jwt"}, "auth"),
-        ({"PORTICO_RUNTIME": "gpt"}, "runtime"),
-        ({"PORTICO_MAX_CONNECTIONS": "0"}, "max_connections"),
-        ({"PORTICO_LOG_LEVEL": "chatty"}, "log_level"),
+        ({"PORTICO_PORT": "eighty"}, "PORTICO_PORT: invalid value 'eighty'; expected `int`"),
+        (
+            {"PORTICO_PORT": "70000"},
+            "PORTICO_PORT: invalid value '70000'; expected `int` <= 65535",
+        ),
+        (
+            {"PORTICO_PING_INTERVAL": "0"},
+            "PORTICO_PING_INTERVAL: invalid value '0'; expected `float` > 0.0",
+        ),
+        (
+            {"PORTICO_WS_COMPRESSION": "maybe"},
+            "PORTICO_WS_COMPRESSION: invalid value 'maybe'; expected `bool`",
+        ),
+        ({"PORTICO_AUTH": "jwt"}, "PORTICO_AUTH: invalid value 'jwt'; valid values: none, apikey"),
+        (
+            {"PORTICO_RUNTIME": "gpt"},
+            f"PORTICO_RUNTIME: invalid value 'gpt'; valid values: {RUNTIMES}",
+        ),
+        (
+            {"PORTICO_MAX_CONNECTIONS": "0"},
+            "PORTICO_MAX_CONNECTIONS: invalid value '0'; expected `int` >= 1",
+        ),
+        (
+            {"PORTICO_LOG_LEVEL": "chatty"},
+            "PORTICO_LOG_LEVEL: invalid value 'chatty'; valid values: DEBUG, INFO, WARNING, ERROR",
+        ),
     ],
 )
-def test_invalid_env_value_names_the_setting(env: dict[str, str], setting: str) -> None:
-    with pytest.raises(ConfigError, match=setting):
+def test_invalid_env_value_names_the_variable_and_what_is_valid(
+    env: dict[str, str], refusal: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
         load(env)
+    assert refused.value.message == refusal
 
 
-def test_invalid_file_value_names_the_setting(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="resume_window"):
-        load(config_file=write_config(tmp_path, "resume_window: soon\n"))
+def refusal_of_file(tmp_path: Path, text: str, env: dict[str, str] | None = None) -> str:
+    path = write_config(tmp_path, text)
+    with pytest.raises(ConfigError) as refused:
+        load(env, config_file=path)
+    return refused.value.message.replace(path, "FILE")
 
 
-def test_unknown_file_setting_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="prot"):
-        load(config_file=write_config(tmp_path, "prot: 80\n"))
+@pytest.mark.parametrize(
+    ("text", "refusal"),
+    [
+        (
+            "resume_window: soon\n",
+            "config file FILE, key resume_window: invalid value 'soon'; expected `float`",
+        ),
+        (
+            "runtime: gpt\n",
+            f"config file FILE, key runtime: invalid value 'gpt'; valid values: {RUNTIMES}",
+        ),
+        ("origins: [1]\n", "config file FILE, key origins[0]: invalid value 1; expected `str`"),
+        (
+            "agents:\n  helper:\n    runtime: echo\n  'my agent':\n    runtime: gpt\n",
+            "config file FILE, key agents['my agent'].runtime: invalid value 'gpt'; "
+            f"valid values: {RUNTIMES}",
+        ),
+        (
+            "agents:\n  helper:\n    tools:\n      - {kind: htp, name: x}\n",
+            "config file FILE, key agents.helper.tools[0].kind: invalid value 'htp'; "
+            "valid values: builtin, client, http",
+        ),
+        (
+            "agents:\n  helper:\n    tools:\n      - {kind: http, name: x}\n",
+            "config file FILE, key agents.helper.tools[0]: object missing required field `url`",
+        ),
+        ("api_keys: [tok]\n", "config file FILE, key api_keys: invalid value; expected `object`"),
+        (
+            "api_keys: tok\n",
+            "config file FILE, key api_keys: expected token=principal[,token=principal...]",
+        ),
+    ],
+)
+def test_invalid_file_value_names_the_file_and_key(tmp_path: Path, text: str, refusal: str) -> None:
+    assert refusal_of_file(tmp_path, text) == refusal
 
 
-def test_unknown_agent_field_is_refused(tmp_path: Path) -> None:
-    text = "agents:\n  helper:\n    runtime: echo\n    colour: red\n"
-    with pytest.raises(ConfigError, match="colour"):
-        load(config_file=write_config(tmp_path, text))
+def test_a_value_is_blamed_on_the_source_that_set_it(tmp_path: Path) -> None:
+    """The file sets a good port and the environment a bad one: the variable is named."""
+    refusal = refusal_of_file(tmp_path, "port: 9000\nruntime: gpt\n", {"PORTICO_PORT": "x"})
+    assert refusal == "PORTICO_PORT: invalid value 'x'; expected `int`"
+    path = write_config(tmp_path, "port: x\n")
+    with pytest.raises(ConfigError, match="--port: invalid value 70000"):
+        load({"PORTICO_PORT": "x"}, config_file=path, flags={"port": 70000})
 
 
-def test_invalid_flag_names_the_setting() -> None:
-    with pytest.raises(ConfigError, match="port"):
+def test_a_secret_setting_is_never_repeated(tmp_path: Path) -> None:
+    refusal = refusal_of_file(tmp_path, "database_url: 5\n")
+    assert refusal == "config file FILE, key database_url: invalid value; expected `str`"
+
+
+@pytest.mark.parametrize(
+    ("text", "refusal"),
+    [
+        ("prot: 80\n", "config file FILE: unknown setting 'prot' (did you mean 'port'?)"),
+        ("zebra: 1\n", "config file FILE: unknown setting 'zebra'"),
+        (
+            "agents:\n  helper:\n    runtime: echo\n    modle: x\n",
+            "config file FILE, key agents.helper: unknown setting 'modle' (did you mean 'model'?)",
+        ),
+        (
+            "agents:\n  helper:\n    tools:\n"
+            "      - {kind: http, name: x, url: 'http://a', methd: GET}\n",
+            "config file FILE, key agents.helper.tools[0]: unknown setting 'methd' "
+            "(did you mean 'method'?)",
+        ),
+    ],
+)
+def test_unknown_file_setting_is_refused_with_the_nearest_name(
+    tmp_path: Path, text: str, refusal: str
+) -> None:
+    assert refusal_of_file(tmp_path, text) == refusal
+
+
+def test_invalid_flag_names_the_flag() -> None:
+    with pytest.raises(ConfigError) as refused:
         load(flags={"port": -1})
+    assert refused.value.message == "--port: invalid value -1; expected `int` >= 0"
 
 
 def test_config_file_that_is_not_a_mapping(tmp_path: Path) -> None:
@@ -215,13 +309,67 @@ def test_config_file_that_is_not_a_mapping(tmp_path: Path) -> None:
 
 def test_unreadable_config_file(tmp_path: Path) -> None:
     missing = str(tmp_path / "nope.yaml")
-    with pytest.raises(ConfigError, match=r"nope\.yaml"):
+    with pytest.raises(ConfigError) as refused:
         load(config_file=missing)
+    assert refused.value.message == f"cannot read config file {missing}: no such file or directory"
 
 
-def test_config_file_with_broken_yaml(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"portico\.yaml"):
-        load(config_file=write_config(tmp_path, "port: [80\n"))
+@pytest.mark.parametrize(
+    ("text", "refusal"),
+    [
+        (
+            "port: [80\n",
+            "config file FILE: invalid YAML at line 2, column 1: "
+            "expected ',' or ']', but got '<stream end>'",
+        ),
+        (
+            "port: 80\nhost: a: b\n",
+            "config file FILE: invalid YAML at line 2, column 8: "
+            "mapping values are not allowed here",
+        ),
+    ],
+)
+def test_config_file_with_broken_yaml_is_one_line_with_its_position(
+    tmp_path: Path, text: str, refusal: str
+) -> None:
+    assert refusal_of_file(tmp_path, text) == refusal
+
+
+def test_config_file_that_is_not_text(tmp_path: Path) -> None:
+    path = tmp_path / "portico.yaml"
+    path.write_bytes(b"\xff\xfeport: 1\n")
+    with pytest.raises(ConfigError) as refused:
+        load(config_file=str(path))
+    assert refused.value.message == f"config file {path}: not UTF-8 text"
+
+
+# -- unknown PORTICO_* variables ----------------------------------------------------------
+
+
+def test_unknown_variables_are_warned_about_with_the_nearest_name() -> None:
+    env = {
+        "PORTICO_PROT": "80",
+        "PORTICO_OPENAI_MODLE": "x",
+        "PORTICO_ZEBRA": "1",
+        "PORTICO_AGENTS": "x",
+        "PORTICO_PORT": "80",
+        "PORTICO_CONFIG": "p.yaml",
+        "PORTICO_CREDENTIAL": "tok",
+        "PORT": "1",
+    }
+    assert environment_warnings(env) == [
+        "PORTICO_AGENTS is ignored: `agents` is read from the config file only",
+        "PORTICO_OPENAI_MODLE is not a Portico setting and is ignored "
+        "(did you mean PORTICO_OPENAI_MODEL?)",
+        "PORTICO_PROT is not a Portico setting and is ignored (did you mean PORTICO_PORT?)",
+        "PORTICO_ZEBRA is not a Portico setting and is ignored",
+    ]
+
+
+def test_every_setting_variable_is_known() -> None:
+    env = {f"PORTICO_{name.upper()}": "" for name in Settings.__struct_fields__}
+    del env["PORTICO_AGENTS"]
+    assert environment_warnings(env) == []
 
 
 # -- API keys -------------------------------------------------------------------------
@@ -253,8 +401,11 @@ def test_api_keys_as_a_mapping_in_the_config_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("raw", ["tok", "=alice", "tok=", "tok=alice,bob", "tok=alice,=bob"])
 def test_bad_api_keys_are_refused(raw: str) -> None:
-    with pytest.raises(ConfigError, match="api_keys"):
+    with pytest.raises(ConfigError) as refused:
         load({"PORTICO_API_KEYS": raw})
+    assert (
+        refused.value.message == "PORTICO_API_KEYS: expected token=principal[,token=principal...]"
+    )
 
 
 # -- start-up refusals ----------------------------------------------------------------

@@ -129,19 +129,36 @@ def test_the_default_agent_without_a_model_names_the_environment_variables() -> 
 
 
 @pytest.mark.parametrize(
-    "fields",
+    ("fields", "refusal"),
     [
-        {"tools": [{"kind": "builtin", "name": "rm_rf"}]},
-        {"tools": [{"kind": "http", "name": "bad name", "url": "https://x"}]},
-        {"tools": [{"kind": "smtp", "name": "x"}]},
-        {"first_token_timeout": 0},
-        {"max_rounds": 0},
-        {"api_key": "sk-in-the-file"},  # only the NAME of a variable is a setting
+        (
+            {"tools": [{"kind": "builtin", "name": "rm_rf"}]},
+            "agents.bot.tools[0].name: invalid value 'rm_rf'; valid values: current_time",
+        ),
+        (
+            {"tools": [{"kind": "http", "name": "bad name", "url": "https://x"}]},
+            "agents.bot.tools[0].name: invalid value 'bad name'; expected `str` matching",
+        ),
+        (
+            {"tools": [{"kind": "smtp", "name": "x"}]},
+            "agents.bot.tools[0].kind: invalid value 'smtp'; valid values: builtin, client, http",
+        ),
+        ({"first_token_timeout": 0}, "agents.bot.first_token_timeout: invalid value 0"),
+        ({"max_rounds": 0}, "agents.bot.max_rounds: invalid value 0; expected `int` >= 1"),
+        # Only the NAME of a variable is a setting.
+        (
+            {"api_key": "sk-in-the-file"},
+            "agents.bot: unknown setting 'api_key' (did you mean 'api_key_env'?)",
+        ),
     ],
 )
-def test_invalid_openai_fields_are_refused_when_loading(fields: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError, match="invalid setting"):
+def test_invalid_openai_fields_are_refused_when_loading(
+    fields: dict[str, Any], refusal: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
         agent(**fields)
+    assert refusal in refused.value.message
+    assert "sk-in-the-file" not in refused.value.message
 
 
 def test_other_runtimes_ignore_the_openai_fields() -> None:

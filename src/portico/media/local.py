@@ -102,7 +102,11 @@ class LocalMediaStore:
     # -- lifecycle ----------------------------------------------------------------
 
     async def open(self) -> None:
-        await self._io(self._recover)
+        try:
+            await asyncio.to_thread(self._recover)
+        except OSError as exc:  # at start: say which folder, and why
+            reason = (exc.strerror or str(exc)).lower()
+            raise StoreError(f"cannot open media storage at {self._root}: {reason}") from exc
 
     def _recover(self) -> None:
         """No upload survives a restart: claimed tickets reopen, partial bodies go."""

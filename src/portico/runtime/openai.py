@@ -160,7 +160,7 @@ class OpenAIRuntime:
                             last = event.text
                         yield event
             except ProviderError as error:
-                yield self._failure(turn, error.code, error.message)
+                yield self._failure(turn, error.code, error.message, error.log_fields())
                 return
             calls = reply.tool_calls()
             if not calls:
@@ -234,12 +234,16 @@ class OpenAIRuntime:
         body.update({key: value for key, value in sampling.items() if value is not None})
         return body
 
-    def _failure(self, turn: TurnInput, code: str, message: str) -> Failure:
+    def _failure(
+        self, turn: TurnInput, code: str, message: str, fields: str | None = None
+    ) -> Failure:
+        """The turn's failure; the log line has the provider's endpoint and the cause
+        (`fields`), which the client's message leaves out."""
         log.warning(
-            "model turn failed session=%s turn=%s code=%s: %s",
+            "model turn failed session=%s turn=%s %s: %s",
             turn.session_id,
             turn.turn_id,
-            code,
+            fields or f"code={code}",
             message,
         )
         return Failure(code=code, message=message)
@@ -257,7 +261,7 @@ class OpenAIRuntime:
                 async for chunk in events:
                     reply.add(chunk)
         except ProviderError as error:
-            log.warning("model summary failed code=%s: %s", error.code, error.message)
+            log.warning("model summary failed %s: %s", error.log_fields(), error.message)
             raise
         return "".join(reply.text)
 

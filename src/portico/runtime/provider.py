@@ -8,7 +8,9 @@ that one await, never across a `yield`: a timeout must not fire while the
 engine, not the provider, holds the turn's task.
 
 Failure messages name the model and the provider type, never the provider's
-response, which can carry credentials.
+response, which can carry credentials. Each failure also carries, for the server's
+log alone, the endpoint (without credentials or query) and its cause (connection
+refused, DNS, TLS, the HTTP status: `runtime.causes`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import aiohttp
 import msgspec
 
 from portico.config import AgentSettings
+from portico.runtime.causes import connection_cause, http_status_cause, safe_endpoint
 from portico.runtime.sse import SseDecoder, SseError
 
 log = logging.getLogger("portico.provider")
@@ -42,16 +45,30 @@ _decode_chunk = msgspec.json.Decoder(dict[str, Any])
 
 
 class ProviderError(Exception):
-    """A request failed; `code` is the Omnia error code the turn ends with."""
+    """A request failed; `code` is the Omnia error code the turn ends with and `message`
+    what the client reads. `endpoint` and `cause` are for the server's log only."""
 
     def __init__(
-        self, code: str, message: str, *, retryable: bool = False, retry_after: float | None = None
+        self,
+        code: str,
+        message: str,
+        *,
+        retryable: bool = False,
+        retry_after: float | None = None,
+        endpoint: str = "",
+        cause: str = "",
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retryable = retryable
         self.retry_after = retry_after
+        self.endpoint = endpoint
+        self.cause = cause
+
+    def log_fields(self) -> str:
+        """`code=... endpoint=... cause="..."` for a log line."""
+        return f'code={self.code} endpoint={self.endpoint} cause="{self.cause}"'
 
 
 class Provider:
@@ -71,12 +88,25 @@ class Provider:
             bearer = settings.api_key_header.lower() == "authorization"
             self._headers[settings.api_key_header] = f"Bearer {api_key}" if bearer else api_key
         self.label = f"model {settings.model} ({settings.provider})"
+        self.endpoint = safe_endpoint(self._url)
 
     def error(
-        self, code: str, what: str, *, retryable: bool = False, retry_after: float | None = None
+        self,
+        code: str,
+        what: str,
+        *,
+        retryable: bool = False,
+        retry_after: float | None = None,
+        cause: str | None = None,
     ) -> ProviderError:
+        """A failure the client reads as `what`; the log reads `cause` (default: `what`)."""
         return ProviderError(
-            code, f"{self.label}: {what}", retryable=retryable, retry_after=retry_after
+            code,
+            f"{self.label}: {what}",
+            retryable=retryable,
+            retry_after=retry_after,
+            endpoint=self.endpoint,
+            cause=what if cause is None else cause,
         )
 
     @asynccontextmanager
@@ -97,16 +127,18 @@ class Provider:
                 if not error.retryable or attempt > self.settings.retries:
                     if error.retryable and attempt > 1:
                         message = f"{error} after {attempt} attempts"
-                        raise ProviderError(error.code, message) from error
+                        raise ProviderError(
+                            error.code, message, endpoint=error.endpoint, cause=error.cause
+                        ) from error
                     raise
                 settings = self.settings
                 delay = retry_delay(
                     attempt, error.retry_after, settings.retry_backoff, settings.retry_backoff_max
                 )
                 log.info(
-                    "provider retry %s code=%s attempt=%d delay_ms=%.0f",
+                    "provider retry %s %s attempt=%d delay_ms=%.0f",
                     self.label,
-                    error.code,
+                    error.log_fields(),
                     attempt,
                     delay * 1000,
                 )
@@ -144,7 +176,10 @@ class Provider:
         except TimeoutError as exc:
             raise deadline.expired() from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise self.error(UNAVAILABLE, "could not be reached", retryable=True) from exc
+            cause = connection_cause(exc)
+            raise self.error(
+                UNAVAILABLE, "could not be reached", retryable=True, cause=cause
+            ) from exc
 
     def _check(self, response: aiohttp.ClientResponse) -> None:
         status = response.status
@@ -152,20 +187,28 @@ class Provider:
             if "json" in response.content_type:
                 raise self.error(UNAVAILABLE, "answered with JSON, not an event stream")
             return
+        http = http_status_cause(status, response.reason)  # the log's cause
         if status in (401, 403):
-            raise self.error(AUTH_FAILED, f"the credentials were refused (HTTP {status})")
+            what = f"the credentials were refused (HTTP {status})"
+            raise self.error(AUTH_FAILED, what, cause=http)
         if status == 429:
             retry_after = _seconds(response.headers.get("Retry-After"))
             raise self.error(
-                RATE_LIMITED, "rate limited (HTTP 429)", retryable=True, retry_after=retry_after
+                RATE_LIMITED,
+                "rate limited (HTTP 429)",
+                retryable=True,
+                retry_after=retry_after,
+                cause=http,
             )
         if status in RETRIED_STATUSES:
-            raise self.error(UNAVAILABLE, f"unavailable (HTTP {status})", retryable=True)
+            what = f"unavailable (HTTP {status})"
+            raise self.error(UNAVAILABLE, what, retryable=True, cause=http)
         if status >= 500:
             # Not retried: a 500 usually means this request itself failed.
-            raise self.error(UNAVAILABLE, f"failed (HTTP {status})")
+            raise self.error(UNAVAILABLE, f"failed (HTTP {status})", cause=http)
         # Not an Omnia code: the client sees INTERNAL_ERROR, the log says why.
-        raise self.error("PROVIDER_REQUEST_REFUSED", f"refused the request (HTTP {status})")
+        what = f"refused the request (HTTP {status})"
+        raise self.error("PROVIDER_REQUEST_REFUSED", what, cause=http)
 
 
 class _Deadline:
@@ -253,10 +296,11 @@ class EventStream:
         except TimeoutError as exc:
             raise deadline.expired() from exc
         except (aiohttp.ClientError, OSError) as exc:
+            cause = connection_cause(exc)
             if self._started:
-                raise self._provider.error(STALLED, "the stream broke off") from exc
+                raise self._provider.error(STALLED, "the stream broke off", cause=cause) from exc
             raise self._provider.error(
-                UNAVAILABLE, "dropped the connection", retryable=True
+                UNAVAILABLE, "dropped the connection", retryable=True, cause=cause
             ) from exc
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
-import yaml
 
+from portico.config_errors import read_yaml
 from portico.core.model import ContentPart, message_text, new_id
 from portico.errors import ScriptError
 from portico.runtime.base import (
@@ -139,12 +139,8 @@ def parse_script(data: Any) -> dict[str, tuple[Step, ...]]:
 
 
 def load_script(path: str | Path) -> dict[str, tuple[Step, ...]]:
-    try:
-        # YAML is a superset of JSON, so one loader reads both formats.
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ScriptError(f"cannot read script {path}: {exc}") from exc
-    return parse_script(data)
+    # YAML is a superset of JSON, so one loader reads both formats.
+    return parse_script(read_yaml(path, "script", ScriptError))
 
 
 def render_placeholders(text: str, outcome: ToolOutcome | None) -> str:

@@ -20,6 +20,7 @@ from portico.server import media_routes, observability
 from portico.server.rpc_ws import rpc_handler
 from portico.server.services import SERVICES, Services
 from portico.server.session_ws import TRANSPORTS, LiveSession, session_handler
+from portico.server.startup import check_startup, listen_failure
 from portico.server.websocket import omnia_handler
 
 log = logging.getLogger("portico.server")
@@ -159,12 +160,18 @@ def _tune_garbage_collector() -> None:
 
 
 async def serve(settings: Settings, *, on_ready: Callable[[str], None] = print) -> None:
-    """Serve until SIGINT or SIGTERM; announce the URL once connections are accepted."""
+    """Serve until SIGINT or SIGTERM; announce the URL once connections are accepted.
+    An address or data dir that cannot be used raises `StartupError`."""
+    check_startup(settings)
     app = create_app(settings)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # taken since check_startup()
+        await runner.cleanup()
+        raise listen_failure(exc, settings.host, settings.port) from exc
     host, port = runner.addresses[0][:2]
     _tune_garbage_collector()
     on_ready(f"Portico serving http://{host}:{port}/ (Omnia WebSocket: ws://{host}:{port}/ws)")
