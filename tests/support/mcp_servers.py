@@ -1,0 +1,142 @@
+"""MCP servers for the tests: the reference server `@modelcontextprotocol/server-everything`
+from the npm registry (over stdio, and over streamable HTTP in a process of its own),
+and `mcp_faulty.py`, whose tools hang, crash and fail on request.
+
+The reference server is installed with `npm install` into a cache directory outside
+the repository (once per version, under a lock that parallel test workers share).
+Without npm or the registry the tests that need it are skipped locally and fail in CI
+(`CI` set), like the browser tests: CI must never skip them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+EVERYTHING = "@modelcontextprotocol/server-everything"
+EVERYTHING_VERSION = "2026.8.31"
+NPM_DIR = Path(
+    os.environ.get("PORTICO_TEST_NPM_DIR")
+    or Path(tempfile.gettempdir()) / f"portico-test-npm-everything-{EVERYTHING_VERSION}"
+)
+NPM_INSTALL_TIMEOUT = 300.0
+HTTP_START_TIMEOUT = 20.0
+FAULTY = Path(__file__).resolve().parent / "mcp_faulty.py"
+
+
+def _unavailable(message: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(message)  # .ci/run provides node and npm: never skip there
+    pytest.skip(message)
+
+
+def everything_entry() -> Path:
+    """The reference server's `dist/index.js`, installed from npm on first use."""
+    entry = NPM_DIR / "node_modules" / EVERYTHING / "dist" / "index.js"
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        _unavailable(f"the MCP tests need node and npm to install {EVERYTHING}")
+    NPM_DIR.mkdir(parents=True, exist_ok=True)
+    with (NPM_DIR / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not entry.exists():
+            _npm_install()
+    if not entry.exists():
+        _unavailable(f"npm installed {EVERYTHING} without {entry}")
+    return entry
+
+
+def _npm_install() -> None:
+    command = [
+        "npm", "install", "--no-audit", "--no-fund", "--no-save",
+        "--prefix", str(NPM_DIR), f"{EVERYTHING}@{EVERYTHING_VERSION}",
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=NPM_INSTALL_TIMEOUT, check=False
+        )
+    except subprocess.TimeoutExpired:
+        _unavailable(f"npm install {EVERYTHING} took longer than {NPM_INSTALL_TIMEOUT:g} s")
+        return
+    if done.returncode != 0:
+        _unavailable(f"npm install {EVERYTHING} failed:\n{done.stderr[-2000:]}")
+
+
+def everything_stdio() -> dict[str, object]:
+    """An `mcp_servers` entry that starts the reference server over stdio."""
+    return {"command": "node", "args": [str(everything_entry()), "stdio"]}
+
+
+def faulty_stdio() -> dict[str, object]:
+    return {"command": sys.executable, "args": [str(FAULTY)]}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+class EverythingHttp:
+    """The reference server's streamable-HTTP transport in a process of its own. It takes
+    its port from `PORT` and prints no address, so the test picks a free port and waits
+    until it accepts connections (retrying the rare port another process took first)."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/mcp"
+
+    def start(self) -> EverythingHttp:
+        entry = everything_entry()
+        for _ in range(3):
+            self.port = _free_port()
+            with self.log_path.open("ab") as log:
+                self.process = subprocess.Popen(
+                    ["node", str(entry), "streamableHttp"],
+                    env={**os.environ, "PORT": str(self.port)},
+                    stdout=log,
+                    stderr=log,
+                )
+            if self._await_listening():
+                return self
+            self.stop()
+        log = self.log_path.read_text()
+        raise RuntimeError(f"the streamable-HTTP server did not start:\n{log}")
+
+    def _await_listening(self) -> bool:
+        assert self.process is not None
+        deadline = time.monotonic() + HTTP_START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1.0).close()
+                return True
+            except OSError:
+                time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        process, self.process = self.process, None
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
