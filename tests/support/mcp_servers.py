@@ -5,7 +5,8 @@ and `mcp_faulty.py`, whose tools hang, crash and fail on request.
 The reference server is installed with `npm install` into a cache directory outside
 the repository (once per version, under a lock that parallel test workers share).
 Without npm or the registry the tests that need it are skipped locally and fail in CI
-(`CI` set), like the browser tests: CI must never skip them.
+(`CI` set), like the browser tests: CI must never skip them. `.ci/run` installs it
+ahead of the tests with `python3 tests/support/mcp_servers.py`, which fails loudly.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
-
 EVERYTHING = "@modelcontextprotocol/server-everything"
 EVERYTHING_VERSION = "2026.8.31"
 NPM_DIR = Path(
@@ -34,27 +33,38 @@ FAULTY = Path(__file__).resolve().parent / "mcp_faulty.py"
 
 
 def _unavailable(message: str) -> None:
+    import pytest  # here: `.ci/run` runs this file with a Python that has no pytest
+
     if os.environ.get("CI"):
         pytest.fail(message)  # .ci/run provides node and npm: never skip there
     pytest.skip(message)
 
 
+ENTRY = NPM_DIR / "node_modules" / EVERYTHING / "dist" / "index.js"
+
+
 def everything_entry() -> Path:
     """The reference server's `dist/index.js`, installed from npm on first use."""
-    entry = NPM_DIR / "node_modules" / EVERYTHING / "dist" / "index.js"
+    failure = install()
+    if failure:
+        _unavailable(failure)
+    return ENTRY
+
+
+def install() -> str | None:
+    """Install the reference server unless it is there; why it could not be, or None."""
     if shutil.which("node") is None or shutil.which("npm") is None:
-        _unavailable(f"the MCP tests need node and npm to install {EVERYTHING}")
+        return f"the MCP tests need node and npm to install {EVERYTHING}"
     NPM_DIR.mkdir(parents=True, exist_ok=True)
     with (NPM_DIR / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not entry.exists():
-            _npm_install()
-    if not entry.exists():
-        _unavailable(f"npm installed {EVERYTHING} without {entry}")
-    return entry
+        failure = None if ENTRY.exists() else _npm_install()
+    if failure is None and not ENTRY.exists():
+        failure = f"npm installed {EVERYTHING} without {ENTRY}"
+    return failure
 
 
-def _npm_install() -> None:
+def _npm_install() -> str | None:
     command = [
         "npm", "install", "--no-audit", "--no-fund", "--no-save",
         "--prefix", str(NPM_DIR), f"{EVERYTHING}@{EVERYTHING_VERSION}",
@@ -64,10 +74,10 @@ def _npm_install() -> None:
             command, capture_output=True, text=True, timeout=NPM_INSTALL_TIMEOUT, check=False
         )
     except subprocess.TimeoutExpired:
-        _unavailable(f"npm install {EVERYTHING} took longer than {NPM_INSTALL_TIMEOUT:g} s")
-        return
+        return f"npm install {EVERYTHING} took longer than {NPM_INSTALL_TIMEOUT:g} s"
     if done.returncode != 0:
-        _unavailable(f"npm install {EVERYTHING} failed:\n{done.stderr[-2000:]}")
+        return f"npm install {EVERYTHING} failed:\n{done.stderr[-2000:]}"
+    return None
 
 
 def everything_stdio() -> dict[str, object]:
@@ -140,3 +150,10 @@ class EverythingHttp:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+if __name__ == "__main__":
+    problem = install()
+    if problem:
+        sys.exit(f"error: {problem}")
+    print(f"{EVERYTHING}@{EVERYTHING_VERSION} at {ENTRY}")
