@@ -31,12 +31,18 @@ from support.fake_openai import (
     tool_calls,
     turn_input,
 )
-from support.mcp_servers import EverythingHttp, everything_stdio, faulty_stdio
+from support.mcp_servers import (
+    HttpMcpServer,
+    everything_http,
+    everything_stdio,
+    faulty_http,
+    faulty_stdio,
+)
 
 SECRET_ENV = "MCP_TEST_SECRET"
 SECRET = "s3cr3t-token-for-the-mcp-server"
 PID = re.compile(r"pid=(\d+)")
-FAULTY_TOOLS = ("ok", "hang", "crash", "fail")
+FAULTY_TOOLS = ("ok", "hang", "crash", "fail", "whoami")
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +59,15 @@ def fake(fake_server: FakeOpenAI) -> FakeOpenAI:
 
 
 @pytest.fixture(scope="module")
-def everything_http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EverythingHttp]:
-    server = EverythingHttp(tmp_path_factory.mktemp("mcp-http") / "server.log").start()
+def everything_web(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpMcpServer]:
+    server = everything_http(tmp_path_factory.mktemp("mcp-http") / "server.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def faulty_web(tmp_path: Path) -> Iterator[HttpMcpServer]:
+    server = faulty_http(tmp_path / "server.log").start()
     yield server
     server.stop()
 
@@ -155,14 +168,39 @@ async def test_media_in_a_result_becomes_a_note_beside_the_text(fake: FakeOpenAI
 
 
 async def test_the_reference_server_over_streamable_http(
-    fake: FakeOpenAI, everything_http: EverythingHttp
+    fake: FakeOpenAI, everything_web: HttpMcpServer
 ) -> None:
-    server = {"url": everything_http.url, "headers_env": {"Authorization": SECRET_ENV}}
-    model = runtime(fake, {"web": server})
+    model = runtime(fake, {"web": {"url": everything_web.url}})
     _, answer = await call_turn(model, fake, "web__echo", {"message": "over http"})
     assert answer == "Echo: over http"
     _, again = await call_turn(model, fake, "web__get-sum", {"a": 1, "b": 1})
     assert again == "The sum of 1 and 1 is 2."
+
+
+async def test_headers_env_sends_a_secret_header_to_an_http_server(
+    fake: FakeOpenAI, faulty_web: HttpMcpServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    server = {"url": faulty_web.url, "headers_env": {"Authorization": SECRET_ENV}}
+    model = runtime(fake, {"web": server})
+    _, answer = await call_turn(model, fake, "web__whoami", {})
+    assert answer == SECRET
+    assert SECRET not in caplog.text
+
+
+async def test_an_http_server_that_goes_away_is_a_tool_error_and_is_reconnected(
+    fake: FakeOpenAI, faulty_web: HttpMcpServer
+) -> None:
+    model = runtime(fake, {"web": {"url": faulty_web.url, "call_timeout": 5}})
+    _, before = await call_turn(model, fake, "web__ok", {"word": "before"})
+    faulty_web.stop()
+    events, answer = await call_turn(model, fake, "web__ok", {"word": "gone"})
+    assert tool_error(answer) == "MCP server 'web' closed the connection"
+    assert events[-1] == Done()
+    faulty_web.start(same_port=True)
+    _, after = await call_turn(model, fake, "web__ok", {"word": "after"})
+    assert after.startswith("ok after")
+    assert PID.findall(after) != PID.findall(before)
 
 
 # -- one connection per server, reused; failures cost a tool error ---------------------------

@@ -1,13 +1,17 @@
 """A small stdio MCP server (the `mcp` SDK's MCPServer) whose tools misbehave on request:
 `ok` answers, `hang` never does, `crash` exits the process mid-call, `fail` reports a
-tool error. Run as a script: `python mcp_faulty.py`."""
+tool error, `whoami` tells the HTTP `Authorization` header it got. Run as a script:
+`python mcp_faulty.py` (stdio) or `python mcp_faulty.py http PORT` (streamable HTTP
+on 127.0.0.1)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sys
 
 from mcp.server import MCPServer
+from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.exceptions import ToolError
 
 app = MCPServer("faulty")
@@ -38,5 +42,15 @@ def fail() -> str:
     raise ToolError("the disk is full")
 
 
+@app.tool()
+def whoami(ctx: Context) -> str:
+    """The Authorization header of the request (over HTTP)."""
+    headers = ctx.headers or {}
+    return headers.get("authorization", "no authorization header")
+
+
 if __name__ == "__main__":
-    app.run()
+    if sys.argv[1:2] == ["http"]:
+        app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    else:
+        app.run()

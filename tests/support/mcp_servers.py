@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 EVERYTHING = "@modelcontextprotocol/server-everything"
@@ -96,12 +97,13 @@ def _free_port() -> int:
         return port
 
 
-class EverythingHttp:
-    """The reference server's streamable-HTTP transport in a process of its own. It takes
-    its port from `PORT` and prints no address, so the test picks a free port and waits
-    until it accepts connections (retrying the rare port another process took first)."""
+class HttpMcpServer:
+    """An MCP server over streamable HTTP in a process of its own, on a port the test
+    picks (the reference server takes `PORT` and prints no address): `start` returns
+    once the port accepts connections, retrying the rare port another process took."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, command: Callable[[int], list[str]], log_path: Path) -> None:
+        self.command = command
         self.log_path = log_path
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
@@ -110,13 +112,13 @@ class EverythingHttp:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/mcp"
 
-    def start(self) -> EverythingHttp:
-        entry = everything_entry()
+    def start(self, *, same_port: bool = False) -> HttpMcpServer:
         for _ in range(3):
-            self.port = _free_port()
+            if not same_port:
+                self.port = _free_port()
             with self.log_path.open("ab") as log:
                 self.process = subprocess.Popen(
-                    ["node", str(entry), "streamableHttp"],
+                    self.command(self.port),
                     env={**os.environ, "PORT": str(self.port)},
                     stdout=log,
                     stderr=log,
@@ -150,6 +152,16 @@ class EverythingHttp:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def everything_http(log_path: Path) -> HttpMcpServer:
+    """The reference server over streamable HTTP (not started)."""
+    entry = everything_entry()
+    return HttpMcpServer(lambda port: ["node", str(entry), "streamableHttp"], log_path)
+
+
+def faulty_http(log_path: Path) -> HttpMcpServer:
+    return HttpMcpServer(lambda port: [sys.executable, str(FAULTY), "http", str(port)], log_path)
 
 
 if __name__ == "__main__":

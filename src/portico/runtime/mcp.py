@@ -84,7 +84,7 @@ class McpServer:
 
     async def tools(self) -> Sequence[Tool]:
         try:
-            _, tools = await self._open()
+            _, _, tools = await self._open()
         except ToolError:
             return []  # logged by `_open`; the turn goes on without these tools
         return tools
@@ -99,8 +99,7 @@ class McpServer:
 
     async def call(self, tool: str, arguments: dict[str, Any]) -> Any:
         """The tool's result for the model; `ToolError` for every way the call can fail."""
-        client, _ = await self._open()
-        connection = self._connection
+        connection, client, _ = await self._open()
         timeout = self._settings.call_timeout
         try:
             async with asyncio.timeout(timeout):
@@ -122,9 +121,9 @@ class McpServer:
 
     # -- the connection ----------------------------------------------------------------------
 
-    async def _open(self) -> tuple[Client, list[Tool]]:
-        """The open connection, opening one first when there is none; turns that arrive
-        while it opens wait for the same one."""
+    async def _open(self) -> tuple[_Connection, Client, list[Tool]]:
+        """The open connection, opening one first when there is none (turns that arrive
+        while it opens wait for the same one), with its client and tools."""
         connection = self._connection
         if connection is None:
             connection = self._connection = _Connection()
@@ -134,10 +133,11 @@ class McpServer:
             owner.add_done_callback(self._closing.discard)
         try:
             async with asyncio.timeout(self._settings.start_timeout):
-                return await asyncio.shield(connection.opened)
+                client, tools = await asyncio.shield(connection.opened)
         except TimeoutError as exc:
             self._lost(connection, f"did not start within {self._settings.start_timeout:g} s")
             raise ToolError(f"MCP server {self.name!r} did not start in time") from exc
+        return connection, client, tools
 
     async def _own(self, connection: _Connection) -> None:
         """Open the connection, list its tools, hold it until it is dropped."""
@@ -199,8 +199,8 @@ class McpServer:
                 log.warning("MCP server %s: tool %s left out: bad input schema", self.name, name)
         return tools
 
-    def _lost(self, connection: _Connection | None, why: str) -> None:
-        if connection is not None and not connection.dropped.is_set():
+    def _lost(self, connection: _Connection, why: str) -> None:
+        if not connection.dropped.is_set():
             log.warning("MCP server %s %s; the next turn reconnects", self.name, why)
             self._drop(connection)
 
