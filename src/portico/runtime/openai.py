@@ -278,9 +278,7 @@ def _mcp_sources(settings: AgentSettings, env: Mapping[str, str]) -> list[ToolSo
     # Imported only here: the `mcp` package is an optional extra.
     from portico.runtime.mcp import McpServer
 
-    return [
-        McpServer(name, server, env=env) for name, server in settings.mcp_servers.items()
-    ]
+    return [McpServer(name, server, env=env) for name, server in settings.mcp_servers.items()]
 
 
 def _checked(tools: dict[str, Tool], call: ModelCall) -> tuple[Tool, dict[str, Any]]:
