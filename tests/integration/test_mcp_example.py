@@ -37,26 +37,19 @@ def example_config(fake: FakeOpenAI) -> dict[str, Any]:
     return config
 
 
-@pytest.fixture(scope="module")
-def fake_server() -> Iterator[FakeOpenAI]:
-    fake = FakeOpenAI().start()
-    yield fake
-    fake.stop()
-
-
 @pytest.fixture
-def fake(fake_server: FakeOpenAI) -> FakeOpenAI:
-    fake_server.reset()
-    return fake_server
+def fake(fake_model: FakeOpenAI) -> FakeOpenAI:
+    fake_model.reset()
+    return fake_model
 
 
 @pytest.fixture(scope="module")
 def server(
-    tmp_path_factory: pytest.TempPathFactory, fake_server: FakeOpenAI
+    tmp_path_factory: pytest.TempPathFactory, fake_model: FakeOpenAI
 ) -> Iterator[ServerProcess]:
     data_dir = tmp_path_factory.mktemp("portico-mcp-example")
     config = data_dir / "portico.yaml"
-    config.write_text(yaml.safe_dump(example_config(fake_server)))
+    config.write_text(yaml.safe_dump(example_config(fake_model)))
     process = ServerProcess(data_dir, args=("--config", str(config)), env=ENV).start()
     yield process
     process.stop()

@@ -45,17 +45,10 @@ PID = re.compile(r"pid=(\d+)")
 FAULTY_TOOLS = ("ok", "hang", "crash", "fail", "whoami")
 
 
-@pytest.fixture(scope="module")
-def fake_server() -> Iterator[FakeOpenAI]:
-    fake = FakeOpenAI().start()
-    yield fake
-    fake.stop()
-
-
 @pytest.fixture
-def fake(fake_server: FakeOpenAI) -> FakeOpenAI:
-    fake_server.reset()
-    return fake_server
+def fake(fake_model: FakeOpenAI) -> FakeOpenAI:
+    fake_model.reset()
+    return fake_model
 
 
 @pytest.fixture(scope="module")
