@@ -94,3 +94,43 @@ async def test_a_tool_error_from_the_mcp_server_reaches_the_model_and_the_turn_e
     assert tool_answers(second.body) == [
         '{"error": "Error executing tool stock_level: no product with SKU Z-999"}'
     ]
+
+
+def mcp_children(pid: int) -> list[int]:
+    """The processes `pid` started that run the example's MCP server."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"inventory_server.py" in cmdline:
+                found.append(int(child))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc (Linux)")
+async def test_the_mcp_server_starts_with_the_first_turn_and_stops_with_portico(
+    tmp_path: Path, fake: FakeOpenAI
+) -> None:
+    config = tmp_path / "portico.yaml"
+    config.write_text(yaml.safe_dump(example_config(fake)))
+    server = ServerProcess(tmp_path, args=("--config", str(config)), env=ENV).start()
+    try:
+        assert server.process is not None
+        pid = server.process.pid
+        assert mcp_children(pid) == []  # not at start-up: at the first turn that needs it
+        fake.push(text("hello"))
+        async with aiohttp.ClientSession() as http:
+            omnia = OmniaClient(await http.ws_connect(server.ws_url))
+            await omnia.connected()
+            await omnia.ask("hi")
+        (child,) = mcp_children(pid)
+    finally:
+        assert server.stop() == 0
+    assert gone(child)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return b"zombie" in Path(f"/proc/{pid}/status").read_bytes()
+    except FileNotFoundError:
+        return True
