@@ -82,6 +82,26 @@ class ClientToolSettings(_Tool, frozen=True, kw_only=True, tag="client"):
 
 
 ToolSettings = HttpToolSettings | BuiltinToolSettings | ClientToolSettings
+McpServerName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,32}$")]
+
+
+class McpServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An MCP server whose tools the agent's model may call (docs/mcp.md); Portico runs
+    the calls. Exactly one of `command` (stdio) and `url` (streamable HTTP)."""
+
+    command: str | None = None  # started by Portico; it speaks MCP on its stdin and stdout
+    args: tuple[str, ...] = ()
+    cwd: str | None = None
+    env: dict[str, str] = msgspec.field(default_factory=dict)  # as written: not for secrets
+    env_from: dict[str, str] = msgspec.field(default_factory=dict)  # server's name -> ours
+    url: str | None = None  # a streamable-HTTP endpoint, e.g. http://127.0.0.1:3001/mcp
+    headers: dict[str, str] = msgspec.field(default_factory=dict)  # not for secrets
+    headers_env: dict[str, str] = msgspec.field(default_factory=dict)  # header -> env variable
+    tools: tuple[str, ...] | None = None  # the allow-list (the server's names); None: all
+    tool_prefix: str | None = None  # before each tool's name; None: "<server name>__"
+    start_timeout: Seconds = 10.0  # start or connect, handshake and tool listing
+    call_timeout: Seconds = 30.0  # one tool call
+    max_result_chars: Count = 100_000  # a longer result is cut (the model is told)
 
 
 class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -115,6 +135,7 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     retry_backoff_max: Seconds = 8.0  # longest delay, also caps a provider's Retry-After
     max_stream_event_bytes: Bytes = 4 * 1024 * 1024  # one server-sent event
     tools: tuple[ToolSettings, ...] = ()
+    mcp_servers: dict[McpServerName, McpServerSettings] = msgspec.field(default_factory=dict)
     # Compact the session after a turn whose input tokens passed this; None: never.
     compact_after_tokens: Count | None = None
     summary_input_chars: Count = 100_000  # transcript the model summarises (the newest part)
@@ -314,6 +335,20 @@ def check_openai_agent(name: str, agent: AgentSettings, env: Mapping[str, str]) 
         raise ConfigError(f"{where}: tool names must be unique")
     for tool in agent.tools:
         _check_tool(f"{where} tool {tool.name!r}", tool, env)
+    for server_name, server in agent.mcp_servers.items():
+        _check_mcp_server(f"{where} MCP server {server_name!r}", server, env)
+
+
+def _check_mcp_server(where: str, server: McpServerSettings, env: Mapping[str, str]) -> None:
+    if (server.command is None) == (server.url is None):
+        raise ConfigError(f"{where}: give exactly one of command (stdio) and url (HTTP)")
+    if server.url is not None and not server.url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}: url must start with http:// or https://")
+    for variable in (*server.env_from.values(), *server.headers_env.values()):
+        if not env.get(variable):
+            raise ConfigError(f"{where}: names the variable {variable}, which is not set")
+    if importlib.util.find_spec("mcp") is None:
+        raise ConfigError(f"{where}: MCP servers need the mcp package: pip install 'portico[mcp]'")
 
 
 def _check_tool(where: str, tool: ToolSettings, env: Mapping[str, str]) -> None:

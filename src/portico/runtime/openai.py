@@ -33,7 +33,14 @@ from portico.runtime.base import (
 )
 from portico.runtime.chat_messages import ChatMapper, ChatMessage, tool_content, transcript
 from portico.runtime.provider import Provider, ProviderError
-from portico.runtime.server_tools import Tool, Toolbox, ToolError, client_tools, server_tools
+from portico.runtime.server_tools import (
+    Tool,
+    Toolbox,
+    ToolError,
+    ToolSource,
+    client_tools,
+    server_tools,
+)
 
 log = logging.getLogger("portico.runtime")
 
@@ -130,7 +137,9 @@ class OpenAIRuntime:
         api_key = env.get(settings.api_key_env) if settings.api_key_env else None
         self._provider = Provider(settings, api_key=api_key, http=self._http)
         self._toolbox = Toolbox(
-            server_tools(settings, env=env, http=self._http), client_tools(settings)
+            server_tools(settings, env=env, http=self._http),
+            client_tools(settings),
+            _mcp_sources(settings, env),
         )
 
     def _http(self) -> aiohttp.ClientSession:
@@ -144,11 +153,12 @@ class OpenAIRuntime:
         return self._session
 
     async def close(self) -> None:
+        await self._toolbox.close()
         if self._session is not None:
             await self._session.close()
 
     async def run(self, turn: TurnInput) -> TurnStream:
-        tools = self._toolbox.for_turn(turn.client_tools)
+        tools = await self._toolbox.for_turn(turn.client_tools)
         messages = await self._opening(turn)
         last = ""  # the latest chunk's text: the next request's text must not run into it
         for round_number in itertools.count():
@@ -264,6 +274,15 @@ class OpenAIRuntime:
             log.warning("model summary failed %s: %s", error.log_fields(), error.message)
             raise
         return "".join(reply.text)
+
+
+def _mcp_sources(settings: AgentSettings, env: Mapping[str, str]) -> list[ToolSource]:
+    if not settings.mcp_servers:
+        return []
+    # Imported only here: the `mcp` package is an optional extra.
+    from portico.runtime.mcp import McpServer
+
+    return [McpServer(name, server, env=env) for name, server in settings.mcp_servers.items()]
 
 
 def _checked(tools: dict[str, Tool], call: ModelCall) -> tuple[Tool, dict[str, Any]]:

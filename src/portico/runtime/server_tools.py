@@ -11,6 +11,7 @@ nothing.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import re
@@ -52,6 +53,15 @@ class ServerTool(Protocol):
 
     async def run(self, arguments: dict[str, Any]) -> Any:
         """The result (JSON-able); raises `ToolError`."""
+
+
+class ToolSource(Protocol):
+    """Server-side tools found at run time (an MCP server's), not written in the config."""
+
+    async def tools(self) -> Sequence[Tool]:
+        """The tools on offer now (checked, see `offer`); empty when the source is down."""
+
+    async def close(self) -> None: ...
 
 
 class Tool(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,6 +112,12 @@ def _validator(schema: dict[str, Any]) -> Any:
     return cls(schema)
 
 
+def offer(source: ServerTool) -> Tool:
+    """A server-side tool as the model is offered it; `jsonschema.SchemaError` when its
+    parameters are not a JSON Schema."""
+    return _tool(source)
+
+
 def _tool(source: ServerTool | ClientToolSettings | ClientTool) -> Tool:
     if isinstance(source, ClientToolSettings):
         extra: dict[str, Any] = {
@@ -122,15 +138,30 @@ def _tool(source: ServerTool | ClientToolSettings | ClientTool) -> Tool:
 
 
 class Toolbox:
-    """The agent's tools, checked once; `for_turn` adds the client's own."""
+    """The agent's tools, checked once; `for_turn` adds the sources' and the client's own."""
 
-    def __init__(self, server: Sequence[ServerTool], client: Sequence[ClientToolSettings]) -> None:
-        sources: list[ServerTool | ClientToolSettings] = [*server, *client]
-        self._configured = {tool.name: _tool(tool) for tool in sources}
+    def __init__(
+        self,
+        server: Sequence[ServerTool],
+        client: Sequence[ClientToolSettings],
+        sources: Sequence[ToolSource] = (),
+    ) -> None:
+        configured: list[ServerTool | ClientToolSettings] = [*server, *client]
+        self._configured = {tool.name: _tool(tool) for tool in configured}
+        self._sources = sources
+        self._refused: set[str] = set()  # names already logged as taken
 
-    def for_turn(self, offered: Sequence[ClientTool]) -> dict[str, Tool]:
-        """The configured tools, then the client's (a configured name is never replaced)."""
+    async def for_turn(self, offered: Sequence[ClientTool]) -> dict[str, Tool]:
+        """The configured tools, then the sources' in order, then the client's: a name
+        already taken is never replaced."""
         tools = dict(self._configured)
+        listings = await asyncio.gather(*(source.tools() for source in self._sources))
+        for tool in itertools.chain.from_iterable(listings):
+            if tool.name not in tools:
+                tools[tool.name] = tool
+            elif tool.name not in self._refused:
+                self._refused.add(tool.name)
+                log.warning("server tool %s left out: another tool has its name", tool.name)
         for declared in offered:
             if declared.name in tools:
                 continue
@@ -139,6 +170,9 @@ class Toolbox:
             except jsonschema.SchemaError:
                 log.warning("client tool left out: its parameters are not a JSON Schema")
         return tools
+
+    async def close(self) -> None:
+        await asyncio.gather(*(source.close() for source in self._sources))
 
 
 # -- server-side tools ----------------------------------------------------------------------
