@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     chat_cmd.add_argument("--agent", help="the agent to talk to (default: the server's)")
     chat_cmd.add_argument(
+        "--session", metavar="ID", help="continue this archived conversation (a session id)"
+    )
+    chat_cmd.add_argument(
         "--metadata",
         action="append",
         default=[],
@@ -110,6 +113,7 @@ def _chat_options(args: argparse.Namespace) -> ChatOptions:
         credential=args.credential or os.environ.get("PORTICO_CREDENTIAL"),
         agent=args.agent,
         metadata=metadata,
+        session=args.session,
     )
 
 
