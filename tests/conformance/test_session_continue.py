@@ -22,7 +22,10 @@ from support.session import SessionProbe
 ALICE, BOB = "alice-token", "bob-token"
 WINDOW = 0.5  # resume window, seconds
 HELLO = "Hello world"  # the scripted default reply
-FAILED = {"type": "error", "error": {"code": "RESUME_FAILED", "message": "the session cannot be resumed"}}
+FAILED = {
+    "type": "error",
+    "error": {"code": "RESUME_FAILED", "message": "the session cannot be resumed"},
+}
 ENV = {
     "PORTICO_AUTH": "apikey",
     "PORTICO_API_KEYS": f"{ALICE}=alice,{BOB}=bob",
