@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from portico.client.chat import CONTINUED
 from support.archive import assert_ledger, open_archive
 from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, cut
 from support.server import SCRIPT, ServerProcess
@@ -20,6 +19,7 @@ from support.server import SCRIPT, ServerProcess
 SCRIPTED = ("--runtime", "scripted", "--script", str(SCRIPT))
 WITHIN = 20.0  # seconds a chat run may take
 TOOL = ("--metadata", "mock_scenario=tool")
+CONTINUED = "(reconnected: the server restarted; the conversation goes on)"
 
 
 @pytest.fixture(scope="module")
@@ -238,21 +238,28 @@ async def test_a_reply_cut_mid_stream_is_shown_once_after_a_silent_reconnect(
 async def test_the_reconnected_notice_never_lands_inside_a_streamed_line(
     server: ServerProcess,
 ) -> None:
-    """stdout and stderr in one stream, as on a terminal: the drop comes mid-reply."""
+    """stdout and stderr in one stream, as on a terminal; the connection is cut after the
+    reply's first chunk, while the agent still works on the rest (`slow`)."""
     async with FaultProxy(server.http_url) as proxy:
-        proxy.add_rule(Rule(cut(), direction=SERVER_TO_CLIENT, type="chunk", nth=2))
         process = await asyncio.create_subprocess_exec(
             *[sys.executable, "-m", "portico", "chat", "--url", proxy.url("/v1/session")],
+            *("--metadata", "mock_scenario=slow"),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             env=chat_env(),
         )
+        assert process.stdin is not None
+        assert process.stdout is not None
         async with asyncio.timeout(WITHIN):
-            output, _ = await process.communicate(b"hi\n")
-        assert len(proxy.connections) == 2  # the cut did happen mid-reply
+            process.stdin.write(b"hi\n")
+            await process.stdin.drain()
+            assert await process.stdout.readexactly(1) == b"a"  # the line is open now
+            await proxy.cut(0)
+            await proxy.wait_connection(1)
+            output, _ = await process.communicate(b"")
     assert process.returncode == 0, output
-    assert output.decode().splitlines() == ["Hello world", "(reconnected)"]
+    assert ("a" + output.decode()).splitlines() == ["a", "(reconnected)"]
 
 
 def test_media_parts_are_printed_by_kind_name_and_length(tmp_path: Path) -> None:
