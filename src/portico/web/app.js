@@ -1523,5 +1523,9 @@ window.addEventListener("hashchange", () => {
 renderSidebar();
 setInterval(renderSidebar, 60_000); // "5 min ago" moves on
 renderConnection();
-rpc.connect().catch((error) => showNotice(`Could not connect to /v1/rpc: ${error.message}`));
+rpc.connect().catch((error) =>
+  error instanceof RpcAuthenticationError
+    ? showAuthHint()
+    : showNotice(`Could not connect to /v1/rpc: ${error.message}`),
+);
 select(hashSession());

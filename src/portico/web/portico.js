@@ -688,6 +688,7 @@ export class SessionClient extends EventTarget {
       handled: this._handled,
       peerAcked: this._peerAcked,
       unacknowledged: this._buffer.map((entry) => entry.data),
+      wireSeq: this._wireSeq, // above it: queued while offline, never sent
     };
   }
 
@@ -699,6 +700,8 @@ export class SessionClient extends EventTarget {
     this._peerAcked = state.peerAcked;
     this._buffer = state.unacknowledged.map((data) => ({ seq: JSON.parse(data).seq, data }));
     this._bufferBytes = this._buffer.reduce((sum, entry) => sum + byteLength(entry.data), 0);
+    // An older snapshot does not say what went out: count all of it as sent.
+    this._wireSeq = state.wireSeq ?? this._nextSeq - 1;
   }
 
   _changed() {
@@ -789,8 +792,8 @@ export class SessionClient extends EventTarget {
     const seq = this._nextSeq++;
     this._buffer.push({ seq, data });
     this._bufferBytes += bytes;
-    this._changed();
     if (this._link?.state === "open") this._wireSeq = seq;
+    this._changed();
     this._link?.writeNumbered(data);
     return seq;
   }
