@@ -56,6 +56,9 @@
  *   changes; pass a snapshot as `resumeFrom` to a new client (after a page reload, say) and
  *   it resumes that session instead of opening one. Browsers cannot send a WebSocket
  *   close code 1001, so `close()` closes with 1000; the server keeps the session either way.
+ * - Continuing after a server restart, as Python's: `continueAfterRestart: true` turns a
+ *   failed resume into `hello.continue` (a new numbering on the same conversation; the
+ *   `status` event says `continued: true`), `continueSession: id` opens that way.
  *
  * RpcClient, as Python's `RpcClient` (docs/rpc.md, spec rpc-protocol.md):
  *
