@@ -697,3 +697,27 @@ async def test_continue_session_of_an_unknown_id_fails_to_connect(server: Server
         async with make_client(server, continue_session="sess-unknown"):
             pass
     assert raised.value.close_code == 4404
+
+
+async def test_a_turn_cut_by_a_killed_server_ends_with_resume_failed_and_the_client_goes_on(
+    own_server: ServerProcess,
+) -> None:
+    """The old numbering owed the rest of the turn: it is never replayed, the turn ends
+    with an error saying so, and the conversation goes on in the new numbering."""
+    statuses = Statuses()
+    client = make_client(own_server, on_status=statuses, continue_after_restart=True)
+    async with client:
+        turn = await client.start_turn("slow", metadata={"mock_scenario": "slow"})
+        async with asyncio.timeout(WITHIN):
+            first = await anext(turn)
+            assert isinstance(first, f.Chunk)
+            await asyncio.to_thread(own_server.stop, signal.SIGKILL)
+            await asyncio.to_thread(own_server.start)
+            ending = [frame async for frame in turn]
+            assert (await client.ask("after")).text == "Hello world"
+        assert len(ending) == 1
+        assert isinstance(ending[0], f.Error)
+        assert ending[0].turn_id == first.turn_id
+        assert ending[0].error.code == "RESUME_FAILED"
+        assert ending[0].error.details == {"reason": "continued"}
+        assert [s.continued for s in statuses.seen if s.state == "open"] == [False, True]
