@@ -29,9 +29,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     process.stop()
 
 
+def session_url(server: ServerProcess) -> str:
+    return f"ws://127.0.0.1:{server.port}/v1/session"
+
+
 def chat_command(server: ServerProcess, *args: str) -> list[str]:
-    url = f"ws://127.0.0.1:{server.port}/v1/session"
-    return [sys.executable, "-m", "portico", "chat", "--url", url, *args]
+    return [sys.executable, "-m", "portico", "chat", "--url", session_url(server), *args]
 
 
 def chat_env() -> dict[str, str]:
@@ -101,6 +104,20 @@ def test_an_unreachable_server_exits_1_with_a_message(tmp_path: Path) -> None:
     assert result.stderr.startswith("portico chat: could not open the session")
 
 
+async def terminal_chat(url: str, *args: str) -> asyncio.subprocess.Process:
+    """`portico chat` with stdout and stderr in one stream, as a terminal shows them."""
+    process = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "portico", "chat", "--url", url, *args],
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=chat_env(),
+    )
+    assert process.stdin is not None
+    assert process.stdout is not None
+    return process
+
+
 async def read_until(stream: asyncio.StreamReader, text: bytes) -> bytes:
     """What `stream` gives up to and including `text` (callers bound the wait)."""
     return await stream.readuntil(text)
@@ -119,13 +136,7 @@ async def test_a_server_restart_while_the_user_types_continues_the_conversation(
     in the same conversation, with one notice on a line of its own."""
     own = ServerProcess(tmp_path / "server", args=SCRIPTED).start()
     try:
-        process = await asyncio.create_subprocess_exec(
-            *chat_command(own),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,  # as a terminal shows them: one stream
-            env=chat_env(),
-        )
+        process = await terminal_chat(session_url(own))
         assert process.stdin is not None
         assert process.stdout is not None
         async with asyncio.timeout(WITHIN):
@@ -159,13 +170,7 @@ async def test_a_server_restart_while_the_user_types_continues_the_conversation(
 async def test_the_restart_notice_is_printed_once_on_its_own_line(tmp_path: Path) -> None:
     own = ServerProcess(tmp_path / "server", args=SCRIPTED).start()
     try:
-        process = await asyncio.create_subprocess_exec(
-            *chat_command(own),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=chat_env(),
-        )
+        process = await terminal_chat(session_url(own))
         assert process.stdin is not None
         assert process.stdout is not None
         async with asyncio.timeout(WITHIN):
@@ -241,14 +246,7 @@ async def test_the_reconnected_notice_never_lands_inside_a_streamed_line(
     """stdout and stderr in one stream, as on a terminal; the connection is cut after the
     reply's first chunk, while the agent still works on the rest (`slow`)."""
     async with FaultProxy(server.http_url) as proxy:
-        process = await asyncio.create_subprocess_exec(
-            *[sys.executable, "-m", "portico", "chat", "--url", proxy.url("/v1/session")],
-            *("--metadata", "mock_scenario=slow"),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=chat_env(),
-        )
+        process = await terminal_chat(proxy.url("/v1/session"), "--metadata", "mock_scenario=slow")
         assert process.stdin is not None
         assert process.stdout is not None
         async with asyncio.timeout(WITHIN):
