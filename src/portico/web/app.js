@@ -1436,8 +1436,8 @@ function showNotice(text) {
 function showAuthHint() {
   showNotice(
     token
-      ? "The server refused this API key. Enter another under Settings → API token (bottom of the sidebar), then Save and reconnect."
-      : "This server needs an API key. Enter it under Settings → API token (bottom of the sidebar), then Save and reconnect.",
+      ? "The server refused this API key. Enter another under Settings → API token (in the sidebar), then Save and reconnect."
+      : "This server needs an API key. Enter it under Settings → API token (in the sidebar), then Save and reconnect.",
   );
   $("notice").dataset.kind = "auth";
   document.querySelector(".settings").open = true;
