@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     chat_cmd.add_argument("--agent", help="the agent to talk to (default: the server's)")
     chat_cmd.add_argument(
+        "--session", metavar="ID", help="continue this archived conversation (a session id)"
+    )
+    chat_cmd.add_argument(
         "--metadata",
         action="append",
         default=[],
@@ -139,6 +142,7 @@ def _chat_options(args: argparse.Namespace) -> ChatOptions:
         credential=args.credential or os.environ.get("PORTICO_CREDENTIAL"),
         agent=args.agent,
         metadata=metadata,
+        session=args.session,
     )
 
 

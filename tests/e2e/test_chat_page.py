@@ -423,9 +423,11 @@ def test_a_server_restart_mid_reply_loses_nothing(page: Page, server: ServerProc
     expect(reply).to_have_attribute("data-status", "completed", timeout=30_000)
     assert reply.locator(".markdown").inner_text() == SLOW_TEXT
     expect(page.locator(REPLIES)).to_have_count(1)
-    # The new process cannot resume the session: the conversation goes on over RPC.
-    expect(page.locator("#mode")).to_have_attribute("data-mode", "archive", timeout=30_000)
-    expect(page.locator("#notice")).to_contain_text("can no longer be resumed")
+    # The new process cannot resume the session: the page continues the conversation.
+    expect(page.locator("#notice")).to_have_text(
+        "The server restarted: this conversation goes on.", timeout=30_000
+    )
+    expect(page.locator("#mode")).to_have_attribute("data-mode", "live")
     expect(ask(page, "echo after the restart")).to_have_text("after the restart")
 
 
@@ -475,8 +477,8 @@ def test_a_wrong_token_is_reported_and_can_be_replaced(page: Page, token: str) -
     page.locator("#token").fill("not-a-key")
     page.locator("#token-form button").click()
     expect(page.locator("#connection")).to_have_attribute("data-state", "offline")
-    expect(page.locator("#notice")).to_be_visible()
-    page.locator(".settings summary").click()
+    expect(page.locator("#notice")).to_contain_text("refused this API key")
+    expect(page.locator(".settings")).to_have_attribute("open", "")  # where the key goes
     page.locator("#token").fill(token)
     page.locator("#token-form button").click()
     expect(page.locator("#connection")).to_have_attribute("data-state", "open")

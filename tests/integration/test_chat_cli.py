@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from support.archive import assert_ledger
+from support.archive import assert_ledger, open_archive
 from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, cut
 from support.server import SCRIPT, ServerProcess
 
 SCRIPTED = ("--runtime", "scripted", "--script", str(SCRIPT))
 WITHIN = 20.0  # seconds a chat run may take
 TOOL = ("--metadata", "mock_scenario=tool")
+CONTINUED = "(reconnected: the server restarted; the conversation goes on)"
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +29,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     process.stop()
 
 
+def session_url(server: ServerProcess) -> str:
+    return f"ws://127.0.0.1:{server.port}/v1/session"
+
+
 def chat_command(server: ServerProcess, *args: str) -> list[str]:
-    url = f"ws://127.0.0.1:{server.port}/v1/session"
-    return [sys.executable, "-m", "portico", "chat", "--url", url, *args]
+    return [sys.executable, "-m", "portico", "chat", "--url", session_url(server), *args]
 
 
 def chat_env() -> dict[str, str]:
@@ -99,29 +104,113 @@ def test_an_unreachable_server_exits_1_with_a_message(tmp_path: Path) -> None:
     assert result.stderr.startswith("portico chat: could not open the session")
 
 
-async def test_a_lost_session_ends_the_chat_with_status_1(tmp_path: Path) -> None:
-    """A server restart forgets the session: the chat says so instead of starting over."""
+async def terminal_chat(url: str, *args: str) -> asyncio.subprocess.Process:
+    """`portico chat` with stdout and stderr in one stream, as a terminal shows them."""
+    process = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "portico", "chat", "--url", url, *args],
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=chat_env(),
+    )
+    assert process.stdin is not None
+    assert process.stdout is not None
+    return process
+
+
+async def read_until(stream: asyncio.StreamReader, text: bytes) -> bytes:
+    """What `stream` gives up to and including `text` (callers bound the wait)."""
+    return await stream.readuntil(text)
+
+
+async def only_session(archive: Path) -> str:
+    async with open_archive(archive) as store:
+        (session,) = await store.list_sessions("local", limit=10, include_deleted=False)
+    return session.id
+
+
+async def test_a_server_restart_while_the_user_types_continues_the_conversation(
+    tmp_path: Path,
+) -> None:
+    """The server is killed; a line typed during the outage is answered once it is back,
+    in the same conversation, with one notice on a line of its own."""
     own = ServerProcess(tmp_path / "server", args=SCRIPTED).start()
     try:
-        process = await asyncio.create_subprocess_exec(
-            *chat_command(own),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=chat_env(),
-        )
+        process = await terminal_chat(session_url(own))
         assert process.stdin is not None
         assert process.stdout is not None
         async with asyncio.timeout(WITHIN):
             process.stdin.write(b"hi\n")
             await process.stdin.drain()
             assert await process.stdout.readline() == b"Hello world\n"
-            await asyncio.to_thread(own.restart)
-            _, stderr = await process.communicate()
-        assert process.returncode == 1
-        assert b"portico chat: the session cannot be resumed" in stderr
+            await asyncio.to_thread(own.stop, signal.SIGKILL)
+            process.stdin.write(b"typed during the outage\n")
+            await process.stdin.drain()
+            await asyncio.to_thread(own.start)
+            assert await read_until(process.stdout, b"Hello world\n")
+            rest, _ = await process.communicate(b"and after\n")
+        assert process.returncode == 0, rest
+        session_id = await only_session(own.archive_path)
+        await assert_ledger(
+            own.archive_path,
+            session_id,
+            [
+                ("user", "hi"),
+                ("assistant", "Hello world"),
+                ("user", "typed during the outage"),
+                ("assistant", "Hello world"),
+                ("user", "and after"),
+                ("assistant", "Hello world"),
+            ],
+        )
     finally:
         own.stop()
+
+
+async def test_the_restart_notice_is_printed_once_on_its_own_line(tmp_path: Path) -> None:
+    own = ServerProcess(tmp_path / "server", args=SCRIPTED).start()
+    try:
+        process = await terminal_chat(session_url(own))
+        assert process.stdin is not None
+        assert process.stdout is not None
+        async with asyncio.timeout(WITHIN):
+            process.stdin.write(b"hi\n")
+            await process.stdin.drain()
+            assert await process.stdout.readline() == b"Hello world\n"
+            await asyncio.to_thread(own.stop, signal.SIGKILL)
+            await asyncio.to_thread(own.start)
+            output, _ = await process.communicate(b"back?\n")
+        assert process.returncode == 0, output
+        assert output.decode().splitlines() == [CONTINUED, "Hello world"]
+    finally:
+        own.stop()
+
+
+async def session_with(archive: Path, content: str) -> tuple[str, int]:
+    """The session holding a user message `content`, and how many sessions there are."""
+    async with open_archive(archive) as store:
+        sessions = await store.list_sessions("local", limit=1000, include_deleted=False)
+        for session in sessions:
+            if any(m.content == content for m in await store.list_messages(session.id)):
+                return session.id, len(sessions)
+    raise AssertionError(f"no session holds {content!r}")
+
+
+async def test_session_continues_an_archived_conversation(server: ServerProcess) -> None:
+    first = await asyncio.to_thread(chat, server, "first of two\n")
+    assert first.returncode == 0, first.stderr
+    session_id, count = await session_with(server.archive_path, "first of two")
+    second = await asyncio.to_thread(chat, server, "second of two\n", "--session", session_id)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == "Hello world\n"
+    assert second.stderr == ""  # continuing at the start is no reconnect
+    assert await session_with(server.archive_path, "second of two") == (session_id, count)
+
+
+def test_session_of_an_unknown_id_exits_1_with_a_message(server: ServerProcess) -> None:
+    result = chat(server, "hi\n", "--session", "sess-unknown")
+    assert result.returncode == 1
+    assert result.stderr.startswith("portico chat: could not open the session")
 
 
 async def test_a_reply_cut_mid_stream_is_shown_once_after_a_silent_reconnect(
@@ -149,3 +238,40 @@ async def test_a_reply_cut_mid_stream_is_shown_once_after_a_silent_reconnect(
     await assert_ledger(
         server.archive_path, session_id, [("user", "hi"), ("assistant", "Hello world")]
     )
+
+
+async def test_the_reconnected_notice_never_lands_inside_a_streamed_line(
+    server: ServerProcess,
+) -> None:
+    """stdout and stderr in one stream, as on a terminal; the connection is cut after the
+    reply's first chunk, while the agent still works on the rest (`slow`)."""
+    async with FaultProxy(server.http_url) as proxy:
+        process = await terminal_chat(proxy.url("/v1/session"), "--metadata", "mock_scenario=slow")
+        assert process.stdin is not None
+        assert process.stdout is not None
+        async with asyncio.timeout(WITHIN):
+            process.stdin.write(b"hi\n")
+            await process.stdin.drain()
+            assert await process.stdout.readexactly(1) == b"a"  # the line is open now
+            await proxy.cut(0)
+            await proxy.wait_connection(1)
+            output, _ = await process.communicate(b"")
+    assert process.returncode == 0, output
+    assert ("a" + output.decode()).splitlines() == ["a", "(reconnected)"]
+
+
+def test_media_parts_are_printed_by_kind_name_and_length(tmp_path: Path) -> None:
+    demo = ServerProcess(
+        tmp_path / "demo", args=("--runtime", "demo"), env={"PORTICO_DEMO_WORD_DELAY": "0"}
+    ).start()
+    try:
+        result = chat(demo, "draw\nbeep\n")
+    finally:
+        demo.stop()
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("Here is a picture")
+    assert lines[1] == "[image: portico-demo.png]"
+    assert lines[2].startswith("Here is a short sound")
+    assert lines[3] == "[audio: 0.5 s]"
+    assert len(lines) == 4

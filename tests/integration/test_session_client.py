@@ -640,3 +640,84 @@ def test_the_readme_session_client_example_runs(server: ServerProcess) -> None:
     lines = result.stdout.splitlines()
     assert lines[0] == "Hello world"  # `ask`: the scripted default reply
     assert [line.split(" ", 1)[0] for line in lines[1:]] == ["Chunk", "Chunk", "Done"]
+
+
+# -- continuing a conversation (hello.continue) ------------------------------------------------
+
+
+async def test_continue_after_restart_keeps_the_conversation_and_what_was_sent_meanwhile(
+    own_server: ServerProcess,
+) -> None:
+    """Opt-in: after a failed resume the client continues the same conversation in a new
+    numbering, and a message sent while the server was down reaches the new server."""
+    statuses = Statuses()
+    client = make_client(own_server, on_status=statuses, continue_after_restart=True)
+    async with client:
+        async with asyncio.timeout(WITHIN):
+            assert (await client.ask("before")).text == "Hello world"
+        session_id = client.session_id
+        await asyncio.to_thread(own_server.stop)
+        await statuses.wait_for("dropped", 1)
+        turn = await client.start_turn("typed while down")  # no connection is up
+        await asyncio.to_thread(own_server.start)
+        async with asyncio.timeout(WITHIN):
+            assert (await turn.reply()).text == "Hello world"
+            assert (await client.ask("after")).text == "Hello world"
+        assert client.session_id == session_id
+        assert [s.continued for s in statuses.seen if s.state == "open"] == [False, True]
+    assert session_id is not None
+    messages = await wait_for_messages(own_server.archive_path, session_id, 6)
+    assert [m.content for m in messages if m.role == "user"] == [
+        "before",
+        "typed while down",
+        "after",
+    ]
+
+
+async def test_continue_session_opens_by_continuing_an_archived_conversation(
+    server: ServerProcess,
+) -> None:
+    async with make_client(server) as first:
+        async with asyncio.timeout(WITHIN):
+            await first.ask("first client")
+        session_id = first.session_id
+    assert session_id is not None
+    statuses = Statuses()
+    async with make_client(server, continue_session=session_id, on_status=statuses) as second:
+        assert second.session_id == session_id
+        assert statuses.seen[0].continued
+        async with asyncio.timeout(WITHIN):
+            assert (await second.ask("second client")).text == "Hello world"
+    messages = await wait_for_messages(server.archive_path, session_id, 4)
+    assert [m.content for m in messages if m.role == "user"] == ["first client", "second client"]
+
+
+async def test_continue_session_of_an_unknown_id_fails_to_connect(server: ServerProcess) -> None:
+    with pytest.raises(ConnectError) as raised:
+        async with make_client(server, continue_session="sess-unknown"):
+            pass
+    assert raised.value.close_code == 4404
+
+
+async def test_a_turn_cut_by_a_killed_server_ends_with_resume_failed_and_the_client_goes_on(
+    own_server: ServerProcess,
+) -> None:
+    """The old numbering owed the rest of the turn: it is never replayed, the turn ends
+    with an error saying so, and the conversation goes on in the new numbering."""
+    statuses = Statuses()
+    client = make_client(own_server, on_status=statuses, continue_after_restart=True)
+    async with client:
+        turn = await client.start_turn("slow", metadata={"mock_scenario": "slow"})
+        async with asyncio.timeout(WITHIN):
+            first = await anext(turn)
+            assert isinstance(first, f.Chunk)
+            await asyncio.to_thread(own_server.stop, signal.SIGKILL)
+            await asyncio.to_thread(own_server.start)
+            ending = [frame async for frame in turn]
+            assert (await client.ask("after")).text == "Hello world"
+        assert len(ending) == 1
+        assert isinstance(ending[0], f.Error)
+        assert ending[0].turn_id == first.turn_id
+        assert ending[0].error.code == "RESUME_FAILED"
+        assert ending[0].error.details == {"reason": "continued"}
+        assert [s.continued for s in statuses.seen if s.state == "open"] == [False, True]

@@ -934,3 +934,65 @@ class TestClientHeartbeat:
         conn, _ = started(0.0)
         conn.on_timer(15.0)
         assert conn.next_deadline() > 15.0
+
+
+# -- hello.continue: a new numbering on an archived conversation ------------------------
+
+
+def test_continue_decodes_from_its_wire_name() -> None:
+    hello = f.client_frame_decoder.decode(b'{"type":"hello","continue":"s-1"}')
+    assert isinstance(hello, f.Hello)
+    assert (hello.continue_session, hello.session_id) == ("s-1", None)
+    assert json.loads(text(hello))["continue"] == "s-1"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"session_id": "s-1", "continue": "s-1"}, {"continue": "s-1", "last_seq": 3}],
+    ids=["with session_id", "with last_seq"],
+)
+def test_server_refuses_a_continue_that_also_resumes(fields: dict[str, Any]) -> None:
+    conn = SessionConnection(role=Role.SERVER, timing=TIMING, now=0.0)
+    assert conn.receive_text(json.dumps({"type": "hello", **fields}), 0.0) == []
+    assert out(conn)[0]["error"]["code"] == "PROTOCOL_ERROR"
+    assert conn.close_request == PROTOCOL_ERROR
+
+
+def test_server_hands_a_continue_to_the_adapter_and_numbers_from_1() -> None:
+    conn = SessionConnection(role=Role.SERVER, timing=TIMING, now=0.0)
+    events = conn.receive_text('{"type":"hello","continue":"s-1"}', 0.0)
+    assert [type(e) for e in events] == [HelloReceived]
+    fresh = channel()
+    conn.accept(fresh, ready(), 0)
+    conn.send(f.Chunk(seq=0, turn_id="t", content="x"))
+    assert [frame.get("seq") for frame in out(conn)] == [None, 1]
+
+
+def test_client_continues_only_on_a_fresh_channel() -> None:
+    used = channel()
+    used.receive(1)
+    conn = SessionConnection(role=Role.CLIENT, timing=TIMING, now=0.0)
+    with pytest.raises(ProtocolViolation):
+        conn.start(f.Hello(continue_session="s-1"), used)
+
+
+@pytest.mark.parametrize(
+    "answer", [ready(resumed=True), msgspec.structs.replace(ready(), session_id="s-2")]
+)
+def test_client_refuses_a_ready_that_does_not_continue_the_conversation(answer: f.Ready) -> None:
+    conn = SessionConnection(role=Role.CLIENT, timing=TIMING, now=0.0)
+    conn.start(f.Hello(continue_session="s-1"), channel())
+    conn.data_to_send()
+    assert conn.receive_text(text(answer), 0.0) == []
+    assert conn.close_request == PROTOCOL_ERROR
+
+
+def test_client_opens_a_continued_conversation_and_resends_its_new_messages() -> None:
+    fresh = channel()
+    fresh.send(f.Message(seq=0, content="typed while away"))
+    conn = SessionConnection(role=Role.CLIENT, timing=TIMING, now=0.0)
+    conn.start(f.Hello(continue_session="s-1"), fresh)
+    assert json.loads(conn.data_to_send()[0])["continue"] == "s-1"
+    events = conn.receive_text(text(ready()), 0.0)
+    assert [type(e) for e in events] == [ReadyReceived]
+    assert [(m["type"], m["seq"]) for m in out(conn)] == [("message", 1)]

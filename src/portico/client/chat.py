@@ -6,12 +6,17 @@ of lines (`printf 'hi\\n/quit\\n' | portico chat`) runs as a conversation.
 Tool calls are shown (name, consent message, categories) and answered by a
 built-in demo tool set after a y/n line; any other tool is declined as
 unknown. `/quit` or end of input ends the session. Reconnects are silent but
-for one dim status line on stderr.
+for one dim status line on stderr, written between lines, never inside a
+streamed one. After a server restart the chat continues the same conversation
+(`hello.continue`): a line typed meanwhile is sent when the server is back, and
+a line whose reply had not started yet is sent again. `--session ID` continues
+an archived conversation. Media parts print as `[image: name]`, `[audio: 0.5 s]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import struct
 import sys
 import threading
 from collections.abc import Mapping
@@ -20,11 +25,13 @@ from datetime import datetime
 from typing import Any, Final, TextIO
 
 from portico.client.session import (
+    AudioItem,
     ConnectionStatus,
     SessionClient,
     SessionError,
     Turn,
 )
+from portico.core.model import ContentPart
 from portico.protocols.session import frames as f
 
 DEFAULT_URL: Final = "ws://127.0.0.1:8080/v1/session"
@@ -32,6 +39,10 @@ QUIT: Final = "/quit"
 UNKNOWN_TOOL: Final = "unknown tool"
 YES: Final = frozenset({"y", "yes"})
 NO_PARAMETERS: Final[Mapping[str, Any]] = {"type": "object", "properties": {}}
+# Streamed media are asked for so they can be named (`[audio: 0.5 s]`); never played.
+AUDIO_OUTPUT: Final = tuple(f.AudioFormat(codec=c) for c in ("wav", "pcm16", "mp3", "opus"))
+RECONNECTED: Final = "(reconnected)"
+CONTINUED: Final = "(reconnected: the server restarted; the conversation goes on)"
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,7 @@ class ChatOptions:
     credential: str | None = None
     agent: str | None = None
     metadata: Mapping[str, str] = field(default_factory=dict)  # sent with every message
+    session: str | None = None  # continue this archived conversation
 
 
 # -- the demo tools -----------------------------------------------------------------------
@@ -104,12 +116,14 @@ class Screen:
         self._err = err
         self._mid_line = False
         self._dim = err.isatty()
+        self._notices: list[str] = []  # status lines waiting for the open line to end
 
     def write(self, text: str) -> None:
         if text:
             self._out.write(text)
             self._out.flush()
             self._mid_line = not text.endswith("\n")
+            self._flush_notices()
 
     def line(self, text: str) -> None:
         """`text` on a line of its own, even after a partly streamed reply."""
@@ -125,6 +139,17 @@ class Screen:
             self.write(text + "\n")
         else:
             self._mid_line = False
+            self._flush_notices()
+
+    def notice(self, text: str) -> None:
+        """A status line, held back while a line is open: on a terminal stdout and
+        stderr share the screen, and it must not land inside a streamed reply."""
+        self._notices.append(text)
+        self._flush_notices()
+
+    def _flush_notices(self) -> None:
+        while self._notices and not self._mid_line:
+            self.status(self._notices.pop(0))
 
     def status(self, text: str) -> None:
         self._err.write(f"\x1b[2m{text}\x1b[0m\n" if self._dim else f"{text}\n")
@@ -145,7 +170,11 @@ class Chat:
             credential=options.credential,
             agent=options.agent,
             on_status=self._on_status,
+            audio_output=AUDIO_OUTPUT,
+            continue_session=options.session,
+            continue_after_restart=True,
         )
+        self._opened = False
         for name, (func, description) in DEMO_TOOLS.items():
             self.client.register_tool(
                 name, func, description=description, parameters=NO_PARAMETERS, consent=self._ask
@@ -155,8 +184,14 @@ class Chat:
         """Line after line until `/quit` or end of input; each turn shown to its end."""
         while (line := await self._prompt()) is not None and line.strip() != QUIT:
             if line.strip():
-                turn = await self.client.start_turn(line, metadata=self._options.metadata or None)
-                await self._show(turn)
+                await self._say(line)
+
+    async def _say(self, line: str) -> None:
+        """Send `line` and show its turn; again if a restart lost it before it started."""
+        while True:
+            turn = await self.client.start_turn(line, metadata=self._options.metadata or None)
+            if not await self._show(turn):
+                return
 
     async def _prompt(self) -> str | None:
         if self._lines.interactive:
@@ -171,7 +206,9 @@ class Chat:
             if isinstance(frame, f.Error):
                 self._screen.status(f"[{frame.error.code}] {frame.error.message}")
 
-    async def _show(self, turn: Turn) -> None:
+    async def _show(self, turn: Turn) -> bool:
+        """The turn, to its end. True: a server restart lost it before it started (the
+        old server may never have seen the message, so it is worth sending again)."""
         streamed = False
         async for frame in turn:
             if isinstance(frame, f.Chunk):
@@ -180,14 +217,27 @@ class Chat:
             elif isinstance(frame, f.ToolCall) and frame.tool_call.name not in self.client.tools:
                 self._screen.line(f"[tool] {frame.tool_call.name}: {UNKNOWN_TOOL}, declined")
                 await self.client.nack_tool_call(frame.tool_call.id, UNKNOWN_TOOL)
+            elif isinstance(frame, f.AudioEnd):
+                self._screen.line(audio_label(self.client.take_audio(frame.item_id)))
             elif isinstance(frame, f.Done):
-                if not streamed and frame.content:
-                    self._screen.write(frame.content)
-                if frame.cancelled:
-                    self._screen.write(" [cancelled]")
-                self._screen.end_line()
+                self._done(frame, streamed)
             elif isinstance(frame, f.Error):
+                if _lost_before_start(frame):
+                    return True
                 self._screen.line(f"[error {frame.error.code}] {frame.error.message}")
+        return False
+
+    def _done(self, frame: f.Done, streamed: bool) -> None:
+        parts = frame.parts or ()
+        if not streamed:
+            texts = [part.text for part in parts if part.type == "text" and part.text]
+            self._screen.write(frame.content or "\n\n".join(texts))
+        if frame.cancelled:
+            self._screen.write(" [cancelled]")
+        for part in parts:
+            if part.type != "text":
+                self._screen.line(part_label(part))
+        self._screen.end_line()
 
     async def _ask(self, frame: f.ToolCall) -> bool:
         """Consent for a demo tool: show the call, then one line answers y or n."""
@@ -206,8 +256,51 @@ class Chat:
         return answer.strip().lower() in YES
 
     def _on_status(self, status: ConnectionStatus) -> None:
-        if status.state == "open" and status.resumed:
-            self._screen.status("(reconnected)")
+        if status.state != "open":
+            return
+        if self._opened and (status.resumed or status.continued):
+            self._screen.notice(CONTINUED if status.continued else RECONNECTED)
+        self._opened = True
+
+
+def _lost_before_start(frame: f.Error) -> bool:
+    details = frame.error.details or {}
+    lost = frame.error.code == "RESUME_FAILED" and details.get("reason") == "continued"
+    return lost and frame.turn_id is None
+
+
+def part_label(part: ContentPart) -> str:
+    """`[image: name]`, `[audio: 0.5 s]`: a media part the terminal cannot show."""
+    media = part.media
+    if media is None:
+        return f"[{part.type}]"
+    if part.type == "audio" and media.duration_ms is not None:
+        return f"[audio: {media.duration_ms / 1000:g} s]"
+    return f"[{part.type}: {media.filename or media.mime_type}]"
+
+
+def audio_label(item: AudioItem | None) -> str:
+    """A streamed media item: its kind and length, or that it did not arrive whole."""
+    if item is None or not item.complete:
+        return "[audio: lost on the way]"
+    mime = item.format.mime_type or ""
+    if mime.startswith("image/"):
+        return f"[image: {mime}]"
+    seconds = audio_seconds(item)
+    return f"[audio: {seconds:g} s]" if seconds is not None else f"[audio: {len(item.data)} bytes]"
+
+
+def audio_seconds(item: AudioItem) -> float | None:
+    """The duration of WAV or raw 16-bit PCM bytes, rounded to 0.1 s; None if unknown."""
+    data, fmt = item.data, item.format
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE" and len(data) >= 44:
+        (byte_rate,) = struct.unpack_from("<I", data, 28)
+        size = len(data) - 44  # the canonical header; a longer one errs by a few bytes
+    elif fmt.codec == "pcm16" and fmt.sample_rate:
+        byte_rate, size = fmt.sample_rate * (fmt.channels or 1) * 2, len(data)
+    else:
+        return None
+    return round(size / byte_rate, 1) if byte_rate else None
 
 
 def _arguments(arguments: Mapping[str, Any]) -> list[str]:

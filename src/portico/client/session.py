@@ -48,6 +48,15 @@ answered by the client: it acknowledges the call, asks the tool's `consent`
 callback if it has one, runs the function and sends its result. The
 `tool_call` frame is still delivered as above, so a user interface can show it.
 
+Continuing after a server restart (opt-in): with `continue_after_restart=True` a
+failed resume (`RESUME_FAILED`: the server restarted, or the window passed) is not
+terminal once: the client continues the same conversation in a new numbering
+(`hello.continue`, docs/session.md) and `on_status` reports `continued=True`.
+Messages queued while no connection was up are sent in the new numbering; turns
+the old numbering owed (their message had gone out) end with an `error` frame
+`RESUME_FAILED` (`details.reason = "continued"`), never replayed. To pick up an
+archived conversation from the start, pass `continue_session="sess-..."`.
+
 Terminal conditions are raised from iteration, from `Turn`s and from the send
 methods: `ResumeFailedError` (the session is gone; the client never replays
 into a new one), `AuthenticationError`, `SessionReplacedError`,
@@ -189,6 +198,9 @@ class ConnectionStatus:
 
     state: Literal["open", "dropped", "closed"]
     resumed: bool = False  # "open": this connection resumed the session
+    # "open": this connection continued the conversation in a new numbering
+    # (`continue_after_restart` after a failed resume, or `continue_session`).
+    continued: bool = False
     close_code: int | None = None  # "dropped": the close code, None for an abrupt drop
     retry_in: float | None = None  # "dropped": seconds until the next attempt
     error: SessionError | None = None  # "closed": why, when it was not end() or close()
@@ -480,6 +492,8 @@ class SessionClient:
         close_timeout: float = 5.0,  # seconds to wait for the server's side of a close
         on_status: Callable[[ConnectionStatus], None] | None = None,
         http: aiohttp.ClientSession | None = None,
+        continue_session: str | None = None,  # open by continuing this archived session
+        continue_after_restart: bool = False,  # on RESUME_FAILED, continue the conversation
     ) -> None:
         self.url = url
         self.session_id: str | None = None
@@ -509,7 +523,12 @@ class SessionClient:
             # below the backlog's would close every resume as a slow consumer.
             max_send_queue_bytes=max_buffer_bytes + MiB,
         )
-        self._channel = Channel(max_messages=max_buffer_messages, max_bytes=max_buffer_bytes)
+        self._buffer_limits = (max_buffer_messages, max_buffer_bytes)
+        self._channel = self._new_channel()
+        self._wire_seq = 0  # our highest seq handed to an open connection
+        # The archived session the next hello continues (a new numbering), if any.
+        self._continuing = continue_session
+        self._continue_after_restart = continue_after_restart
         self._max_frame_bytes = max_frame_bytes
         self._connect_timeout = connect_timeout
         self._close_timeout = close_timeout
@@ -707,9 +726,74 @@ class SessionClient:
             data = self._channel.send(frame)
         except BufferOverflow as exc:
             raise SendBufferFullError(exc.message) from exc
+        seq = self._channel.next_seq - 1
         if self._link is not None:
+            if self._link.core.state is State.OPEN:
+                self._wire_seq = seq
             self._link.write(data)
-        return self._channel.next_seq - 1
+        return seq
+
+    def _new_channel(self) -> Channel:
+        messages, size = self._buffer_limits
+        return Channel(max_messages=messages, max_bytes=size)
+
+    # -- continuing after a restart -----------------------------------------------------------
+
+    def _start_continuation(self) -> None:
+        """The resume failed: the next hello continues the conversation in a new numbering.
+
+        Old messages are never replayed (they may have taken effect on the server that
+        went away), so turns waiting on them end with a `RESUME_FAILED` error. Messages
+        queued while no connection was up never reached any server: they move to the
+        new numbering, so nothing typed during an outage is lost.
+        """
+        assert self.session_id is not None
+        old, self._channel = self._channel, self._new_channel()
+        unsent: list[tuple[int, f.Message]] = []
+        for data in old.unacknowledged():
+            frame = f.client_frame_decoder.decode(data)
+            if isinstance(frame, f.Message) and frame.seq > self._wire_seq:
+                unsent.append((frame.seq, frame))
+        self._end_lost_turns({seq for seq, _ in unsent})
+        renumbered: dict[int, int] = {}
+        for seq, frame in unsent:
+            self._channel.send(frame)
+            renumbered[seq] = self._channel.next_seq - 1
+        self._pending_messages = deque(renumbered[seq] for seq in self._pending_messages)
+        self._turn_for_message = {
+            renumbered[seq]: turn for seq, turn in self._turn_for_message.items()
+        }
+        for turn in self._turn_for_message.values():
+            turn.message_seq = renumbered[turn.message_seq]
+        self._wire_seq = 0
+        self._continuing = self.session_id
+        log.info("resume failed; continuing the conversation session=%s", self.session_id)
+
+    def _end_lost_turns(self, kept: set[int]) -> None:
+        """End every turn the old numbering owed, but those of the `kept` messages."""
+        for seq in [seq for seq in self._pending_messages if seq not in kept]:
+            self._pending_messages.remove(seq)
+            turn = self._turn_for_message.pop(seq, None)
+            self._lost(seq, turn, None)
+        for turn_id, open_turn in self._open_turns.items():
+            self._lost(None, open_turn, turn_id)
+        self._open_turns.clear()
+        self._call_owner.clear()
+        self._audio_open.clear()
+        for task in list(self._tool_tasks.values()):
+            task.cancel()
+
+    def _lost(self, message_seq: int | None, turn: Turn | None, turn_id: str | None) -> None:
+        info = f.ErrorInfo(
+            code="RESUME_FAILED",
+            message="the server lost this turn (it restarted); send the message again",
+            details={"reason": "continued"},
+        )
+        frame = f.Error(seq=0, turn_id=turn_id, ref_seq=message_seq, error=info)
+        if turn is not None:
+            turn._put(frame)
+        else:
+            self._inbox.put_nowait(frame)
 
     def _check_open(self) -> None:
         if self._supervision.task is None:
@@ -899,7 +983,10 @@ class SessionClient:
                 if outcome.opened:
                     retries.connected()
                     auth_retried = False
-                self._check_terminal(outcome, auth_retried)
+                try:
+                    self._check_terminal(outcome, auth_retried)
+                except _ContinueNow:
+                    continue  # a new numbering on the same conversation, at once
                 auth_retried = outcome.close_code == CLOSE_UNAUTHENTICATED
                 faults = faults + 1 if outcome.close_code in CLIENT_FAULT_CLOSES else 0
                 if faults >= MAX_CLIENT_FAULTS:
@@ -944,6 +1031,9 @@ class SessionClient:
                 return
             raise ConnectError(f"could not open the session: {message}", **kwargs)
         if code == CLOSE_RESUME_FAILED:
+            if self._continue_after_restart and self._continuing is None:
+                self._start_continuation()
+                raise _ContinueNow()
             raise ResumeFailedError(message, **kwargs)
 
     async def _connect_once(self) -> _Outcome:
@@ -1001,11 +1091,14 @@ class SessionClient:
     def _opened(self, ready: f.Ready) -> None:
         self.ready = ready
         self.connections += 1
-        if self.session_id is None:
+        continued, self._continuing = self._continuing is not None, None
+        if self.session_id is None or continued:
             self.session_id = ready.session_id
             self.capabilities = ready.capabilities
-        log.info("session %s session=%s", "resumed" if ready.resumed else "opened", self.session_id)
-        self._status(ConnectionStatus("open", resumed=ready.resumed))
+        self._wire_seq = self._channel.next_seq - 1  # the core resends the backlog now
+        how = "continued" if continued else "resumed" if ready.resumed else "opened"
+        log.info("session %s session=%s", how, self.session_id)
+        self._status(ConnectionStatus("open", resumed=ready.resumed, continued=continued))
         self._supervision.connected()
 
     def _hello(self, credential: str | None) -> f.Hello:
@@ -1019,6 +1112,9 @@ class SessionClient:
             "capabilities": self._requested,
             "audio": self._audio_offer,
         }
+        if self._continuing is not None:
+            # A new numbering: negotiated afresh, like an open.
+            return f.Hello(continue_session=self._continuing, context=self._context, **common)
         if self.session_id is None:
             return f.Hello(context=self._context, **common)
         # Capabilities, tools and agent are fixed at open; a resume sends them for
@@ -1059,6 +1155,10 @@ class SessionClient:
             self._on_status(status)
         except Exception:
             log.exception("on_status callback failed")
+
+
+class _ContinueNow(Exception):
+    """The resume failed and the client continues the conversation instead."""
 
 
 class _Finished(Exception):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from typing import Any
 
 from aiohttp import web
@@ -309,7 +310,7 @@ class SessionSocket(ServerSocket):
         try:
             if hello.protocol != f.PROTOCOL_VERSION:
                 raise ProtocolViolation(f"unsupported protocol version {hello.protocol}")
-            live = await (self._resume(hello) if hello.session_id else self._open(hello))
+            live = await self._session_for(hello)
         except PorticoError as exc:
             self._core.fail(exc)
             return
@@ -326,7 +327,14 @@ class SessionSocket(ServerSocket):
             resume_window_ms=round(settings.resume_window * 1000),
         )
         self._core.accept(live.channel, ready, hello.last_seq if hello.session_id else 0)
-        log.info("session %s session=%s", "resumed" if ready.resumed else "opened", live.id)
+        log.info("session %s session=%s", _how(hello), live.id)
+
+    def _session_for(self, hello: f.Hello) -> Awaitable[LiveSession]:
+        if hello.session_id:
+            return self._resume(hello)
+        if hello.continue_session is not None:
+            return self._continue(hello)
+        return self._open(hello)
 
     async def _resume(self, hello: f.Hello) -> LiveSession:
         assert hello.session_id is not None
@@ -340,12 +348,39 @@ class SessionSocket(ServerSocket):
         agent = hello.agent or DEFAULT_AGENT
         if not self._services.engine.has_agent(agent):
             raise SessionAgentNotFound(agent)
-        capabilities = tuple(
-            sorted((set(hello.capabilities) & SUPPORTED_CAPABILITIES) | {"resume"})
-        )
         session_id = new_id("sess")
         await self._services.engine.open_session(
             principal=self._principal, agent=agent, session_id=session_id
+        )
+        return self._live_session(hello, session_id, agent)
+
+    async def _continue(self, hello: f.Hello) -> LiveSession:
+        """A new numbering on an archived conversation: same id, seq from 1, no replay."""
+        assert hello.continue_session is not None
+        stored = await self._services.store.get_session(hello.continue_session)
+        # Unknown, foreign, deleted or closed: the answer of a failed resume, which
+        # never says whether the session exists.
+        if (
+            stored is None
+            or stored.owner != self._principal
+            or stored.deleted_at is not None
+            or stored.status == "closed"
+        ):
+            raise ResumeFailed()
+        if not self._services.engine.has_agent(stored.agent):
+            raise SessionAgentNotFound(stored.agent)
+        previous = self._states.get(stored.id)
+        if previous is not None:
+            # Still live here: its numbering ends (its connection is replaced, 4409).
+            previous.end()
+            self._services.engine.detach(previous.id, previous.on_turn_event)
+            if previous.socket is not None:
+                previous.socket.replaced()
+        return self._live_session(hello, stored.id, stored.agent)
+
+    def _live_session(self, hello: f.Hello, session_id: str, agent: str) -> LiveSession:
+        capabilities = tuple(
+            sorted((set(hello.capabilities) & SUPPORTED_CAPABILITIES) | {"resume"})
         )
         settings = self._services.settings
         tools = hello.tools if "tools" in capabilities else ()
@@ -428,6 +463,12 @@ class SessionSocket(ServerSocket):
             ),
             live.on_turn_event,
         )
+
+
+def _how(hello: f.Hello) -> str:
+    if hello.session_id:
+        return "resumed"
+    return "continued" if hello.continue_session is not None else "opened"
 
 
 def _info(error: PorticoError) -> f.ErrorInfo:

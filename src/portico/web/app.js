@@ -3,6 +3,7 @@
 
 import {
   DECLINED_BY_USER,
+  RpcAuthenticationError,
   RpcClient,
   SessionClient,
   fetchMedia,
@@ -194,7 +195,8 @@ rpc.addEventListener("status", (event) => {
     document.body.dataset.recovered = String(recovered);
     if (first && !recovered && !event.detail.reset) reloadSidebar();
   }
-  if (state === "closed" && event.detail.error)
+  if (state === "closed" && event.detail.error instanceof RpcAuthenticationError) showAuthHint();
+  else if (state === "closed" && event.detail.error)
     showNotice(`Disconnected: ${event.detail.error.message}`);
   renderConnection();
 });
@@ -202,6 +204,7 @@ rpc.addEventListener("status", (event) => {
 function applyEntity(kind, entity) {
   if (kind === "session") return upsertSession(entity);
   if (kind === "turn") return trackTurn(entity);
+  if (kind === "message") noteActivity(entity);
   if (entity.session_id !== view.sessionId) {
     if (kind === "message" && entity.status !== "streaming") liveTexts.delete(entity.id);
     return;
@@ -264,6 +267,14 @@ function onRpcLive(live) {
 // -- live conversations over /v1/session -----------------------------------------------------
 
 const lives = new Map(); // session id -> LiveConversation, the sessions this tab holds
+const CONTINUED_NOTICE = "The server restarted: this conversation goes on.";
+
+/** A turn a server restart lost before it started: the old server may never have seen it. */
+const lostBeforeStart = (frame) =>
+  frame.type === "error" &&
+  frame.turn_id == null &&
+  frame.error.code === "RESUME_FAILED" &&
+  frame.error.details?.reason === "continued";
 
 class LiveConversation {
   constructor(resumeFrom = null) {
@@ -276,6 +287,8 @@ class LiveConversation {
       credential: token,
       agent: AGENT,
       resumeFrom,
+      // After a server restart the conversation goes on in a new numbering (docs/session.md).
+      continueAfterRestart: true,
       // The agent's streamed media (the demo's `beep`): played when each item ends.
       audioOutput: [{ codec: "wav" }, { codec: "pcm16" }, { codec: "mp3" }],
       onState: (state) => sessionStorage.setItem(LIVE_KEY(state.sessionId), JSON.stringify(state)),
@@ -419,6 +432,9 @@ class LiveConversation {
   onStatus(detail) {
     this.status = detail.state;
     if (detail.state === "dropped") connection.drops += 1;
+    if (detail.state === "open" && detail.continued && view.sessionId === this.sessionId) {
+      showNotice(CONTINUED_NOTICE);
+    }
     if (detail.state === "closed") {
       sessionStorage.removeItem(LIVE_KEY(this.sessionId));
       lives.delete(this.sessionId);
@@ -938,7 +954,10 @@ function renderParts(parts, localUrls = null) {
     const media = part.media ?? {};
     const label = media.filename ?? `${part.type} (${media.mime_type ?? "?"})`;
     let node;
-    if (part.type === "image") node = h("img", { class: "media", alt: label, title: label });
+    if (part.type === "image") {
+      node = h("img", { class: "media", alt: label, title: label });
+      node.addEventListener("load", () => keepInView(node), { once: true });
+    }
     else if (part.type === "audio")
       node = h("audio", { class: "media", controls: true, title: label });
     else if (part.type === "video")
@@ -1017,8 +1036,78 @@ function renderSidebar() {
   $("more-sessions").hidden = !sidebar.nextCursor;
 }
 
+// -- sidebar titles and activity ------------------------------------------------------------------
+
+const TITLE_LENGTH = 60;
+const titling = new Set(); // untitled sessions whose first message is being looked up
+const lastActive = new Map(); // session id -> ISO time of its newest message seen here
+
+/** A title from a conversation's first user message (what the page itself sets on send). */
+const titleFrom = (text) => text.replace(/\s+/g, " ").trim().slice(0, TITLE_LENGTH);
+
+function messageText(message) {
+  if (typeof message.content_data === "string") return message.content_data;
+  const part = (message.parts ?? []).find((p) => p.type === "text" && p.text);
+  return part?.text ?? message.parts?.[0]?.media?.filename ?? "";
+}
+
+/**
+ * An untitled conversation (opened by `portico chat`, the SDK, another client) is titled
+ * from its first user message, once, for every client: the title is saved with
+ * v1.session.update and comes back as a session update.
+ */
+async function titleUntitled(session) {
+  if (session.title || titling.has(session.id)) return;
+  titling.add(session.id);
+  try {
+    const page = await rpc.messageList(session.id, { limit: 1 });
+    const first = page.items[0];
+    const title = first?.role === "user" ? titleFrom(messageText(first)) : "";
+    if (!title) return titling.delete(session.id); // nothing said yet: try on its first message
+    if (!sidebar.sessions.get(session.id)?.title) await rpc.sessionUpdate(session.id, { title });
+  } catch {
+    titling.delete(session.id);
+  }
+}
+
+function noteActivity(message) {
+  const known = lastActive.get(message.session_id) ?? "";
+  if ((message.created_at ?? "") > known) lastActive.set(message.session_id, message.created_at);
+  const session = sidebar.sessions.get(message.session_id);
+  if (!session) return;
+  if (!session.title && message.role === "user") titleUntitled(session);
+  const el = sidebar.elements.get(session.id);
+  if (el && sidebar.editing !== session.id) fillSessionItem(el, session);
+}
+
+/** "just now", "5 min ago", "3 h ago", "yesterday", then the date. */
+function relativeTime(iso, nowMs = Date.now()) {
+  const minutes = Math.floor((nowMs - Date.parse(iso)) / 60_000);
+  if (!(minutes >= 1)) return "just now";
+  if (minutes < 60) return `${minutes} min ago`;
+  if (minutes < 24 * 60) return `${Math.floor(minutes / 60)} h ago`;
+  if (minutes < 48 * 60) return "yesterday";
+  return new Date(iso).toLocaleDateString(undefined, { day: "numeric", month: "short" });
+}
+
+function activeAt(session) {
+  const seen = lastActive.get(session.id) ?? "";
+  const stored = session.updated_at ?? session.created_at ?? "";
+  return seen > stored ? seen : stored;
+}
+
 function fillSessionItem(el, session) {
+  if (!session.title) titleUntitled(session);
   const title = session.title || "Untitled conversation";
+  const active = activeAt(session);
+  const when = active
+    ? h("time", {
+        class: "session-active",
+        datetime: active,
+        title: `last active ${new Date(active).toLocaleString()}`,
+        text: relativeTime(active),
+      })
+    : null;
   const confirming = sidebar.confirmDelete === session.id;
   const forked = session.parent_session_id
     ? h("span", { class: "forked", title: "forked from another conversation", text: "⑂" })
@@ -1032,6 +1121,7 @@ function fillSessionItem(el, session) {
         text: title,
       }),
       forked,
+      when,
       h("button", {
         type: "button",
         class: "rename",
@@ -1186,37 +1276,44 @@ async function send() {
     rpc.sessionUpdate(sessionId, { title }).catch(() => {});
   }
   if (live) {
-    try {
-      const turn = live.client.startTurn(text || null, {
-        parts: item.parts.length ? item.parts : null,
-        metadata: { client_message_id: cmid },
-      });
-      live.openTurns += 1;
-      renderBusy();
-      turn
-        .reply()
-        .then((reply) => {
-          const refusal = reply.frames.find((f) => f.type === "error" && f.turn_id == null);
-          if (refusal && view.sessionId === sessionId) {
-            item.status = "failed";
-            item.error = refusal.error.message;
-            render(item);
-          }
-        })
-        .catch(() => {})
-        .finally(() => {
-          live.openTurns -= 1;
-          renderBusy();
-        });
-    } catch (error) {
-      item.status = "failed";
-      item.error = error.message;
-      render(item);
-    }
+    sendLive(live, item, { text, cmid, sessionId });
     return;
   }
   try {
     await rpc.messageSend(text || "(attachment)", { clientId: cmid, serverSessionId: sessionId });
+  } catch (error) {
+    item.status = "failed";
+    item.error = error.message;
+    render(item);
+  }
+}
+
+/** Send over the live session; a line a server restart lost before it started goes again. */
+function sendLive(live, item, { text, cmid, sessionId }) {
+  try {
+    const turn = live.client.startTurn(text || null, {
+      parts: item.parts.length ? item.parts : null,
+      metadata: { client_message_id: cmid },
+    });
+    live.openTurns += 1;
+    renderBusy();
+    turn
+      .reply()
+      .then((reply) => {
+        const refusal = reply.frames.find((f) => f.type === "error" && f.turn_id == null);
+        if (refusal && lostBeforeStart(refusal)) {
+          sendLive(live, item, { text, cmid, sessionId });
+        } else if (refusal && view.sessionId === sessionId) {
+          item.status = "failed";
+          item.error = refusal.error.message;
+          render(item);
+        }
+      })
+      .catch(() => {})
+      .finally(() => {
+        live.openTurns -= 1;
+        renderBusy();
+      });
   } catch (error) {
     item.status = "failed";
     item.error = error.message;
@@ -1313,6 +1410,16 @@ function resizeInput() {
   input.style.height = `${Math.min(input.scrollHeight, 200)}px`;
 }
 
+/**
+ * An image grew the list after it was scrolled to the bottom: if the reader was at the
+ * bottom before it loaded (a new reply, not history above), bring all of it into view.
+ */
+function keepInView(node) {
+  const list = $("messages");
+  const below = list.scrollHeight - list.scrollTop - list.clientHeight;
+  if (below - node.offsetHeight < 80) list.scrollTop = list.scrollHeight;
+}
+
 function scrollToBottom() {
   const list = $("messages");
   list.scrollTop = list.scrollHeight;
@@ -1320,8 +1427,21 @@ function scrollToBottom() {
 
 function showNotice(text) {
   const notice = $("notice");
+  delete notice.dataset.kind;
   notice.textContent = text;
   notice.hidden = false;
+}
+
+/** Authentication is on and the key is missing or wrong: say where it goes, and open it. */
+function showAuthHint() {
+  showNotice(
+    token
+      ? "The server refused this API key. Enter another under Settings → API token (in the sidebar), then Save and reconnect."
+      : "This server needs an API key. Enter it under Settings → API token (in the sidebar), then Save and reconnect.",
+  );
+  $("notice").dataset.kind = "auth";
+  document.querySelector(".settings").open = true;
+  $("token").focus();
 }
 
 function hideNotice() {
@@ -1341,6 +1461,15 @@ $("input").addEventListener("keydown", (event) => {
   }
 });
 $("input").addEventListener("input", resizeInput);
+// The long placeholder wraps to three lines in a phone's message box.
+const narrow = matchMedia("(max-width: 480px)");
+const placeholder = () => {
+  $("input").placeholder = narrow.matches
+    ? "Message the agent"
+    : "Message the agent (Enter sends, Shift+Enter for a new line)";
+};
+narrow.addEventListener("change", placeholder);
+placeholder();
 $("stop").addEventListener("click", stop);
 $("new-chat").addEventListener("click", () => navigate(null));
 $("more-sessions").addEventListener("click", () =>
@@ -1392,6 +1521,11 @@ window.addEventListener("hashchange", () => {
 });
 
 renderSidebar();
+setInterval(renderSidebar, 60_000); // "5 min ago" moves on
 renderConnection();
-rpc.connect().catch((error) => showNotice(`Could not connect to /v1/rpc: ${error.message}`));
+rpc.connect().catch((error) =>
+  error instanceof RpcAuthenticationError
+    ? showAuthHint()
+    : showNotice(`Could not connect to /v1/rpc: ${error.message}`),
+);
 select(hashSession());

@@ -56,6 +56,9 @@
  *   changes; pass a snapshot as `resumeFrom` to a new client (after a page reload, say) and
  *   it resumes that session instead of opening one. Browsers cannot send a WebSocket
  *   close code 1001, so `close()` closes with 1000; the server keeps the session either way.
+ * - Continuing after a server restart, as Python's: `continueAfterRestart: true` turns a
+ *   failed resume into `hello.continue` (a new numbering on the same conversation; the
+ *   `status` event says `continued: true`), `continueSession: id` opens that way.
  *
  * RpcClient, as Python's `RpcClient` (docs/rpc.md, spec rpc-protocol.md):
  *
@@ -346,6 +349,7 @@ class SessionLink {
   constructor(client, ws, hello) {
     this.client = client;
     this.ws = ws;
+    this.continuing = hello.continue ?? null; // a new numbering on this archived session
     this.state = "connecting"; // connecting -> await_ready -> open -> closed
     this.closeCode = null;
     this.error = null; // the connection-level error frame explaining the close
@@ -427,6 +431,9 @@ class SessionLink {
         return;
       }
       if (frame.type !== "ready") throw new ProtocolError("the first frame must be ready");
+      if (this.continuing != null && (frame.resumed || frame.session_id !== this.continuing)) {
+        throw new ProtocolError("a continued conversation must keep its id, not resume");
+      }
       client._acknowledge(frame.last_seq);
       this.state = "open";
       // The shorter of ours and the server's: its idle timeout is sized for what it announces.
@@ -435,6 +442,7 @@ class SessionLink {
       }
       this.nextPing = now() + this.heartbeat;
       for (const entry of client._buffer) this._write(entry.data); // the resend backlog
+      client._wireSeq = client._nextSeq - 1;
       this.ready.resolve(frame);
       return;
     }
@@ -556,6 +564,8 @@ export class SessionClient extends EventTarget {
       closeTimeout = 5, // seconds `end()` waits for the server's close
       resumeFrom = null, // a `snapshot()`: resume that session instead of opening one
       onState = null, // called with `snapshot()` whenever it changes
+      continueSession = null, // open by continuing this archived session (`hello.continue`)
+      continueAfterRestart = false, // on RESUME_FAILED, continue the conversation instead
     } = {},
   ) {
     super();
@@ -593,6 +603,9 @@ export class SessionClient extends EventTarget {
     this._peerAcked = 0; // the highest of our seqs the server acknowledged
     this._buffer = []; // [{seq, data}] not yet acknowledged
     this._bufferBytes = 0;
+    this._wireSeq = 0; // our highest seq handed to an open connection
+    this._continuing = continueSession; // the archived session the next hello continues
+    this._continueAfterRestart = continueAfterRestart;
     if (resumeFrom) this._restore(resumeFrom);
     this._tools = new Map();
     this._toolTasks = new Map(); // call id -> AbortController of a running registered tool
@@ -678,6 +691,7 @@ export class SessionClient extends EventTarget {
       handled: this._handled,
       peerAcked: this._peerAcked,
       unacknowledged: this._buffer.map((entry) => entry.data),
+      wireSeq: this._wireSeq, // above it: queued while offline, never sent
     };
   }
 
@@ -689,6 +703,8 @@ export class SessionClient extends EventTarget {
     this._peerAcked = state.peerAcked;
     this._buffer = state.unacknowledged.map((data) => ({ seq: JSON.parse(data).seq, data }));
     this._bufferBytes = this._buffer.reduce((sum, entry) => sum + byteLength(entry.data), 0);
+    // An older snapshot does not say what went out: count all of it as sent.
+    this._wireSeq = state.wireSeq ?? this._nextSeq - 1;
   }
 
   _changed() {
@@ -779,9 +795,63 @@ export class SessionClient extends EventTarget {
     const seq = this._nextSeq++;
     this._buffer.push({ seq, data });
     this._bufferBytes += bytes;
+    if (this._link?.state === "open") this._wireSeq = seq;
     this._changed();
     this._link?.writeNumbered(data);
     return seq;
+  }
+
+  // -- continuing after a restart (docs/session.md, "Continuing an archived conversation") --
+
+  /**
+   * The resume failed: the next hello continues the conversation in a new numbering.
+   * Old messages are never replayed (they may have taken effect on the server that went
+   * away): turns waiting on them end with a RESUME_FAILED error. Messages queued while
+   * no connection was up never reached a server: they move to the new numbering.
+   */
+  _startContinuation() {
+    const unsent = this._buffer
+      .map((entry) => JSON.parse(entry.data))
+      .filter((frame) => frame.type === "message" && frame.seq > this._wireSeq);
+    const kept = new Set(unsent.map((frame) => frame.seq));
+    this._endLostTurns(kept);
+    Object.assign(this, { _nextSeq: 1, _handled: 0, _peerAcked: 0, _buffer: [], _bufferBytes: 0 });
+    const renumbered = new Map();
+    for (const { seq: old, ...frame } of unsent) renumbered.set(old, this._number(frame));
+    this._pendingMessages = this._pendingMessages.map((seq) => renumbered.get(seq));
+    const turns = new Map();
+    for (const [old, turn] of this._turnForMessage) {
+      turn.messageSeq = renumbered.get(old);
+      turns.set(turn.messageSeq, turn);
+    }
+    this._turnForMessage = turns;
+    this._wireSeq = 0;
+    this._continuing = this.sessionId;
+  }
+
+  _endLostTurns(kept) {
+    const error = {
+      code: "RESUME_FAILED",
+      message: "the server lost this turn (it restarted); send the message again",
+      details: { reason: "continued" },
+    };
+    for (const seq of this._pendingMessages.filter((seq) => !kept.has(seq))) {
+      this._pendingMessages.splice(this._pendingMessages.indexOf(seq), 1);
+      const turn = this._turnForMessage.get(seq);
+      this._turnForMessage.delete(seq);
+      const frame = { type: "error", seq: 0, ref_seq: seq, error };
+      this.dispatchEvent(new CustomEvent("message", { detail: frame }));
+      turn?._put(frame);
+    }
+    for (const [turnId, turn] of this._openTurns) {
+      const frame = { type: "error", seq: 0, turn_id: turnId, error };
+      this.dispatchEvent(new CustomEvent("message", { detail: frame }));
+      turn?._put(frame);
+    }
+    this._openTurns.clear();
+    this._callOwner.clear();
+    this._mediaItems.clear();
+    for (const controller of this._toolTasks.values()) controller.abort();
   }
 
   _acknowledge(seq) {
@@ -982,6 +1052,10 @@ export class SessionClient extends EventTarget {
           retries.connected();
           authRetried = false;
         }
+        if (this._shouldContinue(outcome)) {
+          this._startContinuation();
+          continue; // a new numbering on the same conversation, at once
+        }
         this._checkTerminal(outcome, authRetried);
         authRetried = outcome.closeCode === CLOSE_UNAUTHENTICATED;
         faults = CLIENT_FAULT_CLOSES.has(outcome.closeCode) ? faults + 1 : 0;
@@ -1003,6 +1077,17 @@ export class SessionClient extends EventTarget {
         this._stop(new SessionError(`internal error: ${describe(error)}`));
       }
     }
+  }
+
+  _shouldContinue(outcome) {
+    return (
+      this._continueAfterRestart &&
+      this._continuing == null &&
+      this.sessionId != null &&
+      outcome.closeCode === CLOSE_RESUME_FAILED &&
+      !this._closing &&
+      !this._ending
+    );
   }
 
   /** Throw when `outcome` ends the client; return when a resume should follow. */
@@ -1062,12 +1147,14 @@ export class SessionClient extends EventTarget {
   _opened(ready) {
     this.ready = ready;
     this.connections += 1;
-    if (this.sessionId == null) {
+    const continued = this._continuing != null;
+    this._continuing = null;
+    if (this.sessionId == null || continued) {
       this.sessionId = ready.session_id;
       this.capabilities = ready.capabilities;
     }
     this._changed();
-    this._status({ state: "open", resumed: ready.resumed });
+    this._status({ state: "open", resumed: ready.resumed, continued });
     this._firstReady?.resolve(ready);
   }
 
@@ -1084,6 +1171,11 @@ export class SessionClient extends EventTarget {
     if (this._audioOutput) hello.audio = { output: this._audioOutput };
     if (credential != null) hello.credential = credential;
     if (this._agent != null) hello.agent = this._agent;
+    if (this._continuing != null) {
+      // A new numbering: negotiated afresh, like an open.
+      if (this._context != null) hello.context = this._context;
+      return { ...hello, continue: this._continuing };
+    }
     if (this.sessionId == null) {
       if (this._context != null) hello.context = this._context;
       return hello;

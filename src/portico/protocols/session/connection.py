@@ -79,6 +79,16 @@ _DECODERS: dict[Role, msgspec.json.Decoder[f.ClientFrame | f.ServerFrame]] = {
 }
 
 
+def check_hello(hello: f.Hello) -> None:
+    """`continue` opens a new numbering, so it names no position and resumes nothing."""
+    if hello.continue_session is None:
+        return
+    if hello.session_id is not None:
+        raise ProtocolViolation("hello takes `session_id` (resume) or `continue`, not both")
+    if hello.last_seq != 0:
+        raise ProtocolViolation("`last_seq` belongs to a resume, not to `continue`")
+
+
 class SessionConnection:
     def __init__(self, *, role: Role, timing: Timing, now: float) -> None:
         self.role = role
@@ -94,6 +104,7 @@ class SessionConnection:
         self._next_ping = now + self._heartbeat
         self._unacked = 0  # handled peer messages not yet acknowledged
         self._ack_deadline: float | None = None
+        self._hello: f.Hello | None = None  # client role: the hello this connection sent
 
     # -- output ---------------------------------------------------------------------------
 
@@ -179,8 +190,16 @@ class SessionConnection:
             self._write(data, bounded=False)
 
     def start(self, hello: f.Hello, channel: Channel) -> None:
-        """Client: send `hello` on a fresh connection."""
+        """Client: send `hello` on a fresh connection.
+
+        A continuing hello starts a new numbering: its channel must not have handled
+        or had acknowledged anything (old messages are never replayed into it).
+        """
+        check_hello(hello)
+        if hello.continue_session is not None and (channel.handled or channel.peer_acked):
+            raise ProtocolViolation("continuing a conversation needs a fresh channel")
         self.channel = channel
+        self._hello = hello
         self._write_frame(hello)
         self.state = State.AWAIT_READY
 
@@ -208,6 +227,7 @@ class SessionConnection:
         if self.state is State.AWAIT_HELLO:
             if not isinstance(frame, f.Hello):
                 raise ProtocolViolation("the first frame must be hello")
+            check_hello(frame)
             self.state = State.AWAIT_ACCEPT
             return [HelloReceived(frame)]
         if isinstance(frame, f.Hello):
@@ -239,6 +259,9 @@ class SessionConnection:
         if not isinstance(frame, f.Ready):
             raise ProtocolViolation("the first frame from the server must be ready")
         assert self.channel is not None
+        continued = self._hello.continue_session if self._hello is not None else None
+        if continued is not None and (frame.resumed or frame.session_id != continued):
+            raise ProtocolViolation("a continued conversation must keep its id, not resume")
         self.channel.acknowledge(frame.last_seq)
         self.state = State.OPEN
         if frame.heartbeat_ms > 0:

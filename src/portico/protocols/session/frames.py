@@ -61,9 +61,16 @@ class ErrorInfo(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class Hello(_Frame, frozen=True, tag="hello"):
+    """`session_id` (with `last_seq`) resumes a session the server still holds.
+    `continue` (`continue_session` in Python) names an archived session of the same
+    principal instead: a new numbering on that conversation (seq from 1 both ways,
+    nothing replayed; `ready.resumed` false, same `session_id`). An unknown or foreign
+    id gets `RESUME_FAILED`, close 4404; with `session_id` or `last_seq`, 4400."""
+
     protocol: int = PROTOCOL_VERSION
     session_id: str | None = None
     last_seq: int = 0
+    continue_session: str | None = msgspec.field(default=None, name="continue")
     credential: str | None = None
     agent: str | None = None
     tools: tuple[ToolSpec, ...] = ()
