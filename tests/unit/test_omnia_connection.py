@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from typing import Any
 
 import pytest
 
-from portico.core.events import TurnChunk, TurnCompleted, TurnFailed, TurnMediaChunk, TurnToolCall
+from portico.core.events import (
+    TurnChunk,
+    TurnCompleted,
+    TurnFailed,
+    TurnMediaChunk,
+    TurnToolCall,
+    TurnToolCallTimedOut,
+)
 from portico.core.model import ContentPart, MediaContent
 from portico.core.validation import base64_decoded_size
 from portico.errors import SessionExpired, TurnInProgress
@@ -22,9 +30,13 @@ from portico.protocols.omnia.connection import (
     ToolReply,
     UploadRequested,
 )
+from portico.protocols.omnia.frames import UploadReady
+from portico.protocols.timestamps import Timestamps
 from portico.runtime.base import MediaChunk, ToolCall
 
 OWN = "sess-own"
+WALL = 1_736_424_000.0  # 2025-01-09T12:00:00Z, the wall-clock time at now=0
+RFC3339_MILLIS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 
 
 def make(now: float = 0.0, *, binary: bool = False, **limits: Any) -> OmniaConnection:
@@ -35,12 +47,21 @@ def make(now: float = 0.0, *, binary: bool = False, **limits: Any) -> OmniaConne
         **limits,
     }
     return OmniaConnection(
-        session_id=OWN, binary=binary, limits=ConnectionLimits(**options), now=now
+        session_id=OWN,
+        binary=binary,
+        limits=ConnectionLimits(**options),
+        now=now,
+        wall=WALL + now,
     )
 
 
 def sent(conn: OmniaConnection) -> list[dict[str, Any]]:
-    return [json.loads(frame) for frame in conn.data_to_send()]
+    """The queued frames, each checked for its `timestamp` and shown without it."""
+    frames = [json.loads(frame) for frame in conn.data_to_send()]
+    for frame in frames:
+        stamp = frame.pop("timestamp")
+        assert RFC3339_MILLIS.fullmatch(stamp), frame
+    return frames
 
 
 def opened() -> OmniaConnection:
@@ -411,7 +432,7 @@ def test_turn_events_become_frames_with_the_session_id() -> None:
         TurnCompleted("s1", "t1", "Hello"),
         TurnFailed("s1", "t2", "PROVIDER_TIMEOUT", "slow"),
     ):
-        conn.send_turn_event(event)
+        conn.send_turn_event(event, now=1.0)
     assert sent(conn) == [
         {"type": "chunk", "content": "Hel", "session_id": "s1"},
         {
@@ -446,8 +467,8 @@ def test_turn_events_become_frames_with_the_session_id() -> None:
 
 def test_errors_carry_their_wire_code() -> None:
     conn = opened()
-    conn.send_error(SessionExpired(), "s9")
-    conn.send_error(TurnInProgress("s9"))
+    conn.send_error(SessionExpired(), "s9", now=1.0)
+    conn.send_error(TurnInProgress("s9"), now=1.0)
     expired, busy = sent(conn)
     assert expired == {
         "type": "error",
@@ -530,7 +551,7 @@ def test_send_queue_overflow_stops_queueing_and_flags_the_connection() -> None:
     conn = make(max_send_queue_bytes=200)
     conn.data_to_send()
     for n in range(10):
-        conn.send_turn_event(TurnChunk("s1", "t1", f"chunk {n}"))
+        conn.send_turn_event(TurnChunk("s1", "t1", f"chunk {n}"), now=1.0)
     assert conn.overflowed
     queued = []
     while (frame := conn.next_frame()) is not None:
@@ -543,7 +564,7 @@ def test_a_reading_client_never_overflows() -> None:
     conn = make(max_send_queue_bytes=200)
     conn.data_to_send()
     for n in range(100):
-        conn.send_turn_event(TurnChunk("s1", "t1", f"chunk {n}"))
+        conn.send_turn_event(TurnChunk("s1", "t1", f"chunk {n}"), now=1.0)
         assert conn.next_frame() is not None
     assert not conn.overflowed
 
@@ -553,13 +574,63 @@ def test_a_frame_larger_than_the_send_queue_reaches_a_client_that_keeps_up() -> 
     # in the same step, is not a slow consumer.
     conn = make(max_send_queue_bytes=200)
     conn.data_to_send()
-    conn.send_turn_event(TurnChunk("s1", "t1", "a chunk"))
-    conn.send_turn_event(TurnCompleted("s1", "t1", "x" * 2000))
+    conn.send_turn_event(TurnChunk("s1", "t1", "a chunk"), now=1.0)
+    conn.send_turn_event(TurnCompleted("s1", "t1", "x" * 2000), now=1.0)
     assert not conn.overflowed
     assert [frame["type"] for frame in sent(conn)] == ["chunk", "done"]
     media = MediaChunk(
         media_id="m1", mime_type="audio/pcm", data=b"\x00" * 5000, sequence=0, is_last=True
     )
-    conn.send_turn_event(TurnMediaChunk("s1", "t1", media))
+    conn.send_turn_event(TurnMediaChunk("s1", "t1", media), now=1.0)
     assert not conn.overflowed
     assert [frame["type"] for frame in sent(conn)] == ["media_chunk"]
+
+
+# -- timestamps --------------------------------------------------------------------------
+
+
+def stamps(conn: OmniaConnection) -> list[tuple[str, str]]:
+    return [(frame["type"], frame["timestamp"]) for frame in map(json.loads, conn.data_to_send())]
+
+
+def test_every_frame_is_stamped_with_the_wall_clock_time_of_its_now() -> None:
+    conn = make(now=0.0, media_bytes_per_second=10)
+    assert stamps(conn) == [("connected", "2025-01-09T12:00:00.000Z")]
+    conn.receive_text("{", now=1.5)  # a parse error
+    conn.receive_binary(b"x" * 20, now=2.25)  # over the media byte rate
+    conn.send_error(SessionExpired(), "s9", now=61.0625)
+    ready = UploadReady(upload_id="u", upload_url="http://x/u", storage_ref="r", expires_at="e")
+    conn.send_upload_ready("s9", ready, now=3600.999)
+    media = MediaChunk(media_id="m", mime_type="audio/pcm", data=b"\x00", sequence=0, is_last=True)
+    call = ToolCall(id="c1", name="where", arguments={})
+    for offset, event in enumerate(
+        (
+            TurnChunk("s1", "t1", "Hel"),
+            TurnMediaChunk("s1", "t1", media),
+            TurnToolCall("s1", "t1", call),
+            TurnToolCallTimedOut("s1", "t1", "c1", "late"),
+            TurnCompleted("s1", "t1", "Hello"),
+            TurnFailed("s1", "t2", "PROVIDER_TIMEOUT", "slow"),
+        )
+    ):
+        conn.send_turn_event(event, now=86400.0 + offset / 1000)
+    assert stamps(conn) == [
+        ("error", "2025-01-09T12:00:01.500Z"),
+        ("error", "2025-01-09T12:00:02.250Z"),
+        ("error", "2025-01-09T12:01:01.062Z"),
+        ("upload_ready", "2025-01-09T13:00:00.999Z"),
+        ("chunk", "2025-01-10T12:00:00.000Z"),
+        ("media_chunk", "2025-01-10T12:00:00.001Z"),
+        ("tool_call", "2025-01-10T12:00:00.002Z"),
+        ("tool_result", "2025-01-10T12:00:00.003Z"),
+        ("done", "2025-01-10T12:00:00.004Z"),
+        ("error", "2025-01-10T12:00:00.005Z"),
+    ]
+
+
+def test_consecutive_stamps_in_one_millisecond_are_one_text() -> None:
+    clock = Timestamps(now=100.0, wall=WALL)
+    first = clock.at(100.0001)
+    assert clock.at(100.0009) is first
+    assert clock.at(101.0) == "2025-01-09T12:00:01.000Z"
+    assert clock.at(99.0) == "2025-01-09T11:59:59.000Z"  # a later `now` is not assumed
