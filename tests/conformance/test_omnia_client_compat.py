@@ -6,10 +6,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import random
 import re
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,6 +19,7 @@ import pytest
 from conftest import SMALL_MAX_PAYLOAD, Connect, rpc_url
 
 from portico.protocols.omnia.binary import media_frames
+from support.archive import wait_for_messages
 from support.omnia import OmniaClient, scenario
 from support.server import SCRIPT, ServerProcess
 
@@ -76,6 +79,33 @@ async def test_every_server_frame_type_carries_an_rfc3339_timestamp(
     assert started - 0.001 <= moments[0]
     assert moments[-1] <= finished
     assert moments == sorted(moments)
+
+
+# -- inline attachments as large as Omnia's dashboard sends -----------------------------
+
+DASHBOARD_FILE_LIMIT = 10 * 1024 * 1024  # the largest file the dashboard sends inline
+
+
+async def test_a_10_mb_inline_image_is_accepted_read_and_archived_with_default_settings(
+    connect: Connect, archive_path: Path
+) -> None:
+    image = random.Random(12).randbytes(DASHBOARD_FILE_LIMIT)
+    data = base64.b64encode(image).decode()
+    client = await connect()
+    session_id = (await client.connected())["session_id"]
+    part = {"type": "image", "media": {"data": data, "mime_type": "image/png"}}
+    await client.send({"type": "message", "parts": [part], **scenario("media_info")})
+    frames = await client.turn(within=60)
+    digest = hashlib.sha256(image).hexdigest()[:16]
+    assert frames[0].get("content") == f"image image/png {len(image)} bytes sha256:{digest}\n", (
+        frames[0]
+    )
+    assert frames[-1]["type"] == "done"
+    user, _reply = await wait_for_messages(archive_path, session_id, 2)
+    assert user.parts is not None
+    (archived,) = user.parts
+    assert archived.media is not None
+    assert archived.media.data == data  # readable from the archive, byte for byte
 
 
 # -- frame limits are inclusive ----------------------------------------------------------

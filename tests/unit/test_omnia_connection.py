@@ -518,7 +518,7 @@ def test_message_rate_is_limited_with_burst_and_refill() -> None:
 
 
 def test_inline_media_counts_against_the_media_byte_rate() -> None:
-    conn = make(media_bytes_per_second=100)
+    conn = make(media_bytes_per_second=100, media_burst_bytes=100)
     conn.data_to_send()
     part = {"type": "image", "media": {"data": "A" * 80, "mime_type": "image/png"}}
     frame = json.dumps({"type": "message", "parts": [part]})
@@ -528,12 +528,30 @@ def test_inline_media_counts_against_the_media_byte_rate() -> None:
 
 
 def test_inline_media_counts_its_decoded_bytes_not_its_base64_text() -> None:
-    conn = make(media_bytes_per_second=100)
+    conn = make(media_bytes_per_second=100, media_burst_bytes=100)
     conn.data_to_send()
     data = base64.b64encode(b"x" * 90).decode()  # 120 characters, 90 bytes
     part = {"type": "image", "media": {"data": data, "mime_type": "image/png"}}
     frame = json.dumps({"type": "message", "parts": [part]})
     assert isinstance(conn.receive_text(frame, now=0.0)[0], MessageReceived)
+
+
+def test_the_default_media_burst_takes_an_inline_part_as_large_as_a_frame_carries() -> None:
+    conn = make()  # the default media rate and burst
+    conn.data_to_send()
+    data = base64.b64encode(bytes(12 * 1024 * 1024)).decode()  # a 16 MiB frame's worth
+    part = {"type": "image", "media": {"data": data, "mime_type": "image/png"}}
+    (event,) = conn.receive_text(json.dumps({"type": "message", "parts": [part]}), now=0.0)
+    assert isinstance(event, MessageReceived)
+    assert sent(conn) == []
+
+
+def test_the_media_burst_is_its_own_limit_and_the_rate_refills_it() -> None:
+    conn = make(media_bytes_per_second=100, media_burst_bytes=1000)
+    conn.data_to_send()
+    assert conn.receive_binary(b"x" * 1000, now=0.0) == []  # the burst, at once
+    assert conn.receive_binary(b"x" * 200, now=1.0) == [LimitHit("media_bytes")]
+    assert conn.receive_binary(b"x" * 200, now=2.0) == []  # 100 bytes a second came back
 
 
 @pytest.mark.parametrize("size", [0, 1, 2, 3, 4, 89, 90, 91])
@@ -542,7 +560,7 @@ def test_base64_decoded_size_is_exact_for_well_formed_text(size: int) -> None:
 
 
 def test_binary_frames_count_against_the_media_byte_rate() -> None:
-    conn = make(media_bytes_per_second=50)
+    conn = make(media_bytes_per_second=50, media_burst_bytes=50)
     conn.data_to_send()
     assert conn.receive_binary(b"x" * 60, now=0.0) == [LimitHit("media_bytes")]
 
@@ -594,7 +612,7 @@ def stamps(conn: OmniaConnection) -> list[tuple[str, str]]:
 
 
 def test_every_frame_is_stamped_with_the_wall_clock_time_of_its_now() -> None:
-    conn = make(now=0.0, media_bytes_per_second=10)
+    conn = make(now=0.0, media_bytes_per_second=10, media_burst_bytes=10)
     assert stamps(conn) == [("connected", "2025-01-09T12:00:00.000Z")]
     conn.receive_text("{", now=1.5)  # a parse error
     conn.receive_binary(b"x" * 20, now=2.25)  # over the media byte rate

@@ -178,6 +178,8 @@ class ServerSocket(ABC):
                 self.on_control(now)
             else:  # CLOSE, CLOSING, CLOSED, ERROR (e.g. a frame over max_msg_size: 1009)
                 break
+            # Not kept while the next frame is awaited: a maximal one is 16 MiB of text.
+            del msg
             self.wake()
             self._schedule_timer()
 

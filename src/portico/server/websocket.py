@@ -48,6 +48,7 @@ def connection_limits(services: Services) -> ConnectionLimits:
         messages_per_second=settings.rate_limit_messages,
         message_burst=settings.rate_limit_burst,
         media_bytes_per_second=settings.media_rate_bytes,
+        media_burst_bytes=settings.media_rate_burst,
         max_send_queue_bytes=settings.max_send_queue_bytes,
     )
 

@@ -99,6 +99,7 @@ class ConnectionLimits(msgspec.Struct, frozen=True, kw_only=True):
     messages_per_second: float = 50.0
     message_burst: int = 100
     media_bytes_per_second: int = 2 * 1024 * 1024
+    media_burst_bytes: int = 16 * 1024 * 1024  # one maximal frame of media at once
     max_send_queue_bytes: int = 4 * 1024 * 1024  # backlog bound; past it close 4008
 
 
@@ -127,9 +128,9 @@ class OmniaConnection:
         self._messages = TokenBucket(
             rate=limits.messages_per_second, burst=limits.message_burst, now=now
         )
-        # A second of media may arrive at once; beyond that the rate holds.
+        # A burst as large as one frame's inline attachment; beyond that the rate holds.
         self._media_bytes = TokenBucket(
-            rate=limits.media_bytes_per_second, burst=limits.media_bytes_per_second, now=now
+            rate=limits.media_bytes_per_second, burst=limits.media_burst_bytes, now=now
         )
         # `connected` is the first frame and is sent once per connection.
         self._queue(

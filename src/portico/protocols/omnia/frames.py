@@ -2,7 +2,7 @@
 
 Field names and shapes follow spec/omnia-websocket-protocol.md. Unknown fields
 from a client are ignored (forward compatibility); wrong types are refused.
-The AsyncAPI document in docs/asyncapi.json is generated from these types.
+The AsyncAPI document docs/asyncapi/omnia.json is generated from these types.
 """
 
 from __future__ import annotations
