@@ -5,9 +5,12 @@ from __future__ import annotations
 import base64
 import json
 import re
+from datetime import datetime
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from portico.core.events import (
     TurnChunk,
@@ -618,7 +621,7 @@ def test_every_frame_is_stamped_with_the_wall_clock_time_of_its_now() -> None:
     conn.receive_binary(b"x" * 20, now=2.25)  # over the media byte rate
     conn.send_error(SessionExpired(), "s9", now=61.0625)
     ready = UploadReady(upload_id="u", upload_url="http://x/u", storage_ref="r", expires_at="e")
-    conn.send_upload_ready("s9", ready, now=3600.999)
+    conn.send_upload_ready("s9", ready, now=3600.9995)
     media = MediaChunk(media_id="m", mime_type="audio/pcm", data=b"\x00", sequence=0, is_last=True)
     call = ToolCall(id="c1", name="where", arguments={})
     for offset, event in enumerate(
@@ -631,7 +634,7 @@ def test_every_frame_is_stamped_with_the_wall_clock_time_of_its_now() -> None:
             TurnFailed("s1", "t2", "PROVIDER_TIMEOUT", "slow"),
         )
     ):
-        conn.send_turn_event(event, now=86400.0 + offset / 1000)
+        conn.send_turn_event(event, now=86400.0005 + offset / 1000)  # mid-millisecond
     assert stamps(conn) == [
         ("error", "2025-01-09T12:00:01.500Z"),
         ("error", "2025-01-09T12:00:02.250Z"),
@@ -644,6 +647,16 @@ def test_every_frame_is_stamped_with_the_wall_clock_time_of_its_now() -> None:
         ("done", "2025-01-10T12:00:00.004Z"),
         ("error", "2025-01-10T12:00:00.005Z"),
     ]
+
+
+@settings(max_examples=200)
+@given(st.lists(st.floats(min_value=0, max_value=10 * 86400), min_size=1, max_size=50))
+def test_stamps_follow_the_clock_and_never_go_back(nows: list[float]) -> None:
+    clock = Timestamps(now=0.0, wall=WALL)
+    stamped = [datetime.fromisoformat(clock.at(now)).timestamp() for now in sorted(nows)]
+    assert stamped == sorted(stamped)
+    for now, moment in zip(sorted(nows), stamped, strict=True):
+        assert WALL + now - 0.0011 < moment <= WALL + now + 1e-6  # truncated to the ms
 
 
 def test_consecutive_stamps_in_one_millisecond_are_one_text() -> None:

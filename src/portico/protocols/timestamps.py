@@ -14,28 +14,31 @@ import time
 class Timestamps:
     """UTC, to the millisecond (`2025-01-09T12:00:00.123Z`), as Omnia's clients parse them.
 
-    Consecutive frames of a stream fall in the same millisecond or second, so the
-    text is formatted once per millisecond and its date-and-time prefix once per
-    second: a stamp costs a multiplication and a comparison on the streaming path.
+    Consecutive frames of a stream fall in the same millisecond, so the text is
+    formatted once per millisecond (its date-and-time prefix once per second) and
+    kept with the span of `now` it holds for: `since <= now < until` means `text`
+    is the stamp, a comparison a hot path can make without calling `at`.
     """
 
-    __slots__ = ("_millisecond", "_offset", "_prefix", "_second", "_text")
+    __slots__ = ("_offset", "_prefix", "_second", "since", "text", "until")
 
     def __init__(self, *, now: float, wall: float) -> None:
         self._offset = wall - now  # wall-clock seconds at monotonic `now`
-        self._millisecond = -1
-        self._text = ""
         self._second = -1
         self._prefix = ""
+        self.since = self.until = 0.0
+        self.text = ""
 
     def at(self, now: float) -> str:
         """The wall-clock time at monotonic `now`."""
+        if self.since <= now < self.until:
+            return self.text
         millisecond = int((now + self._offset) * 1000)
-        if millisecond != self._millisecond:
-            self._millisecond = millisecond
-            second, fraction = divmod(millisecond, 1000)
-            if second != self._second:
-                self._second = second
-                self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-            self._text = f"{self._prefix}.{fraction:03d}Z"
-        return self._text
+        second, fraction = divmod(millisecond, 1000)
+        if second != self._second:
+            self._second = second
+            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        self.text = f"{self._prefix}.{fraction:03d}Z"
+        self.since = millisecond / 1000 - self._offset
+        self.until = self.since + 0.001
+        return self.text

@@ -176,8 +176,10 @@ class OmniaConnection:
         self._queue(frame)
 
     def send_turn_event(self, event: TurnEvent, now: float) -> None:
-        # _queue, inlined: this runs once per chunk.
-        self._outbox.put(_encode(turn_event_frame(event, self._stamps.at(now))))
+        # _queue and the stamp's cache hit, inlined: this runs once per chunk.
+        stamps = self._stamps
+        stamp = stamps.text if stamps.since <= now < stamps.until else stamps.at(now)
+        self._outbox.put(_encode(turn_event_frame(event, stamp)))
 
     # -- input ------------------------------------------------------------------
 
