@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar, Protocol
 
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
 from portico.protocols.outbox import BinaryData
 from portico.server.services import Services
@@ -159,6 +159,7 @@ class ServerSocket(ABC):
         # of slack (see `run_socket`), so on a compressing connection the limit is
         # checked here, exactly.
         limit = self._services.settings.max_payload_size if ws.compress else None
+        msg: WSMessage | None
         while not ws.closed:
             msg = await ws.receive()
             now = self._loop.time()
@@ -167,7 +168,11 @@ class ServerSocket(ABC):
                 break
             if msg.type is WSMsgType.TEXT:
                 frames_in.inc()
-                await self.on_text(msg.data, now)
+                # Only the handler holds the frame, so it can let go of it once decoded
+                # (a maximal frame is 16 MiB of text), before the engine archives it.
+                handling = self.on_text(msg.data, now)
+                del msg
+                await handling
             elif msg.type is WSMsgType.BINARY:
                 frames_in.inc()
                 await self.on_binary(msg.data, now)
@@ -178,8 +183,7 @@ class ServerSocket(ABC):
                 self.on_control(now)
             else:  # CLOSE, CLOSING, CLOSED, ERROR (e.g. a frame over max_msg_size: 1009)
                 break
-            # Not kept while the next frame is awaited: a maximal one is 16 MiB of text.
-            del msg
+            msg = None  # not kept while the next frame is awaited
             self.wake()
             self._schedule_timer()
 

@@ -92,7 +92,9 @@ class OmniaSocket(ServerSocket):
             self._services.engine.detach(session_id, self._on_turn_event)
 
     async def on_text(self, data: str, now: float) -> None:
-        await self._handle_all(self._core.receive_text(data, now))
+        events = self._core.receive_text(data, now)
+        del data  # decoded: the message's parts hold what is needed of it
+        await self._handle_all(events)
 
     async def on_binary(self, data: bytes, now: float) -> None:
         await self._handle_all(self._core.receive_binary(data, now))
