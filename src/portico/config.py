@@ -192,7 +192,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Media (issue: /ws complete).
     media: Literal["local", "none"] = "local"
     max_upload_bytes: Bytes = 100 * 1024 * 1024
-    max_inline_media_bytes: Bytes = 256 * 1024
+    # What the base64 `data` of a maximal 16 MiB frame decodes to: as large as Omnia takes.
+    max_inline_media_bytes: Bytes = 12 * 1024 * 1024
     media_ttl: Seconds = 86400.0
     upload_url_ttl: Seconds = 900.0  # an upload URL is usable this long after it is granted
     # The base URL clients reach this server at (behind a proxy); upload URLs start
@@ -217,6 +218,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     rate_limit_messages: Annotated[float, msgspec.Meta(gt=0)] = 50.0  # messages per second
     rate_limit_burst: Count = 100
     media_rate_bytes: Bytes = 2 * 1024 * 1024  # bytes per second
+    media_rate_burst: Bytes = 16 * 1024 * 1024  # media bytes that may arrive at once
 
     # /v1/session (issue: resumable sessions).
     resume_window: Seconds = 30.0

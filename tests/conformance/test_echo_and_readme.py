@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import aiohttp
@@ -61,4 +63,8 @@ def test_readme_python_snippet_chats_with_a_server(echo_server: ServerProcess) -
     assert session_id is not None, result.stdout
     done = {"type": "done", "content": "Echo: hello", "session_id": session_id[1]}
     # The snippet prints the session, then (no chunks from echo) a newline and `done`.
-    assert result.stdout == f"session {session_id[1]}\n\n {done}\n"
+    head = f"session {session_id[1]}\n\n "
+    assert result.stdout.startswith(head)
+    printed = ast.literal_eval(result.stdout.removeprefix(head))
+    assert datetime.fromisoformat(printed.pop("timestamp")).utcoffset() == timedelta(0)
+    assert printed == done

@@ -36,6 +36,7 @@ def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
             "PORTICO_RATE_LIMIT_MESSAGES": str(LIMITED_RATE),
             "PORTICO_RATE_LIMIT_BURST": str(LIMITED_BURST),
             "PORTICO_MEDIA_RATE_BYTES": str(LIMITED_MEDIA_BYTES),
+            "PORTICO_MEDIA_RATE_BURST": str(LIMITED_MEDIA_BYTES),
             "PORTICO_MAX_SEND_QUEUE_BYTES": str(LIMITED_SEND_QUEUE),
             "PORTICO_ORIGINS": ALLOWED_ORIGIN,
         },

@@ -18,13 +18,23 @@ from support.omnia import OmniaClient, scenario
 from support.server import SCRIPT, ServerProcess
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40
-MAX_INLINE = 256 * 1024  # the default max_inline_media_bytes
+LOWERED_MAX_INLINE = 256 * 1024  # an operator's max_inline_media_bytes, below the default
 
 
 @pytest.fixture(scope="module")
 def media_off(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     process = ServerProcess(
         tmp_path_factory.mktemp("portico-no-media"), env={"PORTICO_MEDIA": "none"}
+    )
+    yield process.start()
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def lowered_inline_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = ServerProcess(
+        tmp_path_factory.mktemp("portico-small-inline"),
+        env={"PORTICO_MAX_INLINE_MEDIA_BYTES": str(LOWERED_MAX_INLINE)},
     )
     yield process.start()
     process.stop()
@@ -150,14 +160,20 @@ async def test_url_part_on_loopback_is_refused_without_media_fetch_private(
     assert "public address" in refused["error"]["message"], refused
 
 
-async def test_inline_data_above_the_limit_is_invalid(connect: Connect) -> None:
-    client = await connect()
+async def test_inline_data_above_a_lowered_limit_is_invalid(
+    http: aiohttp.ClientSession, lowered_inline_server: ServerProcess
+) -> None:
+    client = OmniaClient(await http.ws_connect(lowered_inline_server.ws_url))
     await client.connected()
-    media = {"data": base64.b64encode(b"x" * (MAX_INLINE + 1)).decode(), "mime_type": "image/png"}
-    await client.send({"type": "message", "parts": [{"type": "image", "media": media}]})
-    refused = await client.recv()
+    for size, accepted in ((LOWERED_MAX_INLINE, True), (LOWERED_MAX_INLINE + 1, False)):
+        media = {"data": base64.b64encode(b"x" * size).decode(), "mime_type": "image/png"}
+        await client.send({"type": "message", "parts": [{"type": "image", "media": media}]})
+        frames = await client.turn()
+        assert (frames[-1]["type"] == "done") is accepted, frames[-1]
+    refused = frames[-1]
     assert refused["error"]["code"] == "INVALID_MESSAGE"
     assert refused["error"]["message"].startswith("parts[0]")
+    await client.ws.close()
 
 
 async def test_storage_ref_of_another_principal_or_session_is_invalid(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import datetime, timedelta
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -31,12 +32,19 @@ def check_server_frame(text: str) -> dict[str, Any]:
     server_frame_decoder.decode(text)  # raises on any shape the models do not allow
     frame: dict[str, Any] = json.loads(text)
     server_frame_validator().validate(frame)
+    # Omnia's dashboard dates every message from it ("Invalid Date" otherwise).
+    assert datetime.fromisoformat(frame["timestamp"]).utcoffset() == timedelta(0), frame
     return frame
+
+
+def without_timestamp(frame: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in frame.items() if key != "timestamp"}
 
 
 class OmniaClient:
     def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         self.ws = ws
+        # Every frame received, as sent; `recv` returns it without its (checked) `timestamp`.
         self.frames: list[dict[str, Any]] = []
 
     async def send(self, frame: dict[str, Any]) -> None:
@@ -51,7 +59,7 @@ class OmniaClient:
             raise AssertionError(f"expected a text frame, got {msg.type!r} {msg.data!r}")
         frame = check_server_frame(msg.data)
         self.frames.append(frame)
-        return frame
+        return without_timestamp(frame)
 
     async def connected(self) -> dict[str, Any]:
         frame = await self.recv()

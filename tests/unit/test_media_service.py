@@ -8,6 +8,8 @@ the test moves.
 from __future__ import annotations
 
 import base64
+import binascii
+import tracemalloc
 from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
@@ -15,6 +17,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from portico.config import Settings
 from portico.core.model import MediaContent, Session
@@ -465,6 +469,9 @@ async def test_inline_data_up_to_the_limit(media: MediaService, disabled: MediaS
         "aGVsbG8",  # missing padding
         "aGVs bG8=",
         "aGVsbG8=\n",
+        "aGVsbG8=aGVs",  # padding inside
+        "A===",
+        "=AAA",
         base64.b64encode(b"x" * (MAX_INLINE + 1)).decode(),
         "A" * 10_000_000,
     ],
@@ -472,6 +479,38 @@ async def test_inline_data_up_to_the_limit(media: MediaService, disabled: MediaS
 async def test_bad_or_oversized_inline_data(media: MediaService, data: str) -> None:
     with pytest.raises(InvalidMessage, match=r"^data:"):
         await media.check_part(principal="alice", session_id="s1", media=inline(data))
+
+
+@settings(max_examples=300)
+@given(text=st.text(alphabet="AZaz09+/=- \n", max_size=12))
+async def test_inline_data_is_accepted_exactly_when_strict_base64_decodes_it(text: str) -> None:
+    service = MediaService(None, archive=MemoryStore())
+    # RFC 4648 base64: Python's strict decoder, which also takes excess padding ("AAAA=").
+    try:
+        base64.b64decode(text, validate=True)
+        decodes = len(text) % 4 == 0
+    except binascii.Error:
+        decodes = False
+    try:
+        await service.check_part(principal="alice", session_id="s1", media=inline(text))
+        accepted = True
+    except InvalidMessage:
+        accepted = False
+    assert accepted == decodes
+
+
+async def test_an_inline_part_as_large_as_a_frame_carries_is_checked_without_decoding_it() -> None:
+    service = MediaService(None, archive=MemoryStore())  # the default limit
+    image = bytes(range(256)) * (12 * 1024 * 1024 // 256)
+    part = inline(image)
+    tracemalloc.start()
+    try:
+        await service.check_part(principal="alice", session_id="s1", media=part)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < len(image) // 100  # no decoded copy, not even for a moment
+    assert await service.read(session_id="s1", media=part) == image
 
 
 @pytest.mark.parametrize(

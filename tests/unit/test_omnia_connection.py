@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+from datetime import datetime
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from portico.core.events import TurnChunk, TurnCompleted, TurnFailed, TurnMediaChunk, TurnToolCall
+from portico.core.events import (
+    TurnChunk,
+    TurnCompleted,
+    TurnFailed,
+    TurnMediaChunk,
+    TurnToolCall,
+    TurnToolCallTimedOut,
+)
 from portico.core.model import ContentPart, MediaContent
 from portico.core.validation import base64_decoded_size
 from portico.errors import SessionExpired, TurnInProgress
@@ -22,9 +33,13 @@ from portico.protocols.omnia.connection import (
     ToolReply,
     UploadRequested,
 )
+from portico.protocols.omnia.frames import UploadReady
+from portico.protocols.timestamps import Timestamps
 from portico.runtime.base import MediaChunk, ToolCall
 
 OWN = "sess-own"
+WALL = 1_736_424_000.0  # 2025-01-09T12:00:00Z, the wall-clock time at now=0
+RFC3339_MILLIS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 
 
 def make(now: float = 0.0, *, binary: bool = False, **limits: Any) -> OmniaConnection:
@@ -35,12 +50,21 @@ def make(now: float = 0.0, *, binary: bool = False, **limits: Any) -> OmniaConne
         **limits,
     }
     return OmniaConnection(
-        session_id=OWN, binary=binary, limits=ConnectionLimits(**options), now=now
+        session_id=OWN,
+        binary=binary,
+        limits=ConnectionLimits(**options),
+        now=now,
+        wall=WALL + now,
     )
 
 
 def sent(conn: OmniaConnection) -> list[dict[str, Any]]:
-    return [json.loads(frame) for frame in conn.data_to_send()]
+    """The queued frames, each checked for its `timestamp` and shown without it."""
+    frames = [json.loads(frame) for frame in conn.data_to_send()]
+    for frame in frames:
+        stamp = frame.pop("timestamp")
+        assert RFC3339_MILLIS.fullmatch(stamp), frame
+    return frames
 
 
 def opened() -> OmniaConnection:
@@ -411,7 +435,7 @@ def test_turn_events_become_frames_with_the_session_id() -> None:
         TurnCompleted("s1", "t1", "Hello"),
         TurnFailed("s1", "t2", "PROVIDER_TIMEOUT", "slow"),
     ):
-        conn.send_turn_event(event)
+        conn.send_turn_event(event, now=1.0)
     assert sent(conn) == [
         {"type": "chunk", "content": "Hel", "session_id": "s1"},
         {
@@ -446,8 +470,8 @@ def test_turn_events_become_frames_with_the_session_id() -> None:
 
 def test_errors_carry_their_wire_code() -> None:
     conn = opened()
-    conn.send_error(SessionExpired(), "s9")
-    conn.send_error(TurnInProgress("s9"))
+    conn.send_error(SessionExpired(), "s9", now=1.0)
+    conn.send_error(TurnInProgress("s9"), now=1.0)
     expired, busy = sent(conn)
     assert expired == {
         "type": "error",
@@ -497,7 +521,7 @@ def test_message_rate_is_limited_with_burst_and_refill() -> None:
 
 
 def test_inline_media_counts_against_the_media_byte_rate() -> None:
-    conn = make(media_bytes_per_second=100)
+    conn = make(media_bytes_per_second=100, media_burst_bytes=100)
     conn.data_to_send()
     part = {"type": "image", "media": {"data": "A" * 80, "mime_type": "image/png"}}
     frame = json.dumps({"type": "message", "parts": [part]})
@@ -507,12 +531,30 @@ def test_inline_media_counts_against_the_media_byte_rate() -> None:
 
 
 def test_inline_media_counts_its_decoded_bytes_not_its_base64_text() -> None:
-    conn = make(media_bytes_per_second=100)
+    conn = make(media_bytes_per_second=100, media_burst_bytes=100)
     conn.data_to_send()
     data = base64.b64encode(b"x" * 90).decode()  # 120 characters, 90 bytes
     part = {"type": "image", "media": {"data": data, "mime_type": "image/png"}}
     frame = json.dumps({"type": "message", "parts": [part]})
     assert isinstance(conn.receive_text(frame, now=0.0)[0], MessageReceived)
+
+
+def test_the_default_media_burst_takes_an_inline_part_as_large_as_a_frame_carries() -> None:
+    conn = make()  # the default media rate and burst
+    conn.data_to_send()
+    data = base64.b64encode(bytes(12 * 1024 * 1024)).decode()  # a 16 MiB frame's worth
+    part = {"type": "image", "media": {"data": data, "mime_type": "image/png"}}
+    (event,) = conn.receive_text(json.dumps({"type": "message", "parts": [part]}), now=0.0)
+    assert isinstance(event, MessageReceived)
+    assert sent(conn) == []
+
+
+def test_the_media_burst_is_its_own_limit_and_the_rate_refills_it() -> None:
+    conn = make(media_bytes_per_second=100, media_burst_bytes=1000)
+    conn.data_to_send()
+    assert conn.receive_binary(b"x" * 1000, now=0.0) == []  # the burst, at once
+    assert conn.receive_binary(b"x" * 200, now=1.0) == [LimitHit("media_bytes")]
+    assert conn.receive_binary(b"x" * 200, now=2.0) == []  # 100 bytes a second came back
 
 
 @pytest.mark.parametrize("size", [0, 1, 2, 3, 4, 89, 90, 91])
@@ -521,7 +563,7 @@ def test_base64_decoded_size_is_exact_for_well_formed_text(size: int) -> None:
 
 
 def test_binary_frames_count_against_the_media_byte_rate() -> None:
-    conn = make(media_bytes_per_second=50)
+    conn = make(media_bytes_per_second=50, media_burst_bytes=50)
     conn.data_to_send()
     assert conn.receive_binary(b"x" * 60, now=0.0) == [LimitHit("media_bytes")]
 
@@ -530,7 +572,7 @@ def test_send_queue_overflow_stops_queueing_and_flags_the_connection() -> None:
     conn = make(max_send_queue_bytes=200)
     conn.data_to_send()
     for n in range(10):
-        conn.send_turn_event(TurnChunk("s1", "t1", f"chunk {n}"))
+        conn.send_turn_event(TurnChunk("s1", "t1", f"chunk {n}"), now=1.0)
     assert conn.overflowed
     queued = []
     while (frame := conn.next_frame()) is not None:
@@ -543,7 +585,7 @@ def test_a_reading_client_never_overflows() -> None:
     conn = make(max_send_queue_bytes=200)
     conn.data_to_send()
     for n in range(100):
-        conn.send_turn_event(TurnChunk("s1", "t1", f"chunk {n}"))
+        conn.send_turn_event(TurnChunk("s1", "t1", f"chunk {n}"), now=1.0)
         assert conn.next_frame() is not None
     assert not conn.overflowed
 
@@ -553,13 +595,73 @@ def test_a_frame_larger_than_the_send_queue_reaches_a_client_that_keeps_up() -> 
     # in the same step, is not a slow consumer.
     conn = make(max_send_queue_bytes=200)
     conn.data_to_send()
-    conn.send_turn_event(TurnChunk("s1", "t1", "a chunk"))
-    conn.send_turn_event(TurnCompleted("s1", "t1", "x" * 2000))
+    conn.send_turn_event(TurnChunk("s1", "t1", "a chunk"), now=1.0)
+    conn.send_turn_event(TurnCompleted("s1", "t1", "x" * 2000), now=1.0)
     assert not conn.overflowed
     assert [frame["type"] for frame in sent(conn)] == ["chunk", "done"]
     media = MediaChunk(
         media_id="m1", mime_type="audio/pcm", data=b"\x00" * 5000, sequence=0, is_last=True
     )
-    conn.send_turn_event(TurnMediaChunk("s1", "t1", media))
+    conn.send_turn_event(TurnMediaChunk("s1", "t1", media), now=1.0)
     assert not conn.overflowed
     assert [frame["type"] for frame in sent(conn)] == ["media_chunk"]
+
+
+# -- timestamps --------------------------------------------------------------------------
+
+
+def stamps(conn: OmniaConnection) -> list[tuple[str, str]]:
+    return [(frame["type"], frame["timestamp"]) for frame in map(json.loads, conn.data_to_send())]
+
+
+def test_every_frame_is_stamped_with_the_wall_clock_time_of_its_now() -> None:
+    conn = make(now=0.0, media_bytes_per_second=10, media_burst_bytes=10)
+    assert stamps(conn) == [("connected", "2025-01-09T12:00:00.000Z")]
+    conn.receive_text("{", now=1.5)  # a parse error
+    conn.receive_binary(b"x" * 20, now=2.25)  # over the media byte rate
+    conn.send_error(SessionExpired(), "s9", now=61.0625)
+    ready = UploadReady(upload_id="u", upload_url="http://x/u", storage_ref="r", expires_at="e")
+    conn.send_upload_ready("s9", ready, now=3600.9995)
+    media = MediaChunk(media_id="m", mime_type="audio/pcm", data=b"\x00", sequence=0, is_last=True)
+    call = ToolCall(id="c1", name="where", arguments={})
+    for offset, event in enumerate(
+        (
+            TurnChunk("s1", "t1", "Hel"),
+            TurnMediaChunk("s1", "t1", media),
+            TurnToolCall("s1", "t1", call),
+            TurnToolCallTimedOut("s1", "t1", "c1", "late"),
+            TurnCompleted("s1", "t1", "Hello"),
+            TurnFailed("s1", "t2", "PROVIDER_TIMEOUT", "slow"),
+        )
+    ):
+        conn.send_turn_event(event, now=86400.0005 + offset / 1000)  # mid-millisecond
+    assert stamps(conn) == [
+        ("error", "2025-01-09T12:00:01.500Z"),
+        ("error", "2025-01-09T12:00:02.250Z"),
+        ("error", "2025-01-09T12:01:01.062Z"),
+        ("upload_ready", "2025-01-09T13:00:00.999Z"),
+        ("chunk", "2025-01-10T12:00:00.000Z"),
+        ("media_chunk", "2025-01-10T12:00:00.001Z"),
+        ("tool_call", "2025-01-10T12:00:00.002Z"),
+        ("tool_result", "2025-01-10T12:00:00.003Z"),
+        ("done", "2025-01-10T12:00:00.004Z"),
+        ("error", "2025-01-10T12:00:00.005Z"),
+    ]
+
+
+@settings(max_examples=200)
+@given(st.lists(st.floats(min_value=0, max_value=10 * 86400), min_size=1, max_size=50))
+def test_stamps_follow_the_clock_and_never_go_back(nows: list[float]) -> None:
+    clock = Timestamps(now=0.0, wall=WALL)
+    stamped = [datetime.fromisoformat(clock.at(now)).timestamp() for now in sorted(nows)]
+    assert stamped == sorted(stamped)
+    for now, moment in zip(sorted(nows), stamped, strict=True):
+        assert WALL + now - 0.0011 < moment <= WALL + now + 1e-6  # truncated to the ms
+
+
+def test_consecutive_stamps_in_one_millisecond_are_one_text() -> None:
+    clock = Timestamps(now=100.0, wall=WALL)
+    first = clock.at(100.0001)
+    assert clock.at(100.0009) is first
+    assert clock.at(101.0) == "2025-01-09T12:00:01.000Z"
+    assert clock.at(99.0) == "2025-01-09T11:59:59.000Z"  # a later `now` is not assumed

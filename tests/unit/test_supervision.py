@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import random
 
+import aiohttp
 import pytest
+from aiohttp import web
 
-from portico.client.supervision import ReconnectPolicy, Retries
+from portico.client.supervision import ReconnectPolicy, Retries, open_socket
 
 SEED = 20250101
 
@@ -119,3 +121,38 @@ async def test_give_up_after_none_never_gives_up(monkeypatch: pytest.MonkeyPatch
         for _ in range(20):
             clock.now += 1e6
             assert retries.next_delay() <= policy.maximum
+
+
+async def test_open_socket_accepts_a_server_frame_of_exactly_max_frame_bytes() -> None:
+    """A real server on 127.0.0.1 sends N bytes, then N + 1: the first arrives, the
+    second closes the socket with 1009."""
+    limit = 4096
+
+    async def serve(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_bytes(b"x" * limit)
+        await ws.send_bytes(b"x" * (limit + 1))
+        await ws.receive()  # until the client closes
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/", serve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = asyncio.get_running_loop().time() + 10
+            ws = await open_socket(
+                http, f"ws://127.0.0.1:{port}/", deadline, max_frame_bytes=limit, close_timeout=1
+            )
+            first = await ws.receive(timeout=10)
+            assert (first.type, len(first.data)) == (aiohttp.WSMsgType.BINARY, limit)
+            second = await ws.receive(timeout=10)
+            assert second.type is aiohttp.WSMsgType.ERROR
+            assert ws.close_code == 1009
+    finally:
+        await runner.cleanup()

@@ -107,7 +107,7 @@ async def open_socket(
     async with asyncio.timeout_at(deadline):
         ws: aiohttp.ClientWebSocketResponse = await http.ws_connect(
             url,
-            max_msg_size=max_frame_bytes,
+            max_msg_size=max_frame_bytes + 1,  # aiohttp's limit is exclusive
             timeout=aiohttp.ClientWSTimeout(ws_receive=None, ws_close=close_timeout),
             **options,
         )

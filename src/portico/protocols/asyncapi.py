@@ -81,7 +81,9 @@ def omnia_document() -> dict[str, Any]:
         title="Portico: Omnia agent facade",
         address="/ws",
         description="JSON text frames on GET /ws, wire-compatible with the Omnia "
-        "agent-facade protocol. Generated from src/portico/protocols/omnia/frames.py.",
+        "agent-facade protocol. Every server frame carries `timestamp`, when it was "
+        "sent (RFC 3339, UTC, to the millisecond), as Omnia's own AsyncAPI document "
+        "requires. Generated from src/portico/protocols/omnia/frames.py.",
         client=omnia.ClientFrame,
         server=omnia.ServerFrame,
     )

@@ -118,16 +118,24 @@ class ChatMapper:
         if self._read_media is None:
             return _note("[an image the model cannot see]")
         try:
-            data = await self._read_media(media)
+            encoded = await self._base64(media)
         except PorticoError as exc:
             # Expired or unreachable media must not fail the whole conversation.
             log.warning("an image could not be read for the model: %s", exc.code)
             return _note("[an image that could not be read]")
-        url = f"data:{media.mime_type};base64,{base64.b64encode(data).decode()}"
+        url = f"data:{media.mime_type};base64,{encoded}"
         image: dict[str, Any] = {"url": url}
         if media.detail:
             image["detail"] = media.detail
         return {"type": "image_url", "image_url": image}
+
+    async def _base64(self, media: MediaContent) -> str:
+        """The part's bytes as base64: inline `data` as it came (vetted when the message
+        arrived), so an image of a maximal frame is never decoded only to be re-encoded."""
+        if media.data is not None:
+            return media.data
+        assert self._read_media is not None
+        return base64.b64encode(await self._read_media(media)).decode()
 
 
 def _replies_last(messages: Sequence[Message]) -> list[Message]:

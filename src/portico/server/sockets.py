@@ -16,12 +16,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar, Protocol
 
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
 from portico.protocols.outbox import BinaryData
 from portico.server.services import Services
 
 log = logging.getLogger("portico.ws")
+_DATA = (WSMsgType.TEXT, WSMsgType.BINARY)
 
 
 def text_frame_header(length: int, *, binary: bool = False) -> bytes:
@@ -32,6 +33,15 @@ def text_frame_header(length: int, *, binary: bool = False) -> bytes:
     if length < 65536:
         return bytes((first, 126)) + length.to_bytes(2, "big")
     return bytes((first, 127)) + length.to_bytes(8, "big")
+
+
+def larger_than(data: str | bytes, limit: int) -> bool:
+    """Whether a received message is over `limit` bytes, counting text as UTF-8."""
+    if len(data) > limit:
+        return True  # a character is at least one byte
+    if isinstance(data, bytes) or data.isascii() or len(data) * 4 <= limit:
+        return False  # ASCII is one byte a character; nothing encodes above 4
+    return len(data.encode()) > limit
 
 
 def frame_type(frame: bytes) -> WSMsgType:
@@ -145,12 +155,24 @@ class ServerSocket(ABC):
 
     async def _read_loop(self) -> None:
         ws, frames_in = self._ws, self._metrics.frames_in.labels(self.protocol)
+        # aiohttp checks a compressed message's size after inflating it with one byte
+        # of slack (see `run_socket`), so on a compressing connection the limit is
+        # checked here, exactly.
+        limit = self._services.settings.max_payload_size if ws.compress else None
+        msg: WSMessage | None
         while not ws.closed:
             msg = await ws.receive()
             now = self._loop.time()
+            if limit is not None and msg.type in _DATA and larger_than(msg.data, limit):
+                self.start_close(WSCloseCode.MESSAGE_TOO_BIG, "message too big")
+                break
             if msg.type is WSMsgType.TEXT:
                 frames_in.inc()
-                await self.on_text(msg.data, now)
+                # Only the handler holds the frame, so it can let go of it once decoded
+                # (a maximal frame is 16 MiB of text), before the engine archives it.
+                handling = self.on_text(msg.data, now)
+                del msg
+                await handling
             elif msg.type is WSMsgType.BINARY:
                 frames_in.inc()
                 await self.on_binary(msg.data, now)
@@ -161,6 +183,7 @@ class ServerSocket(ABC):
                 self.on_control(now)
             else:  # CLOSE, CLOSING, CLOSED, ERROR (e.g. a frame over max_msg_size: 1009)
                 break
+            msg = None  # not kept while the next frame is awaited
             self.wake()
             self._schedule_timer()
 
@@ -294,7 +317,9 @@ async def run_socket(
     """Upgrade, count the connection against `max_connections`, and serve it."""
     settings = services.settings
     ws = web.WebSocketResponse(
-        max_msg_size=settings.max_payload_size,
+        # aiohttp refuses a message of exactly `max_msg_size` bytes; the setting is the
+        # largest message accepted.
+        max_msg_size=settings.max_payload_size + 1,
         autoping=False,  # the cores decide when a peer is dead, so they see every pong
         compress=settings.ws_compression,
     )

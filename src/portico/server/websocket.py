@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from aiohttp import web
@@ -47,6 +48,7 @@ def connection_limits(services: Services) -> ConnectionLimits:
         messages_per_second=settings.rate_limit_messages,
         message_burst=settings.rate_limit_burst,
         media_bytes_per_second=settings.media_rate_bytes,
+        media_burst_bytes=settings.media_rate_burst,
         max_send_queue_bytes=settings.max_send_queue_bytes,
     )
 
@@ -74,6 +76,7 @@ class OmniaSocket(ServerSocket):
             binary=request.query.get("binary", "false").lower() == "true",
             limits=connection_limits(services),
             now=self._loop.time(),
+            wall=time.time(),
         )
         self._attached: set[str] = set()
 
@@ -89,7 +92,9 @@ class OmniaSocket(ServerSocket):
             self._services.engine.detach(session_id, self._on_turn_event)
 
     async def on_text(self, data: str, now: float) -> None:
-        await self._handle_all(self._core.receive_text(data, now))
+        events = self._core.receive_text(data, now)
+        del data  # decoded: the message's parts hold what is needed of it
+        await self._handle_all(events)
 
     async def on_binary(self, data: bytes, now: float) -> None:
         await self._handle_all(self._core.receive_binary(data, now))
@@ -104,6 +109,9 @@ class OmniaSocket(ServerSocket):
         elif action is Keepalive.CLOSE:
             self.start_close(CLOSE_KEEPALIVE_TIMEOUT, "keepalive timeout")
 
+    def _now(self) -> float:
+        return self._loop.time()
+
     def on_overflow(self) -> None:
         self.start_close(CLOSE_SLOW_CONSUMER, "slow consumer")
 
@@ -114,10 +122,11 @@ class OmniaSocket(ServerSocket):
             try:
                 await self._handle(event)
             except PorticoError as exc:
-                self._core.send_error(exc, getattr(event, "session_id", None))
+                self._core.send_error(exc, getattr(event, "session_id", None), now=self._now())
             except Exception:
                 log.exception("unexpected error handling a /ws frame")
-                self._core.send_error(InternalError(), getattr(event, "session_id", None))
+                error = InternalError()
+                self._core.send_error(error, getattr(event, "session_id", None), now=self._now())
 
     async def _handle(self, event: Event) -> None:
         match event:
@@ -149,7 +158,7 @@ class OmniaSocket(ServerSocket):
             method=grant.method,
             headers=grant.headers,
         )
-        self._core.send_upload_ready(event.session_id, ready)
+        self._core.send_upload_ready(event.session_id, ready, now=self._now())
 
     async def _tool_reply(self, reply: ToolReply) -> None:
         tools, frame = self._services.tools, reply.frame
@@ -191,7 +200,7 @@ class OmniaSocket(ServerSocket):
 
     def _on_turn_event(self, event: TurnEvent) -> None:
         if not self._closed:
-            self._core.send_turn_event(event)
+            self._core.send_turn_event(event, self._loop.time())
             self.wake()
 
 

@@ -3,8 +3,9 @@
 Feed it what the socket received (`receive_text`, `receive_binary`,
 `receive_control`) and what the engine produced (`send_turn_event`,
 `send_error`); drain `data_to_send()` for text frames to write and act on the
-events it returns. Time arrives as a `now` argument; the adapter owns timers
-and asks `keepalive(now)` what is due.
+events it returns. Time arrives as a `now` argument (the adapter's monotonic
+clock; the wall-clock time at one `now` is given once, to stamp every frame's
+`timestamp`); the adapter owns timers and asks `keepalive(now)` what is due.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from portico.errors import (
 from portico.protocols.omnia import frames as f
 from portico.protocols.omnia.binary import decode_frame
 from portico.protocols.outbox import Outbox
+from portico.protocols.timestamps import Timestamps
 
 PROTOCOL_VERSION = 1
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
@@ -97,6 +99,7 @@ class ConnectionLimits(msgspec.Struct, frozen=True, kw_only=True):
     messages_per_second: float = 50.0
     message_burst: int = 100
     media_bytes_per_second: int = 2 * 1024 * 1024
+    media_burst_bytes: int = 16 * 1024 * 1024  # one maximal frame of media at once
     max_send_queue_bytes: int = 4 * 1024 * 1024  # backlog bound; past it close 4008
 
 
@@ -112,9 +115,11 @@ class _MediaRateExceeded(RateLimited):
 
 class OmniaConnection:
     def __init__(
-        self, *, session_id: str, binary: bool, limits: ConnectionLimits, now: float
+        self, *, session_id: str, binary: bool, limits: ConnectionLimits, now: float, wall: float
     ) -> None:
+        """`wall` is the wall-clock time (Unix seconds) at `now`."""
         self.session_id = session_id
+        self._stamps = Timestamps(now=now, wall=wall)
         self._limits = limits
         self._last_received = now
         self._next_ping = now + limits.ping_interval
@@ -123,9 +128,9 @@ class OmniaConnection:
         self._messages = TokenBucket(
             rate=limits.messages_per_second, burst=limits.message_burst, now=now
         )
-        # A second of media may arrive at once; beyond that the rate holds.
+        # A burst as large as one frame's inline attachment; beyond that the rate holds.
         self._media_bytes = TokenBucket(
-            rate=limits.media_bytes_per_second, burst=limits.media_bytes_per_second, now=now
+            rate=limits.media_bytes_per_second, burst=limits.media_burst_bytes, now=now
         )
         # `connected` is the first frame and is sent once per connection.
         self._queue(
@@ -138,6 +143,7 @@ class OmniaConnection:
                         protocol_version=PROTOCOL_VERSION,
                     )
                 ),
+                timestamp=self._stamps.at(now),
             )
         )
 
@@ -159,56 +165,63 @@ class OmniaConnection:
         """Every queued text frame, in order; draining empties the outbox."""
         return self._outbox.drain()
 
-    def send_error(self, error: PorticoError, session_id: str | None = None) -> None:
+    def send_error(self, error: PorticoError, session_id: str | None = None, *, now: float) -> None:
         info = f.ErrorInfo(code=error.code, message=error.message, details=error.details)
-        self._queue(f.ErrorFrame(error=info, session_id=session_id))
+        self._queue(f.ErrorFrame(error=info, session_id=session_id, timestamp=self._stamps.at(now)))
 
-    def send_upload_ready(self, session_id: str, ready: f.UploadReady) -> None:
-        self._queue(f.UploadReadyFrame(upload_ready=ready, session_id=session_id))
+    def send_upload_ready(self, session_id: str, ready: f.UploadReady, *, now: float) -> None:
+        frame = f.UploadReadyFrame(
+            upload_ready=ready, session_id=session_id, timestamp=self._stamps.at(now)
+        )
+        self._queue(frame)
 
-    def send_turn_event(self, event: TurnEvent) -> None:
-        self._outbox.put(_encode(turn_event_frame(event)))  # _queue, inlined: per chunk
+    def send_turn_event(self, event: TurnEvent, now: float) -> None:
+        # _queue and the stamp's cache hit, inlined: this runs once per chunk.
+        stamps = self._stamps
+        stamp = stamps.text if stamps.since <= now < stamps.until else stamps.at(now)
+        self._outbox.put(_encode(turn_event_frame(event, stamp)))
 
     # -- input ------------------------------------------------------------------
 
     def receive_text(self, data: str | bytes, now: float) -> list[Event]:
         self._last_received = now
         if not self._messages.allow(now):
-            self.send_error(RateLimited("too many messages; slow down"))
+            self.send_error(RateLimited("too many messages; slow down"), now=now)
             return [LimitHit("messages")]
         try:
             frame = f.client_frame_decoder.decode(data)
         except msgspec.DecodeError as exc:
-            self.send_error(InvalidMessage(f"Failed to parse message: {exc}"))
+            self.send_error(InvalidMessage(f"Failed to parse message: {exc}"), now=now)
             return []
         except RecursionError:
             # msgspec refuses pathological nesting this way, even inside ignored fields.
-            self.send_error(InvalidMessage("Failed to parse message: nested too deeply"))
+            self.send_error(InvalidMessage("Failed to parse message: nested too deeply"), now=now)
             return []
         try:
             return self._dispatch(frame)
         except _MediaRateExceeded as exc:
-            self.send_error(exc, getattr(frame, "session_id", None) or None)
+            self.send_error(exc, getattr(frame, "session_id", None) or None, now=now)
             return [LimitHit("media_bytes")]
         except InvalidMessage as exc:
-            self.send_error(exc, getattr(frame, "session_id", None) or None)
+            self.send_error(exc, getattr(frame, "session_id", None) or None, now=now)
             return []
 
     def receive_binary(self, data: bytes, now: float) -> list[Event]:
         """Decode an inbound binary frame; without an audio session it has nowhere to go."""
         self._last_received = now
         if not self._media_bytes.allow(now, len(data)):
-            self.send_error(RateLimited("media byte rate exceeded"))
+            self.send_error(RateLimited("media byte rate exceeded"), now=now)
             return [LimitHit("media_bytes")]
         try:
             decode_frame(data)
         except BinaryFrameError as exc:
-            self.send_error(exc)
+            self.send_error(exc, now=now)
             return []
         if not self._told_no_audio:
             # One refusal per connection, not one per frame of a stream.
             self._told_no_audio = True
-            self.send_error(MediaNotEnabled("no audio session: binary media is not accepted"))
+            refusal = MediaNotEnabled("no audio session: binary media is not accepted")
+            self.send_error(refusal, now=now)
         return []
 
     def receive_control(self, now: float) -> None:
@@ -280,19 +293,23 @@ class OmniaConnection:
         return min(self._next_ping, self._last_received + self._limits.pong_timeout)
 
 
-def turn_event_frame(event: TurnEvent) -> f.ServerFrame:
-    """The `/ws` frame for one engine event."""
+def turn_event_frame(event: TurnEvent, timestamp: str) -> f.ServerFrame:
+    """The `/ws` frame for one engine event, sent at `timestamp`."""
     session_id = event.session_id
     if type(event) is TurnChunk:  # most events by far: skip the match below
-        return f.ChunkFrame(content=event.text, session_id=session_id)
+        return f.ChunkFrame(content=event.text, session_id=session_id, timestamp=timestamp)
     match event:
         case TurnChunk(text=text):
-            return f.ChunkFrame(content=text, session_id=session_id)
+            return f.ChunkFrame(content=text, session_id=session_id, timestamp=timestamp)
         case TurnCompleted(content=content, parts=parts):
-            return f.DoneFrame(content=content, parts=parts, session_id=session_id)
+            return f.DoneFrame(
+                content=content, parts=parts, session_id=session_id, timestamp=timestamp
+            )
         case TurnFailed(code=code, message=message):
             return f.ErrorFrame(
-                error=f.ErrorInfo(code=code, message=message), session_id=session_id
+                error=f.ErrorInfo(code=code, message=message),
+                session_id=session_id,
+                timestamp=timestamp,
             )
         case TurnMediaChunk(chunk=chunk):
             info = f.MediaChunkInfo(
@@ -302,7 +319,7 @@ def turn_event_frame(event: TurnEvent) -> f.ServerFrame:
                 data=base64.b64encode(chunk.data).decode("ascii"),
                 mime_type=chunk.mime_type,
             )
-            return f.MediaChunkFrame(media_chunk=info, session_id=session_id)
+            return f.MediaChunkFrame(media_chunk=info, session_id=session_id, timestamp=timestamp)
         case TurnToolCall(call=call):
             info_call = f.ToolCallInfo(
                 id=call.id,
@@ -311,8 +328,10 @@ def turn_event_frame(event: TurnEvent) -> f.ServerFrame:
                 consent_message=call.consent_message,
                 categories=call.categories or None,
             )
-            return f.ToolCallFrame(tool_call=info_call, session_id=session_id)
+            return f.ToolCallFrame(tool_call=info_call, session_id=session_id, timestamp=timestamp)
         case TurnToolCallTimedOut(call_id=call_id, error=error):
             result = f.ServerToolResult(id=call_id, error=error)
-            return f.ToolResultServerFrame(tool_result=result, session_id=session_id)
+            return f.ToolResultServerFrame(
+                tool_result=result, session_id=session_id, timestamp=timestamp
+            )
     raise AssertionError(f"unhandled turn event {type(event).__name__}")

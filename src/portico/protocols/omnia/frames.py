@@ -2,12 +2,12 @@
 
 Field names and shapes follow spec/omnia-websocket-protocol.md. Unknown fields
 from a client are ignored (forward compatibility); wrong types are refused.
-The AsyncAPI document in docs/asyncapi.json is generated from these types.
+The AsyncAPI document docs/asyncapi/omnia.json is generated from these types.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -102,10 +102,28 @@ class ConnectedInfo(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkn
     ai_disclosure: bool | None = None
 
 
+# Omnia's facade and AsyncAPI document put one on every server message; its
+# dashboard dates each bubble from it.
+Timestamp = Annotated[
+    str,
+    msgspec.Meta(
+        extra_json_schema={
+            "format": "date-time",
+            "description": "When the server sent the frame: RFC 3339, UTC, to the millisecond",
+        }
+    ),
+]
+
+
 class _ServerFrame(
-    msgspec.Struct, frozen=True, omit_defaults=True, tag_field="type", forbid_unknown_fields=True
+    msgspec.Struct,
+    frozen=True,
+    omit_defaults=True,
+    tag_field="type",
+    forbid_unknown_fields=True,
+    kw_only=True,
 ):
-    pass
+    timestamp: Timestamp
 
 
 class ConnectedFrame(_ServerFrame, frozen=True, tag="connected"):
