@@ -308,3 +308,32 @@ async def test_an_rtc_waiting_for_a_client_is_delivered_to_a_fresh_connection(
     await fresh.call("v1.rtc.submit_result", {"rtc_id": rtc["id"], "success": True, "result": 1})
     await fresh.wait_turn_end(sent["session_id"])
     assert reply_text(fresh) == "status=completed result=1 error="
+
+
+async def test_a_turns_messages_list_in_the_order_it_happened(
+    connect: Callable[..., Any], token: str
+) -> None:
+    """Text, a tool call, its result, text: `v1.message.list` in offset order tells the
+    turn as it happened (the reply is split into messages at the call, docs/storage.md)."""
+    probe = await connect(token)
+    session_id, rtc = await start_tool_turn(probe, "text_tool_text")
+    await probe.request(
+        "v1.rtc.submit_result",
+        {"rtc_id": rtc["id"], "success": True, "result": "Oslo", "client_id": "tab-1"},
+    )
+    await probe.wait_turn_end(session_id)
+    listed = await probe.call("v1.message.list", {"session_id": session_id})
+    told = [(m["role"], m["content_type"], m["content_data"]) for m in listed["items"]]
+    assert [(role, kind) for role, kind, _ in told] == [
+        ("user", "text"),
+        ("assistant", "markdown"),
+        ("assistant", "toolcall_input"),
+        ("tool", "toolcall_output"),
+        ("assistant", "markdown"),
+    ]
+    assert (told[1][2], told[4][2]) == ("Let me look. ", 'You are in "Oslo".')
+    assert told[2][2]["id"] == told[3][2]["id"] == rtc["id"]
+    offsets = [(m["global_offset"], m["turn_offset"]) for m in listed["items"]]
+    assert offsets == sorted(offsets)
+    assert [t for _, t in offsets] == [1, 2, 3, 4, 5]
+    assert {m["status"] for m in listed["items"]} == {"completed"}

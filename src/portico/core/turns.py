@@ -71,10 +71,15 @@ class TurnRunner:
         self._listeners = listeners
         self._clock = clock
         self._text: list[str] = []
-        self._chunks = 0
+        self._chunks = 0  # chunks of the current reply message (RPC live `index`)
+        self._streamed = 0  # chunks of the whole turn
+        # The text of the reply messages a tool call already ended (docs/storage.md,
+        # "A turn's messages"): the turn's answer is theirs and the current one's.
+        self._earlier: list[str] = []
         # The reply is archived before its first chunk: by the engine with the turn
         # (`reply`, `pending`) or here as a `streaming` message at the first chunk; it
-        # is completed at the end. Readers and RPC clients see it while it grows.
+        # is completed at the end, or at the agent's next tool call, after which the
+        # text goes to a new message. Readers and RPC clients see it while it grows.
         self.reply_id = new_id("msg") if reply is None else reply.id
         # The turn's messages are numbered from 1 (the user's); tool calls take numbers too.
         self._reply_offset: int | None = None if reply is None else reply.turn_offset
@@ -156,7 +161,7 @@ class TurnRunner:
             self.turn.session_id,
             self.turn.id,
             self.turn.state,
-            self._chunks,
+            self._streamed,
             duration * 1000,
         )
         return self.turn
@@ -199,6 +204,7 @@ class TurnRunner:
         if isinstance(event, MediaChunk):
             self.emit(TurnMediaChunk(session_id, turn_id, event))
             return None
+        await self._close_reply()
         return await self._tools.call(
             self._input.owner, session_id, turn_id, event, self.emit, self._next_offset
         )
@@ -207,11 +213,28 @@ class TurnRunner:
         self._text.append(event.text)
         if self._first_chunk is None:
             self._first_chunk = time.perf_counter() - self._created
-            if self._reply_opened is None:
-                self._open_reply()
+        if self._reply_opened is None:  # the turn's first words, or the first after a call
+            self._open_reply()
         turn = self.turn
         self.emit(TurnChunk(turn.session_id, turn.id, event.text, self.reply_id, self._chunks))
         self._chunks += 1
+        self._streamed += 1
+
+    async def _close_reply(self) -> None:
+        """A tool call ends the reply message streamed before it: completed now, and the
+        text after the call goes to a new message, so the turn's messages read in offset
+        order as it happened (the engine's `pending` reply ends empty if nothing came)."""
+        if self._reply_opened is None:
+            return  # no message open: nothing streamed since the last call
+        await asyncio.wait({self._reply_opened})
+        content = "".join(self._text)
+        try:
+            await self._store.update_message(self._reply(content, (), "completed"))
+        except StoreError:
+            log.exception("archiving a reply before a tool call failed turn=%s", self.turn.id)
+        self._earlier.append(content)
+        self._text, self._chunks = [], 0
+        self.reply_id, self._reply_offset, self._reply_opened = new_id("msg"), None, None
 
     def _next_offset(self) -> int:
         return next(self._offsets)
@@ -224,7 +247,7 @@ class TurnRunner:
         content = "".join(self._text)
         parts: tuple[ContentPart, ...] | None = None
         if isinstance(terminal, Done):
-            content = content if terminal.content is None else terminal.content
+            content = content if terminal.content is None else self._last_part(terminal.content)
             parts = terminal.parts
         trigger = self._trigger_for(terminal)
         if self._reply_opened is not None and not self._reply_opened.done():
@@ -235,7 +258,7 @@ class TurnRunner:
         if content or parts or self._reply_opened is not None:
             failed = trigger in (TurnTrigger.FAIL, TurnTrigger.INTERRUPT)
             reply = self._reply(content, parts or (), "failed" if failed else "completed")
-        event = self._terminal_event(terminal, content, parts)
+        event = self._terminal_event(terminal, "".join(self._earlier) + content, parts)
         if isinstance(event, TurnFailed):
             self.turn = msgspec.structs.replace(
                 self.turn, error_code=event.code, error_message=event.message
@@ -248,6 +271,12 @@ class TurnRunner:
             # Logged; the client still gets its one terminal event.
             log.exception("archiving the turn's end failed turn=%s", self.turn.id)
         self.emit(event)
+
+    def _last_part(self, answer: str) -> str:
+        """The part of a runtime's whole answer (`Done.content`) after the text the
+        earlier reply messages of the turn hold; all of it when it does not start so."""
+        earlier = "".join(self._earlier)
+        return answer[len(earlier) :] if answer.startswith(earlier) else answer
 
     def _trigger_for(self, terminal: Done | Failure | None) -> TurnTrigger:
         if terminal is None:
