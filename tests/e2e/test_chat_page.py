@@ -27,8 +27,9 @@ try:
 except ImportError:  # reported by the fixtures: skipped locally, a failure in CI
     Page = Any  # type: ignore[misc,assignment]
 
-REPLIES = ".msg.reply"
-COMPLETED = ".msg.reply[data-status=completed]"
+# Shown replies: the empty message a tool call the agent made first ended is hidden.
+REPLIES = ".msg.reply:not([hidden])"
+COMPLETED = ".msg.reply[data-status=completed]:not([hidden])"
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -481,3 +482,66 @@ def test_a_wrong_token_is_reported_and_can_be_replaced(page: Page, token: str) -
     page.locator("#token-form button").click()
     expect(page.locator("#connection")).to_have_attribute("data-state", "open")
     expect(ask(page, "echo signed in")).to_have_text("signed in")
+
+
+# -- the archive tells the conversation as it happened ----------------------------------------
+
+
+def shown_in_order(page: Page) -> list[str]:
+    """The visible messages in page order: `kind: text` (a tool card: its name)."""
+    return list(
+        page.evaluate(
+            """() => [...document.querySelectorAll("#messages > .msg")]
+                .filter((el) => !el.hidden)
+                .map((el) => {
+                    if (el.classList.contains("tool")) return `tool: ${el.dataset.name}`;
+                    const text = el.querySelector(".text, .markdown")?.textContent.trim();
+                    return `${el.dataset.role}: ${text}`;
+                })"""
+        )
+    )
+
+
+def test_a_reloaded_tool_turn_reads_as_it_happened(page: Page) -> None:
+    send(page, "what time is it")
+    card = page.locator(".msg.tool[data-name=get_time]")
+    card.locator(".allow").click()
+    expect(page.locator(COMPLETED).last).to_contain_text("Europe/Paris")
+    live = shown_in_order(page)
+    assert live[1:3] == ["assistant: Let me ask your device for the time.", "tool: get_time"]
+    assert live[3].startswith("assistant: Your device says it is")
+    page.reload()
+    expect(page.locator(COMPLETED).last).to_contain_text("Europe/Paris")
+    # From the archive: the text before the call, the card, the text after, in that order,
+    # and the card asks with the agent's own words (not the tool's description).
+    assert shown_in_order(page) == live
+    expect(card.locator(".consent")).to_have_text(
+        "The demo agent wants to read your device's clock and time zone."
+    )
+    expect(card).to_have_attribute("data-status", "completed")
+
+
+def play(audio: Any) -> float:
+    """Play the element; its duration in seconds once it could."""
+    return float(
+        audio.evaluate(
+            """(audio) => new Promise((resolve, reject) => {
+                const ready = () => audio.play().then(() => resolve(audio.duration), reject);
+                audio.readyState >= 1 ? ready() : audio.addEventListener("loadedmetadata", ready);
+                audio.addEventListener("error", () => reject(new Error("audio failed to load")));
+            })"""
+        )
+    )
+
+
+def test_streamed_media_plays_after_a_reload_where_the_agent_made_it(page: Page) -> None:
+    ask(page, "hello")
+    ask(page, "beep")
+    expect(page.locator(f"{COMPLETED} audio.media")).to_have_count(1)
+    page.reload()
+    expect(page.locator(COMPLETED)).to_have_count(2)
+    # Archived through the media port with the reply it came with: the second one.
+    expect(page.locator(COMPLETED).first.locator("audio.media")).to_have_count(0)
+    sound = page.locator(COMPLETED).nth(1).locator("audio.media")
+    expect(sound).to_have_attribute("src", re.compile(r"^blob:"))
+    assert play(sound) == pytest.approx(0.5, abs=0.05)

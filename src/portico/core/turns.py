@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import mimetypes
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ from portico.core.events import (
     TurnFailed,
     TurnMediaChunk,
 )
-from portico.core.model import ContentPart, Message, MessageStatus, Turn, new_id
+from portico.core.model import ContentPart, Message, MessageStatus, PartType, Turn, new_id
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import Telemetry
 from portico.core.tools import ToolBroker
@@ -76,6 +77,10 @@ class TurnRunner:
         # The text of the reply messages a tool call already ended (docs/storage.md,
         # "A turn's messages"): the turn's answer is theirs and the current one's.
         self._earlier: list[str] = []
+        # Streamed media, archived whole through the media port as parts of the reply
+        # message it came with, so that a reloaded client can still play it.
+        self._media_pieces: dict[str, list[bytes]] = {}  # media id -> its chunks so far
+        self._kept: list[asyncio.Future[ContentPart | None]] = []  # the current message's
         # The reply is archived before its first chunk: by the engine with the turn
         # (`reply`, `pending`) or here as a `streaming` message at the first chunk; it
         # is completed at the end, or at the agent's next tool call, after which the
@@ -203,6 +208,7 @@ class TurnRunner:
             return None
         if isinstance(event, MediaChunk):
             self.emit(TurnMediaChunk(session_id, turn_id, event))
+            self._collect(event)
             return None
         await self._close_reply()
         return await self._tools.call(
@@ -228,13 +234,47 @@ class TurnRunner:
             return  # no message open: nothing streamed since the last call
         await asyncio.wait({self._reply_opened})
         content = "".join(self._text)
+        parts = await self._kept_parts()
         try:
-            await self._store.update_message(self._reply(content, (), "completed"))
+            await self._store.update_message(self._reply(content, parts, "completed"))
         except StoreError:
             log.exception("archiving a reply before a tool call failed turn=%s", self.turn.id)
         self._earlier.append(content)
         self._text, self._chunks = [], 0
         self.reply_id, self._reply_offset, self._reply_opened = new_id("msg"), None, None
+
+    def _collect(self, chunk: MediaChunk) -> None:
+        if self._input.media is None:
+            return  # nowhere to keep it
+        pieces = self._media_pieces.setdefault(chunk.media_id, [])
+        pieces.append(chunk.data)
+        if chunk.is_last:
+            data = b"".join(self._media_pieces.pop(chunk.media_id))
+            # Not awaited: the stream goes on while the media store writes.
+            self._kept.append(asyncio.ensure_future(self._keep(chunk, data)))
+
+    async def _keep(self, chunk: MediaChunk, data: bytes) -> ContentPart | None:
+        media = self._input.media
+        assert media is not None
+        extension = mimetypes.guess_extension(chunk.mime_type) or ""
+        try:
+            kept = await media.keep(
+                principal=self.owner,
+                session_id=self.turn.session_id,
+                mime_type=chunk.mime_type,
+                data=data,
+                filename=f"streamed-{chunk.media_id}{extension}",
+            )
+        except Exception:
+            # The live view had it; the archive goes without rather than fail the turn.
+            log.exception("archiving streamed media failed turn=%s", self.turn.id)
+            return None
+        return None if kept is None else ContentPart(type=_part_type(chunk.mime_type), media=kept)
+
+    async def _kept_parts(self) -> tuple[ContentPart, ...]:
+        """The current message's streamed media, once archived."""
+        kept, self._kept = self._kept, []
+        return tuple(part for part in await asyncio.gather(*kept) if part is not None)
 
     def _next_offset(self) -> int:
         return next(self._offsets)
@@ -250,14 +290,15 @@ class TurnRunner:
             content = content if terminal.content is None else self._last_part(terminal.content)
             parts = terminal.parts
         trigger = self._trigger_for(terminal)
+        archived_parts = (*(parts or ()), *await self._kept_parts())
         if self._reply_opened is not None and not self._reply_opened.done():
             # The reply's insert must have landed before its end is queued: the end
             # updates it in place (or appends it when that insert failed).
             await asyncio.wait({self._reply_opened})
         reply = None
-        if content or parts or self._reply_opened is not None:
+        if content or archived_parts or self._reply_opened is not None:
             failed = trigger in (TurnTrigger.FAIL, TurnTrigger.INTERRUPT)
-            reply = self._reply(content, parts or (), "failed" if failed else "completed")
+            reply = self._reply(content, archived_parts, "failed" if failed else "completed")
         event = self._terminal_event(terminal, "".join(self._earlier) + content, parts)
         if isinstance(event, TurnFailed):
             self.turn = msgspec.structs.replace(
@@ -347,6 +388,13 @@ class TurnRunner:
         else:
             changes["ended_at"] = now
         self.turn = msgspec.structs.replace(self.turn, **changes)
+
+
+_PART_TYPES: dict[str, PartType] = {"image": "image", "audio": "audio", "video": "video"}
+
+
+def _part_type(mime_type: str) -> PartType:
+    return _PART_TYPES.get(mime_type.split("/", 1)[0], "file")
 
 
 async def _close_quietly(stream: TurnStream) -> None:

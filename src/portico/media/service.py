@@ -266,12 +266,49 @@ class MediaService:
                     f"Content-Length is {content_length}; {ticket.size_bytes} bytes were declared"
                 )
             now = self._clock()
-            expires_at = None if self._media_ttl is None else now + self._media_ttl
-            return await store.write(upload_id, chunks, created_at=now, expires_at=expires_at)
+            return await store.write(
+                upload_id, chunks, created_at=now, expires_at=self._expiry(now)
+            )
         except BaseException:
             # A failed attempt gives the ticket back: the URL works again until it expires.
             await asyncio.shield(store.release_ticket(upload_id))
             raise
+
+    def _expiry(self, now: float) -> float | None:
+        return None if self._media_ttl is None else now + self._media_ttl
+
+    async def keep(
+        self, *, principal: str, session_id: str, mime_type: str, data: bytes, filename: str
+    ) -> MediaContent | None:
+        """Archive media an agent streamed (it has no part of its own) in the turn's
+        session, kept for `media_ttl` like an upload; None when media are not enabled or
+        it is larger than an upload may be."""
+        if self._store is None or not data or len(data) > self._max_upload_bytes:
+            return None
+        now = self._clock()
+        upload_id, media_id = new_upload_id(), new_media_id()
+        ticket = UploadTicket(
+            media_id=media_id,
+            session_id=session_id,
+            owner=principal,
+            filename=filename,
+            mime_type=mime_type,
+            size_bytes=len(data),
+            created_at=now,
+            expires_at=now + self._upload_url_ttl,
+        )
+        # The same steps as an upload, so the media store needs no second way in.
+        await self._store.create_ticket(upload_id, ticket)
+        await self._store.claim_ticket(upload_id, now=now)
+        await self._store.write(
+            upload_id, _single(data), created_at=now, expires_at=self._expiry(now)
+        )
+        return MediaContent(
+            mime_type=mime_type,
+            storage_ref=storage_ref(session_id, media_id),
+            filename=filename,
+            size_bytes=len(data),
+        )
 
     # -- reading --------------------------------------------------------------------
 
@@ -423,3 +460,7 @@ class MediaService:
                 trust_env=False,
             )
         return self._http
+
+
+async def _single(data: bytes) -> AsyncGenerator[bytes, None]:
+    yield data
