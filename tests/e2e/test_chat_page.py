@@ -545,3 +545,30 @@ def test_streamed_media_plays_after_a_reload_where_the_agent_made_it(page: Page)
     sound = page.locator(COMPLETED).nth(1).locator("audio.media")
     expect(sound).to_have_attribute("src", re.compile(r"^blob:"))
     assert play(sound) == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_reload_mid_reply_shows_the_reply_so_far_then_continues(page: Page) -> None:
+    send(page, "slow")
+    reply = page.locator(REPLIES).last
+    expect(reply).to_contain_text("step 3 of 40")
+    # Every text the reply shows while it streams, from the reloaded page's first render.
+    page.add_init_script(
+        """window.addEventListener("DOMContentLoaded", () => {
+            window.streamedTexts = [];
+            new MutationObserver(() => {
+                for (const el of document.querySelectorAll(".msg.reply[data-status=streaming]"))
+                    window.streamedTexts.push(el.querySelector(".markdown")?.textContent ?? "");
+            }).observe(document.querySelector("#messages"), {
+                childList: true, subtree: true, attributes: true, characterData: true,
+            });
+        })"""
+    )
+    page.reload()
+    expect(reply).to_have_attribute("data-status", "completed", timeout=20_000)
+    assert reply.locator(".markdown").inner_text() == SLOW_TEXT
+    expect(page.locator(REPLIES)).to_have_count(1)
+    streamed = [text for text in page.evaluate("() => window.streamedTexts") if text]
+    assert streamed, "the reloaded page never showed the reply streaming"
+    # From its first words on, while it still streamed: the first steps were not missing.
+    assert streamed[0].startswith("step 1 of 40, step 2 of 40, step 3 of 40,"), streamed[0]
+    assert all(SLOW_TEXT.startswith(text) for text in streamed)

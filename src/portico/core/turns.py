@@ -8,7 +8,7 @@ import logging
 import mimetypes
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -41,6 +41,17 @@ from portico.runtime.base import (
 from portico.store.base import Store
 
 log = logging.getLogger("portico.turn")
+
+
+class StreamedSoFar(NamedTuple):
+    """The reply message being streamed now: its text so far, and how many live chunks
+    (`TurnChunk.index` 0 ... `chunks - 1`) that text holds."""
+
+    message_id: str
+    text: str
+    chunks: int
+
+
 YIELD_EVERY = 64  # runtime events between forced yields to the event loop
 
 
@@ -113,6 +124,13 @@ class TurnRunner:
             and not opened.cancelled()
             and (opened.exception() is None)
         )
+
+    def streamed_so_far(self) -> StreamedSoFar | None:
+        """What the archive does not hold yet (it gets a reply's text at its end): for a
+        reader arriving mid-reply. None while the current reply is not archived."""
+        if not self.reply_archived:
+            return None
+        return StreamedSoFar(self.reply_id, "".join(self._text), self._chunks)
 
     def request_stop(self, trigger: TurnTrigger) -> None:
         """End the turn early: at once while the runtime streams, else before it starts."""

@@ -110,7 +110,7 @@ const sidebar = {
   confirmDelete: null,
   elements: new Map(),
 };
-const liveTexts = new Map(); // RPC live chunks by message id: {text, nextIndex, gapped}
+const liveTexts = new Map(); // RPC live chunks by message id: index -> delta
 const runningTurns = new Map(); // session id -> Set of turn ids pending or running
 
 let saveTimer = null;
@@ -236,30 +236,33 @@ function trackTurn(turn) {
 }
 
 function onRpcLive(live) {
-  let entry = liveTexts.get(live.message_id);
-  if (!entry) {
-    entry = { text: "", nextIndex: 0, gapped: false };
-    liveTexts.set(live.message_id, entry);
-  }
-  if (live.index === entry.nextIndex && !entry.gapped) {
-    entry.text += live.delta;
-    entry.nextIndex += 1;
-  } else if (live.index > entry.nextIndex) {
-    entry.gapped = true; // live frames are best effort: the final update repairs the text
-  }
-  // A live /v1/session conversation streams over its own exactly-once channel.
-  if (live.session_id !== view.sessionId || lives.has(live.session_id)) return;
+  const deltas = liveTexts.get(live.message_id) ?? new Map();
+  liveTexts.set(live.message_id, deltas.set(live.index, live.delta));
+  if (live.session_id !== view.sessionId) return;
   later(() => {
     const key = view.messageKeys.get(live.message_id);
     const item = (key && view.items.get(key)) ?? replyItem(live.turn_id);
     item.id = live.message_id;
-    if (item.final == null) {
-      item.text = entry.text;
-      item.gapped = entry.gapped;
-      item.status = "streaming";
-      scheduleRender(item);
-    }
+    // A live /v1/session conversation streams over its own exactly-once channel, but
+    // not the part of a reply streamed before this page loaded (`item.snapshot`).
+    if (lives.has(live.session_id) && !item.snapshot) return;
+    showStreamed(item);
+    scheduleRender(item);
   });
+}
+
+/** The reply's text so far: what `message.list` said it held (a page loaded mid-reply),
+ * then the live chunks after it, in order. Live frames are best effort: a missing one
+ * shows as "catching up" until the final update repairs the text. */
+function showStreamed(item) {
+  if (item.final != null) return;
+  const deltas = liveTexts.get(item.id) ?? new Map();
+  let text = item.snapshot?.text ?? "";
+  let index = item.snapshot?.chunks ?? 0;
+  while (deltas.has(index)) text += deltas.get(index++);
+  item.text = text;
+  item.gapped = [...deltas.keys()].some((later) => later > index);
+  item.status = "streaming";
 }
 
 // -- live conversations over /v1/session -----------------------------------------------------
@@ -433,7 +436,7 @@ class LiveConversation {
 
   refreshReply(turnId) {
     const item = replyItem(turnId, null, this.segment(turnId));
-    if (item.final != null) return;
+    if (item.final != null || item.snapshot) return; // begun before a reload: see showStreamed
     item.text = this.streams.get(item.key) ?? item.text;
     item.status = "streaming";
     scheduleRender(item);
@@ -583,9 +586,9 @@ function applyMessage(m) {
       if (item.parts?.some(archivedMedia)) delete item.streamed; // the archived copy replaces it
       liveTexts.delete(m.id);
     } else {
-      item.status = "streaming";
-      const entry = liveTexts.get(m.id);
-      if (entry && !lives.has(m.session_id)) item.text = entry.text;
+      if (m.streamed_chunks) item.snapshot = { text: String(data ?? ""), chunks: m.streamed_chunks };
+      if (item.snapshot || !lives.has(m.session_id)) showStreamed(item);
+      else item.status = "streaming";
     }
     scheduleRender(item);
   } else if (m.content_type === "summary") {
