@@ -228,7 +228,8 @@ class TurnRunner:
             self.emit(TurnMediaChunk(session_id, turn_id, event))
             self._collect(event)
             return None
-        await self._close_reply()
+        if self._tools.archives_calls:
+            await self._close_reply()  # the call's messages come after what was said
         return await self._tools.call(
             self._input.owner, session_id, turn_id, event, self.emit, self._next_offset
         )
