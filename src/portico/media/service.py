@@ -228,24 +228,14 @@ class MediaService:
                 f"size_bytes: {size_bytes} is above the {self._max_upload_bytes}-byte upload limit"
             )
         await self._check_session(principal, session_id, SessionExpired)
-        now = self._clock()
-        upload_id, media_id = new_upload_id(), new_media_id()
-        ticket = UploadTicket(
-            media_id=media_id,
-            session_id=session_id,
-            owner=principal,
-            filename=filename,
-            mime_type=mime_type,
-            size_bytes=size_bytes,
-            created_at=now,
-            expires_at=now + self._upload_url_ttl,
+        upload_id, ticket = await self._open_ticket(
+            store, principal, session_id, filename, mime_type, size_bytes
         )
-        await store.create_ticket(upload_id, ticket)
         base = self._public_url or base_url.rstrip("/")
         return UploadGrant(
             upload_id=upload_id,
             upload_url=f"{base}/media/upload/{upload_id}",
-            storage_ref=storage_ref(session_id, media_id),
+            storage_ref=storage_ref(session_id, ticket.media_id),
             expires_at=iso8601(ticket.expires_at),
             headers={"Content-Type": mime_type},
         )
@@ -274,6 +264,31 @@ class MediaService:
             await asyncio.shield(store.release_ticket(upload_id))
             raise
 
+    async def _open_ticket(
+        self,
+        store: MediaStore,
+        principal: str,
+        session_id: str,
+        filename: str,
+        mime_type: str,
+        size_bytes: int,
+    ) -> tuple[str, UploadTicket]:
+        """A new upload ticket for one file, stored; its upload id and the ticket."""
+        now = self._clock()
+        upload_id = new_upload_id()
+        ticket = UploadTicket(
+            media_id=new_media_id(),
+            session_id=session_id,
+            owner=principal,
+            filename=filename,
+            mime_type=mime_type,
+            size_bytes=size_bytes,
+            created_at=now,
+            expires_at=now + self._upload_url_ttl,
+        )
+        await store.create_ticket(upload_id, ticket)
+        return upload_id, ticket
+
     def _expiry(self, now: float) -> float | None:
         return None if self._media_ttl is None else now + self._media_ttl
 
@@ -285,27 +300,17 @@ class MediaService:
         it is larger than an upload may be."""
         if self._store is None or not data or len(data) > self._max_upload_bytes:
             return None
-        now = self._clock()
-        upload_id, media_id = new_upload_id(), new_media_id()
-        ticket = UploadTicket(
-            media_id=media_id,
-            session_id=session_id,
-            owner=principal,
-            filename=filename,
-            mime_type=mime_type,
-            size_bytes=len(data),
-            created_at=now,
-            expires_at=now + self._upload_url_ttl,
-        )
         # The same steps as an upload, so the media store needs no second way in.
-        await self._store.create_ticket(upload_id, ticket)
-        await self._store.claim_ticket(upload_id, now=now)
-        await self._store.write(
-            upload_id, _single(data), created_at=now, expires_at=self._expiry(now)
+        store = self._store
+        upload_id, ticket = await self._open_ticket(
+            store, principal, session_id, filename, mime_type, len(data)
         )
+        now = self._clock()
+        await store.claim_ticket(upload_id, now=now)
+        await store.write(upload_id, _single(data), created_at=now, expires_at=self._expiry(now))
         return MediaContent(
             mime_type=mime_type,
-            storage_ref=storage_ref(session_id, media_id),
+            storage_ref=storage_ref(session_id, ticket.media_id),
             filename=filename,
             size_bytes=len(data),
         )
