@@ -277,16 +277,19 @@ async def test_disconnect_during_a_tool_call_still_ends_the_turn(
     client = await connect_short()
     session_id, _ = await start_tool_turn(client)
     await client.ws.close()
-    messages = await wait_for_messages(short_archive_path, session_id, 4)
+    messages = await wait_for_messages(short_archive_path, session_id, 5)
     async with open_archive(short_archive_path) as store:
         (record,) = await store.list_tool_calls(session_id)
     assert record.outcome == "denied"
-    # The reply is created with the turn; the call and its outcome follow it.
+    # The reply created with the turn ends empty at the call the agent made first; the
+    # text after the call and its outcome is a message of its own (docs/storage.md).
     assert [(m.role, m.content_type, m.turn_offset) for m in messages] == [
         ("user", "text", 1),
         ("assistant", "markdown", 2),
         ("assistant", "toolcall_input", 3),
         ("tool", "toolcall_output", 4),
+        ("assistant", "markdown", 5),
     ]
     assert record.message_id == messages[2].id
-    assert messages[1].content.startswith("status=denied")
+    assert (messages[1].content, messages[1].status) == ("", "completed")
+    assert messages[4].content.startswith("status=denied")

@@ -407,6 +407,34 @@ async def test_message_list_pages_by_global_offset(alice: RpcProbe) -> None:
     ] == "message.not_found"
 
 
+async def test_message_list_mid_reply_holds_the_text_so_far(
+    alice: RpcProbe, open_rpc: Open, new_user: Callable[[], str]
+) -> None:
+    """The archive gets a reply's text at its end; a reader arriving mid-reply (a
+    reloaded page) is given the text so far and where the live chunks continue it."""
+    session_id = (await send_scenario(alice, "paced"))["session_id"]  # p0 ... p9, 100 ms apart
+    await alice.until(lambda p: any(live["index"] >= 2 for live in p.live))
+    page = await alice.call("v1.message.list", {"session_id": session_id})
+    reply = page["items"][1]
+    assert (reply["role"], reply["status"]) == ("assistant", "streaming")
+    chunks = reply["streamed_chunks"]
+    assert 3 <= chunks < 10
+    assert reply["content_data"] == "".join(f"p{n} " for n in range(chunks))
+    # The live chunks from that index on complete it: nothing missing, nothing twice.
+    await finished(alice, session_id)
+    later = {live["index"]: live["delta"] for live in alice.live if live["index"] >= chunks}
+    whole = reply["content_data"] + "".join(later[n] for n in sorted(later))
+    assert whole == "".join(f"p{n} " for n in range(10))
+    # Once it ended, the archive holds the text and the page says nothing more.
+    (ended,) = [
+        m
+        for m in (await alice.call("v1.message.list", {"session_id": session_id}))["items"]
+        if m["id"] == reply["id"]
+    ]
+    assert "streamed_chunks" not in ended
+    assert ended["content_data"] == whole
+
+
 async def test_turn_get_and_list(alice: RpcProbe) -> None:
     session_id = (await send(alice))["session_id"]
     turn = await finished(alice, session_id)

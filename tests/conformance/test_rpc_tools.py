@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from typing import Any
 
 import aiohttp
@@ -308,3 +309,68 @@ async def test_an_rtc_waiting_for_a_client_is_delivered_to_a_fresh_connection(
     await fresh.call("v1.rtc.submit_result", {"rtc_id": rtc["id"], "success": True, "result": 1})
     await fresh.wait_turn_end(sent["session_id"])
     assert reply_text(fresh) == "status=completed result=1 error="
+
+
+async def test_a_turns_messages_list_in_the_order_it_happened(
+    connect: Callable[..., Any], token: str
+) -> None:
+    """Text, a tool call, its result, text: `v1.message.list` in offset order tells the
+    turn as it happened (the reply is split into messages at the call, docs/storage.md)."""
+    probe = await connect(token)
+    session_id, rtc = await start_tool_turn(probe, "text_tool_text")
+    await probe.request(
+        "v1.rtc.submit_result",
+        {"rtc_id": rtc["id"], "success": True, "result": "Oslo", "client_id": "tab-1"},
+    )
+    await probe.wait_turn_end(session_id)
+    listed = await probe.call("v1.message.list", {"session_id": session_id})
+    told = [(m["role"], m["content_type"], m["content_data"]) for m in listed["items"]]
+    assert [(role, kind) for role, kind, _ in told] == [
+        ("user", "text"),
+        ("assistant", "markdown"),
+        ("assistant", "toolcall_input"),
+        ("tool", "toolcall_output"),
+        ("assistant", "markdown"),
+    ]
+    assert (told[1][2], told[4][2]) == ("Let me look. ", 'You are in "Oslo".')
+    assert told[2][2]["id"] == told[3][2]["id"] == rtc["id"]
+    offsets = [(m["global_offset"], m["turn_offset"]) for m in listed["items"]]
+    assert offsets == sorted(offsets)
+    assert [t for _, t in offsets] == [1, 2, 3, 4, 5]
+    assert {m["status"] for m in listed["items"]} == {"completed"}
+
+
+async def test_streamed_media_is_archived_as_a_part_of_its_reply(
+    connect: Callable[..., Any], http: aiohttp.ClientSession, tool_server: ServerProcess, token: str
+) -> None:
+    """The agent's streamed audio (`media` scenario: 200,000 bytes) is kept through the
+    media port for `media_ttl` (86,400 s by default) as a part of the reply it came with,
+    so a client reading the history later can still play it."""
+    probe = await connect(token)
+    sent = await probe.call(
+        "v1.message.send",
+        {
+            "content_data": "x",
+            "client_id": f"c-{next(_users)}",
+            "metadata": {"mock_scenario": "media"},
+        },
+    )
+    await probe.wait_turn_end(sent["session_id"])
+    listed = await probe.call("v1.message.list", {"session_id": sent["session_id"]})
+    (reply,) = [m for m in listed["items"] if m["content_type"] == "markdown"]
+    (part,) = reply["parts"]
+    assert (part["type"], part["media"]["mime_type"]) == ("audio", "audio/pcm")
+    assert part["media"]["size_bytes"] == 200_000
+    _, session_id, _, media_id = part["media"]["storage_ref"].rsplit("/", 3)
+    assert session_id == sent["session_id"]
+    headers = {"Authorization": f"Bearer {token}"}
+    base = tool_server.http_url
+    async with http.get(f"{base}/media/download/{session_id}/{media_id}", headers=headers) as got:
+        assert got.status == 200
+        assert await got.read() == (bytes(range(256)) * 782)[:200_000]
+    async with http.get(f"{base}/media/info/{session_id}/{media_id}", headers=headers) as got:
+        described = await got.json()
+    created, expires = (
+        datetime.fromisoformat(described[key]).timestamp() for key in ("created_at", "expires_at")
+    )
+    assert expires - created == pytest.approx(86_400, abs=1)

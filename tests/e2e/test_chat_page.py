@@ -27,8 +27,9 @@ try:
 except ImportError:  # reported by the fixtures: skipped locally, a failure in CI
     Page = Any  # type: ignore[misc,assignment]
 
-REPLIES = ".msg.reply"
-COMPLETED = ".msg.reply[data-status=completed]"
+# Shown replies: the empty message a tool call the agent made first ended is hidden.
+REPLIES = ".msg.reply:not([hidden])"
+COMPLETED = ".msg.reply[data-status=completed]:not([hidden])"
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -483,3 +484,93 @@ def test_a_wrong_token_is_reported_and_can_be_replaced(page: Page, token: str) -
     page.locator("#token-form button").click()
     expect(page.locator("#connection")).to_have_attribute("data-state", "open")
     expect(ask(page, "echo signed in")).to_have_text("signed in")
+
+
+# -- the archive tells the conversation as it happened ----------------------------------------
+
+
+def shown_in_order(page: Page) -> list[str]:
+    """The visible messages in page order: `kind: text` (a tool card: its name)."""
+    return list(
+        page.evaluate(
+            """() => [...document.querySelectorAll("#messages > .msg")]
+                .filter((el) => !el.hidden)
+                .map((el) => {
+                    if (el.classList.contains("tool")) return `tool: ${el.dataset.name}`;
+                    const text = el.querySelector(".text, .markdown")?.textContent.trim();
+                    return `${el.dataset.role}: ${text}`;
+                })"""
+        )
+    )
+
+
+def test_a_reloaded_tool_turn_reads_as_it_happened(page: Page) -> None:
+    send(page, "what time is it")
+    card = page.locator(".msg.tool[data-name=get_time]")
+    card.locator(".allow").click()
+    expect(page.locator(COMPLETED).last).to_contain_text("Europe/Paris")
+    live = shown_in_order(page)
+    assert live[1:3] == ["assistant: Let me ask your device for the time.", "tool: get_time"]
+    assert live[3].startswith("assistant: Your device says it is")
+    page.reload()
+    expect(page.locator(COMPLETED).last).to_contain_text("Europe/Paris")
+    # From the archive: the text before the call, the card, the text after, in that order,
+    # and the card asks with the agent's own words (not the tool's description).
+    assert shown_in_order(page) == live
+    expect(card.locator(".consent")).to_have_text(
+        "The demo agent wants to read your device's clock and time zone."
+    )
+    expect(card).to_have_attribute("data-status", "completed")
+
+
+def play(audio: Any) -> float:
+    """Play the element; its duration in seconds once it could."""
+    return float(
+        audio.evaluate(
+            """(audio) => new Promise((resolve, reject) => {
+                const ready = () => audio.play().then(() => resolve(audio.duration), reject);
+                audio.readyState >= 1 ? ready() : audio.addEventListener("loadedmetadata", ready);
+                audio.addEventListener("error", () => reject(new Error("audio failed to load")));
+            })"""
+        )
+    )
+
+
+def test_streamed_media_plays_after_a_reload_where_the_agent_made_it(page: Page) -> None:
+    ask(page, "hello")
+    ask(page, "beep")
+    expect(page.locator(f"{COMPLETED} audio.media")).to_have_count(1)
+    page.reload()
+    expect(page.locator(COMPLETED)).to_have_count(2)
+    # Archived through the media port with the reply it came with: the second one.
+    expect(page.locator(COMPLETED).first.locator("audio.media")).to_have_count(0)
+    sound = page.locator(COMPLETED).nth(1).locator("audio.media")
+    expect(sound).to_have_attribute("src", re.compile(r"^blob:"))
+    assert play(sound) == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_reload_mid_reply_shows_the_reply_so_far_then_continues(page: Page) -> None:
+    send(page, "slow")
+    reply = page.locator(REPLIES).last
+    expect(reply).to_contain_text("step 3 of 40")
+    # Every text the reply shows while it streams, from the reloaded page's first render.
+    page.add_init_script(
+        """window.addEventListener("DOMContentLoaded", () => {
+            window.streamedTexts = [];
+            new MutationObserver(() => {
+                for (const el of document.querySelectorAll(".msg.reply[data-status=streaming]"))
+                    window.streamedTexts.push(el.querySelector(".markdown")?.textContent ?? "");
+            }).observe(document.querySelector("#messages"), {
+                childList: true, subtree: true, attributes: true, characterData: true,
+            });
+        })"""
+    )
+    page.reload()
+    expect(reply).to_have_attribute("data-status", "completed", timeout=20_000)
+    assert reply.locator(".markdown").inner_text() == SLOW_TEXT
+    expect(page.locator(REPLIES)).to_have_count(1)
+    streamed = [text for text in page.evaluate("() => window.streamedTexts") if text]
+    assert streamed, "the reloaded page never showed the reply streaming"
+    # From its first words on, while it still streamed: the first steps were not missing.
+    assert streamed[0].startswith("step 1 of 40, step 2 of 40, step 3 of 40,"), streamed[0]
+    assert all(SLOW_TEXT.startswith(text) for text in streamed)

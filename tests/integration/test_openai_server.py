@@ -294,12 +294,14 @@ def rpc_url(server: ServerProcess) -> str:
 
 
 def reply_texts(probe: RpcProbe, session_id: str) -> list[str]:
+    """The shown replies: the empty one a tool call the model made first ended is not."""
     return [
         str(m["content_data"])
         for m in probe.entities("message")
         if m["session_id"] == session_id
         and m["status"] == "completed"
         and m["content_type"] == "markdown"
+        and m["content_data"]
     ]
 
 

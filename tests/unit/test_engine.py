@@ -13,6 +13,7 @@ from portico.core.engine import Engine, UserMessage
 from portico.core.events import TERMINAL_EVENTS, TurnChunk, TurnCompleted, TurnEvent, TurnFailed
 from portico.core.model import Message, Session, Turn
 from portico.core.states import TurnState
+from portico.core.tools import ClientToolBroker
 from portico.errors import (
     SessionDeclarationRefused,
     SessionExpired,
@@ -208,6 +209,46 @@ async def test_done_content_and_parts_replace_the_chunks() -> None:
     assert isinstance(terminal, TurnCompleted)
     assert terminal.content == "final"
     assert [m.content for m in await engine.store.list_messages("s1")] == ["hi", "final"]
+
+
+async def test_the_reply_is_split_at_a_tool_call_in_the_order_it_happened() -> None:
+    runtime = ListRuntime(
+        Chunk("Let me look. "),
+        ToolCall(id="call-1", name="get_location", arguments={}),
+        Chunk("Found "),
+        Chunk("it"),
+        Done(content="Let me look. Found it."),
+    )
+    store = MemoryStore()
+    # Nobody answers: the call ends `timeout` at once, the turn goes on.
+    tools = ClientToolBroker(store=store, ack_timeout=0.01, answer_timeout=0.01, clock=Clock())
+    engine = Engine(
+        store=store,
+        runtimes={"default": runtime},
+        agents={"default": AgentSettings()},
+        context_ttl=TTL,
+        clock=Clock(),
+        tools=tools,
+    )
+    turn, recorder = await run_turn(engine, user_message())
+    messages = await store.list_messages("s1")
+    assert [(m.turn_offset, m.content_type, m.status) for m in messages] == [
+        (1, "text", "completed"),
+        (2, "markdown", "completed"),
+        (3, "toolcall_input", "completed"),
+        (4, "toolcall_output", "completed"),
+        (5, "markdown", "completed"),
+    ]
+    before, after = messages[1], messages[4]
+    # Done.content is the whole answer: the message after the call holds its own part.
+    assert (before.content, after.content) == ("Let me look. ", "Found it.")
+    chunks = [e for e in recorder.events if isinstance(e, TurnChunk)]
+    assert [(c.message_id, c.index) for c in chunks] == [
+        (before.id, 0),
+        (after.id, 0),
+        (after.id, 1),
+    ]
+    assert recorder.events[-1] == TurnCompleted("s1", turn.id, "Let me look. Found it.")
 
 
 async def test_a_submitted_turn_is_archived_running_then_completed() -> None:

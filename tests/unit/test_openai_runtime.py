@@ -487,8 +487,9 @@ async def test_history_after_a_compaction_is_mapped_to_chat_messages(fake: FakeO
             {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
         ],
     }
-    assert sent[3] == {"role": "assistant", "content": "Let me check."}
-    assert sent[4]["tool_calls"] == [
+    # The text before a call is the call's message's content, as the model sends them.
+    assert (sent[3]["role"], sent[3]["content"]) == ("assistant", "Let me check.")
+    assert sent[3]["tool_calls"] == [
         {
             "id": "call-a",
             "type": "function",
@@ -505,7 +506,7 @@ async def test_history_after_a_compaction_is_mapped_to_chat_messages(fake: FakeO
         {"role": "assistant", "content": "You are in Oslo."},
         {"role": "user", "content": "thanks"},
     ]
-    assert len(sent) == 12
+    assert len(sent) == 11
 
 
 async def test_a_model_summary_in_history_is_its_text(fake: FakeOpenAI) -> None:
@@ -574,9 +575,9 @@ async def test_an_agent_prompt_is_a_system_instruction_for_this_message_only(
     ]
 
 
-async def test_a_turns_reply_is_sent_after_its_tool_calls(fake: FakeOpenAI) -> None:
-    # The archive creates a turn's reply with the turn, ahead of the tool calls the
-    # agent then makes; the model must read them in the order they happened.
+async def test_the_history_reads_text_call_result_text_as_archived(fake: FakeOpenAI) -> None:
+    # A turn's reply is archived split at its tool calls (docs/storage.md): archive
+    # order is what happened, and the text before a call travels with the call.
     def of_turn(turn_id: str, *messages: Message) -> list[Message]:
         return [msgspec.structs.replace(m, turn_id=turn_id) for m in messages]
 
@@ -584,25 +585,32 @@ async def test_a_turns_reply_is_sent_after_its_tool_calls(fake: FakeOpenAI) -> N
         *of_turn(
             "t1",
             message("where am I?"),
-            message("You are in Oslo.", role="assistant", content_type="markdown"),
+            message("Let me look.", role="assistant", content_type="markdown"),
             call_message("call-a", "get_location", {}),
             output_message("call-a", "completed", {"city": "Oslo"}),
+            message("You are in Oslo.", role="assistant", content_type="markdown"),
         ),
         *of_turn(
             "t2",
             message("thanks"),
+            message("", role="assistant", content_type="markdown"),  # a call came first
+            call_message("call-b", "get_location", {}),
+            output_message("call-b", "completed", {"city": "Oslo"}),
             message("You're welcome.", role="assistant", content_type="markdown"),
         ),
     )
     fake.push(text("ok"))
     await drive(runtime(fake), turn_input(message("bye"), history=history))
-    roles = [(m["role"], m.get("content")) for m in fake.bodies[0]["messages"]]
+    sent = fake.bodies[0]["messages"]
+    roles = [(m["role"], m.get("content"), "tool_calls" in m) for m in sent]
     assert roles == [
-        ("user", "where am I?"),
-        ("assistant", None),  # the tool call
-        ("tool", '{"city": "Oslo"}'),
-        ("assistant", "You are in Oslo."),
-        ("user", "thanks"),
-        ("assistant", "You're welcome."),
-        ("user", "bye"),
+        ("user", "where am I?", False),
+        ("assistant", "Let me look.", True),  # the text and the call, as the model sends them
+        ("tool", '{"city": "Oslo"}', False),
+        ("assistant", "You are in Oslo.", False),
+        ("user", "thanks", False),
+        ("assistant", None, True),
+        ("tool", '{"city": "Oslo"}', False),
+        ("assistant", "You're welcome.", False),
+        ("user", "bye", False),
     ]

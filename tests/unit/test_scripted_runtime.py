@@ -568,13 +568,23 @@ async def test_demo_asks_a_declared_client_tool_with_consent(
 ) -> None:
     outcome = ToolOutcome(status="completed", result={})
     events = await drive(DemoRuntime(word_delay=0), demo_turn(text, tools=(name,)), (outcome,))
-    call = events[0]
-    assert isinstance(call, ToolCall)
+    call = next(event for event in events if isinstance(event, ToolCall))
     assert call.name == name
     assert call.categories == categories
     assert call.consent_message
     assert call.id.startswith("call-")
     assert events[-1] == Done()
+
+
+ASKING = "Let me ask your device for the time."  # the demo says so before asking
+
+
+async def test_demo_says_what_it_does_before_the_clock_call() -> None:
+    events = await drive(
+        DemoRuntime(word_delay=0), demo_turn("what time is it"), (ToolOutcome("completed", "noon"),)
+    )
+    call = next(i for i, event in enumerate(events) if isinstance(event, ToolCall))
+    assert reply_text(events[:call]) == ASKING + " "
 
 
 async def test_demo_reports_what_the_tools_answered() -> None:
@@ -583,11 +593,11 @@ async def test_demo_reports_what_the_tools_answered() -> None:
     answered = await drive(
         runtime, demo_turn("what time is it"), (ToolOutcome("completed", result),)
     )
-    assert (
-        reply_text(answered) == "Your device says it is Monday 12:00 in the Europe/Paris time zone."
+    assert reply_text(answered) == (
+        f"{ASKING} Your device says it is Monday 12:00 in the Europe/Paris time zone."
     )
     plain = await drive(runtime, demo_turn("the time?"), (ToolOutcome("completed", "noon"),))
-    assert reply_text(plain) == "Your device says it is noon."
+    assert reply_text(plain) == f"{ASKING} Your device says it is noon."
     zone = await drive(
         runtime, demo_turn("where am i"), (ToolOutcome("completed", {"time_zone": "Asia/Tokyo"}),)
     )
@@ -605,7 +615,7 @@ async def test_demo_reports_a_declined_or_failed_tool() -> None:
     denied = ToolOutcome(status="denied", error="declined by the user")
     declined = await drive(runtime, demo_turn("what time is it"), (denied,))
     assert reply_text(declined) == (
-        "I won't look, then: `get_time` was not allowed (declined by the user)."
+        f"{ASKING} I won't look, then: `get_time` was not allowed (declined by the user)."
     )
     failed = await drive(runtime, demo_turn("where am I"), (ToolOutcome("error", error="boom"),))
     assert reply_text(failed) == "Your client tried `get_timezone` but it failed: boom."

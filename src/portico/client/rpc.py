@@ -227,6 +227,9 @@ class MessageEntity(msgspec.Struct, frozen=True, kw_only=True):
     updated_at: str | None = None
     parts: tuple[ContentPart, ...] = ()  # Portico addition: media parts
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    # Portico addition, `message_list` of a reply being streamed: `content_data` is its
+    # text so far and holds live chunks 0 ... streamed_chunks - 1.
+    streamed_chunks: int = 0
 
 
 class TurnFailure(msgspec.Struct, frozen=True):

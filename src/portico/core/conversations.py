@@ -38,6 +38,9 @@ E = TypeVar("E")
 class Page(msgspec.Struct, Generic[E], frozen=True):
     items: list[E]
     next_cursor: str  # "" at the end
+    # Messages only: id -> how many live chunks its `content` holds, for a reply being
+    # streamed now (its content is the text so far; live chunks from there continue it).
+    streamed: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 def page_of(found: Sequence[E], limit: int, cursor_of: Callable[[E], str]) -> Page[E]:
@@ -264,7 +267,24 @@ class Conversations:
         found = await self._store.list_messages(
             session_id, after_offset=after_offset, limit=limit + 1
         )
-        return page_of(found, limit, lambda m: str(m.global_offset))
+        page = page_of(found, limit, lambda m: str(m.global_offset))
+        return self._with_streamed_text(session_id, page)
+
+    def _with_streamed_text(self, session_id: str, page: Page[Message]) -> Page[Message]:
+        """A reply being streamed is archived with its text only at its end (the archive
+        never holds up a chunk): a reader arriving mid-reply gets the text so far."""
+        so_far = self._engine.streamed_so_far(session_id)
+        if so_far is None or not so_far.chunks:
+            return page
+        items = [
+            msgspec.structs.replace(m, content=so_far.text, status="streaming")
+            if m.id == so_far.message_id and m.status in ("pending", "streaming")
+            else m
+            for m in page.items
+        ]
+        if items == page.items:
+            return page
+        return Page(items, page.next_cursor, {so_far.message_id: so_far.chunks})
 
     # -- turns and tool calls -------------------------------------------------------
 

@@ -24,7 +24,7 @@ from portico.core.periodic import every
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.core.tools import NoClientTools, ToolBroker
-from portico.core.turns import TurnRunner
+from portico.core.turns import StreamedSoFar, TurnRunner
 from portico.errors import (
     InvalidMessage,
     MediaNotEnabled,
@@ -229,6 +229,11 @@ class Engine:
             for runner in self._running.values()
             if runner is not None and runner.owner == owner and runner.reply_archived
         ]
+
+    def streamed_so_far(self, session_id: str) -> StreamedSoFar | None:
+        """The session's reply being streamed by this process now, as far as it got."""
+        runner = self._running.get(session_id)
+        return None if runner is None else runner.streamed_so_far()
 
     # -- turns --------------------------------------------------------------------
 

@@ -52,6 +52,10 @@ def _no_offset() -> int:
 
 
 class ToolBroker(Protocol):
+    # Whether a call is archived as `toolcall_input` and `toolcall_output` messages: the
+    # turn then splits its reply at the call (docs/storage.md).
+    archives_calls: bool
+
     async def call(
         self,
         owner: str,
@@ -81,6 +85,8 @@ class _Pending:
 
 
 class ClientToolBroker:
+    archives_calls = True
+
     def __init__(
         self,
         *,
@@ -401,6 +407,8 @@ def _check_transition(record: ToolCallRecord, trigger: ToolCallTrigger) -> None:
 
 class NoClientTools:
     """Denies every client tool call at once: for agents served where no client answers."""
+
+    archives_calls = False
 
     async def call(
         self,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import mimetypes
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -19,7 +20,7 @@ from portico.core.events import (
     TurnFailed,
     TurnMediaChunk,
 )
-from portico.core.model import ContentPart, Message, MessageStatus, Turn, new_id
+from portico.core.model import ContentPart, Message, MessageStatus, PartType, Turn, new_id
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import Telemetry
 from portico.core.tools import ToolBroker
@@ -40,6 +41,17 @@ from portico.runtime.base import (
 from portico.store.base import Store
 
 log = logging.getLogger("portico.turn")
+
+
+class StreamedSoFar(NamedTuple):
+    """The reply message being streamed now: its text so far, and how many live chunks
+    (`TurnChunk.index` 0 ... `chunks - 1`) that text holds."""
+
+    message_id: str
+    text: str
+    chunks: int
+
+
 YIELD_EVERY = 64  # runtime events between forced yields to the event loop
 
 
@@ -71,10 +83,19 @@ class TurnRunner:
         self._listeners = listeners
         self._clock = clock
         self._text: list[str] = []
-        self._chunks = 0
+        self._chunks = 0  # chunks of the current reply message (RPC live `index`)
+        self._streamed = 0  # chunks of the whole turn
+        # The text of the reply messages a tool call already ended (docs/storage.md,
+        # "A turn's messages"): the turn's answer is theirs and the current one's.
+        self._earlier: list[str] = []
+        # Streamed media, archived whole through the media port as parts of the reply
+        # message it came with, so that a reloaded client can still play it.
+        self._media_pieces: dict[str, list[bytes]] = {}  # media id -> its chunks so far
+        self._kept: list[asyncio.Future[ContentPart | None]] = []  # the current message's
         # The reply is archived before its first chunk: by the engine with the turn
         # (`reply`, `pending`) or here as a `streaming` message at the first chunk; it
-        # is completed at the end. Readers and RPC clients see it while it grows.
+        # is completed at the end, or at the agent's next tool call, after which the
+        # text goes to a new message. Readers and RPC clients see it while it grows.
         self.reply_id = new_id("msg") if reply is None else reply.id
         # The turn's messages are numbered from 1 (the user's); tool calls take numbers too.
         self._reply_offset: int | None = None if reply is None else reply.turn_offset
@@ -103,6 +124,13 @@ class TurnRunner:
             and not opened.cancelled()
             and (opened.exception() is None)
         )
+
+    def streamed_so_far(self) -> StreamedSoFar | None:
+        """What the archive does not hold yet (it gets a reply's text at its end): for a
+        reader arriving mid-reply. None while the current reply is not archived."""
+        if not self.reply_archived:
+            return None
+        return StreamedSoFar(self.reply_id, "".join(self._text), self._chunks)
 
     def request_stop(self, trigger: TurnTrigger) -> None:
         """End the turn early: at once while the runtime streams, else before it starts."""
@@ -156,7 +184,7 @@ class TurnRunner:
             self.turn.session_id,
             self.turn.id,
             self.turn.state,
-            self._chunks,
+            self._streamed,
             duration * 1000,
         )
         return self.turn
@@ -198,7 +226,10 @@ class TurnRunner:
             return None
         if isinstance(event, MediaChunk):
             self.emit(TurnMediaChunk(session_id, turn_id, event))
+            self._collect(event)
             return None
+        if self._tools.archives_calls:
+            await self._close_reply()  # the call's messages come after what was said
         return await self._tools.call(
             self._input.owner, session_id, turn_id, event, self.emit, self._next_offset
         )
@@ -207,11 +238,62 @@ class TurnRunner:
         self._text.append(event.text)
         if self._first_chunk is None:
             self._first_chunk = time.perf_counter() - self._created
-            if self._reply_opened is None:
-                self._open_reply()
+        if self._reply_opened is None:  # the turn's first words, or the first after a call
+            self._open_reply()
         turn = self.turn
         self.emit(TurnChunk(turn.session_id, turn.id, event.text, self.reply_id, self._chunks))
         self._chunks += 1
+        self._streamed += 1
+
+    async def _close_reply(self) -> None:
+        """A tool call ends the reply message streamed before it: completed now, and the
+        text after the call goes to a new message, so the turn's messages read in offset
+        order as it happened (the engine's `pending` reply ends empty if nothing came)."""
+        if self._reply_opened is None:
+            return  # no message open: nothing streamed since the last call
+        await asyncio.wait({self._reply_opened})
+        content = "".join(self._text)
+        parts = await self._kept_parts()
+        try:
+            await self._store.update_message(self._reply(content, parts, "completed"))
+        except StoreError:
+            log.exception("archiving a reply before a tool call failed turn=%s", self.turn.id)
+        self._earlier.append(content)
+        self._text, self._chunks = [], 0
+        self.reply_id, self._reply_offset, self._reply_opened = new_id("msg"), None, None
+
+    def _collect(self, chunk: MediaChunk) -> None:
+        if self._input.media is None:
+            return  # nowhere to keep it
+        pieces = self._media_pieces.setdefault(chunk.media_id, [])
+        pieces.append(chunk.data)
+        if chunk.is_last:
+            data = b"".join(self._media_pieces.pop(chunk.media_id))
+            # Not awaited: the stream goes on while the media store writes.
+            self._kept.append(asyncio.ensure_future(self._keep(chunk, data)))
+
+    async def _keep(self, chunk: MediaChunk, data: bytes) -> ContentPart | None:
+        media = self._input.media
+        assert media is not None
+        extension = mimetypes.guess_extension(chunk.mime_type) or ""
+        try:
+            kept = await media.keep(
+                principal=self.owner,
+                session_id=self.turn.session_id,
+                mime_type=chunk.mime_type,
+                data=data,
+                filename=f"streamed-{chunk.media_id}{extension}",
+            )
+        except Exception:
+            # The live view had it; the archive goes without rather than fail the turn.
+            log.exception("archiving streamed media failed turn=%s", self.turn.id)
+            return None
+        return None if kept is None else ContentPart(type=_part_type(chunk.mime_type), media=kept)
+
+    async def _kept_parts(self) -> tuple[ContentPart, ...]:
+        """The current message's streamed media, once archived."""
+        kept, self._kept = self._kept, []
+        return tuple(part for part in await asyncio.gather(*kept) if part is not None)
 
     def _next_offset(self) -> int:
         return next(self._offsets)
@@ -224,18 +306,19 @@ class TurnRunner:
         content = "".join(self._text)
         parts: tuple[ContentPart, ...] | None = None
         if isinstance(terminal, Done):
-            content = content if terminal.content is None else terminal.content
+            content = content if terminal.content is None else self._last_part(terminal.content)
             parts = terminal.parts
         trigger = self._trigger_for(terminal)
+        archived_parts = (*(parts or ()), *await self._kept_parts())
         if self._reply_opened is not None and not self._reply_opened.done():
             # The reply's insert must have landed before its end is queued: the end
             # updates it in place (or appends it when that insert failed).
             await asyncio.wait({self._reply_opened})
         reply = None
-        if content or parts or self._reply_opened is not None:
+        if content or archived_parts or self._reply_opened is not None:
             failed = trigger in (TurnTrigger.FAIL, TurnTrigger.INTERRUPT)
-            reply = self._reply(content, parts or (), "failed" if failed else "completed")
-        event = self._terminal_event(terminal, content, parts)
+            reply = self._reply(content, archived_parts, "failed" if failed else "completed")
+        event = self._terminal_event(terminal, "".join(self._earlier) + content, parts)
         if isinstance(event, TurnFailed):
             self.turn = msgspec.structs.replace(
                 self.turn, error_code=event.code, error_message=event.message
@@ -248,6 +331,12 @@ class TurnRunner:
             # Logged; the client still gets its one terminal event.
             log.exception("archiving the turn's end failed turn=%s", self.turn.id)
         self.emit(event)
+
+    def _last_part(self, answer: str) -> str:
+        """The part of a runtime's whole answer (`Done.content`) after the text the
+        earlier reply messages of the turn hold; all of it when it does not start so."""
+        earlier = "".join(self._earlier)
+        return answer[len(earlier) :] if answer.startswith(earlier) else answer
 
     def _trigger_for(self, terminal: Done | Failure | None) -> TurnTrigger:
         if terminal is None:
@@ -318,6 +407,13 @@ class TurnRunner:
         else:
             changes["ended_at"] = now
         self.turn = msgspec.structs.replace(self.turn, **changes)
+
+
+_PART_TYPES: dict[str, PartType] = {"image": "image", "audio": "audio", "video": "video"}
+
+
+def _part_type(mime_type: str) -> PartType:
+    return _PART_TYPES.get(mime_type.split("/", 1)[0], "file")
 
 
 async def _close_quietly(stream: TurnStream) -> None:

@@ -231,24 +231,14 @@ class MediaService:
                 f"size_bytes: {size_bytes} is above the {self._max_upload_bytes}-byte upload limit"
             )
         await self._check_session(principal, session_id, SessionExpired)
-        now = self._clock()
-        upload_id, media_id = new_upload_id(), new_media_id()
-        ticket = UploadTicket(
-            media_id=media_id,
-            session_id=session_id,
-            owner=principal,
-            filename=filename,
-            mime_type=mime_type,
-            size_bytes=size_bytes,
-            created_at=now,
-            expires_at=now + self._upload_url_ttl,
+        upload_id, ticket = await self._open_ticket(
+            store, principal, session_id, filename, mime_type, size_bytes
         )
-        await store.create_ticket(upload_id, ticket)
         base = self._public_url or base_url.rstrip("/")
         return UploadGrant(
             upload_id=upload_id,
             upload_url=f"{base}/media/upload/{upload_id}",
-            storage_ref=storage_ref(session_id, media_id),
+            storage_ref=storage_ref(session_id, ticket.media_id),
             expires_at=iso8601(ticket.expires_at),
             headers={"Content-Type": mime_type},
         )
@@ -269,12 +259,64 @@ class MediaService:
                     f"Content-Length is {content_length}; {ticket.size_bytes} bytes were declared"
                 )
             now = self._clock()
-            expires_at = None if self._media_ttl is None else now + self._media_ttl
-            return await store.write(upload_id, chunks, created_at=now, expires_at=expires_at)
+            return await store.write(
+                upload_id, chunks, created_at=now, expires_at=self._expiry(now)
+            )
         except BaseException:
             # A failed attempt gives the ticket back: the URL works again until it expires.
             await asyncio.shield(store.release_ticket(upload_id))
             raise
+
+    async def _open_ticket(
+        self,
+        store: MediaStore,
+        principal: str,
+        session_id: str,
+        filename: str,
+        mime_type: str,
+        size_bytes: int,
+    ) -> tuple[str, UploadTicket]:
+        """A new upload ticket for one file, stored; its upload id and the ticket."""
+        now = self._clock()
+        upload_id = new_upload_id()
+        ticket = UploadTicket(
+            media_id=new_media_id(),
+            session_id=session_id,
+            owner=principal,
+            filename=filename,
+            mime_type=mime_type,
+            size_bytes=size_bytes,
+            created_at=now,
+            expires_at=now + self._upload_url_ttl,
+        )
+        await store.create_ticket(upload_id, ticket)
+        return upload_id, ticket
+
+    def _expiry(self, now: float) -> float | None:
+        return None if self._media_ttl is None else now + self._media_ttl
+
+    async def keep(
+        self, *, principal: str, session_id: str, mime_type: str, data: bytes, filename: str
+    ) -> MediaContent | None:
+        """Archive media an agent streamed (it has no part of its own) in the turn's
+        session, kept for `media_ttl` like an upload; None when media are not enabled or
+        it is larger than an upload may be."""
+        if self._store is None or not data or len(data) > self._max_upload_bytes:
+            return None
+        # The same steps as an upload, so the media store needs no second way in.
+        store = self._store
+        upload_id, ticket = await self._open_ticket(
+            store, principal, session_id, filename, mime_type, len(data)
+        )
+        now = self._clock()
+        await store.claim_ticket(upload_id, now=now)
+        await store.write(upload_id, _single(data), created_at=now, expires_at=self._expiry(now))
+        return MediaContent(
+            mime_type=mime_type,
+            storage_ref=storage_ref(session_id, ticket.media_id),
+            filename=filename,
+            size_bytes=len(data),
+        )
 
     # -- reading --------------------------------------------------------------------
 
@@ -430,3 +472,7 @@ class MediaService:
                 trust_env=False,
             )
         return self._http
+
+
+async def _single(data: bytes) -> AsyncGenerator[bytes, None]:
+    yield data

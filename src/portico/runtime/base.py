@@ -91,6 +91,11 @@ class MediaAccess(Protocol):
     async def read(self, *, session_id: str, media: MediaContent) -> bytes:
         """The bytes of a vetted part (stored upload, inline data or URL)."""
 
+    async def keep(
+        self, *, principal: str, session_id: str, mime_type: str, data: bytes, filename: str
+    ) -> MediaContent | None:
+        """Archive media the agent streamed; the part's media (None: not kept)."""
+
 
 class HistoryReader(Protocol):
     async def __call__(self, before: Message) -> tuple[Message, ...]:

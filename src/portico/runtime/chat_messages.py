@@ -7,7 +7,10 @@
 - `summary`: a system message with the summary's text;
 - `toolcall_input` with its `toolcall_output`: an assistant message with one
   tool call and the tool message answering it (a call without a recorded answer
-  gets one saying so: the API refuses a tool call left unanswered);
+  gets one saying so: the API refuses a tool call left unanswered); the assistant
+  text archived right before the call becomes that message's `content`;
+- all in archive order, which is the order things happened: a turn's reply is split
+  into messages at its tool calls (docs/storage.md, "A turn's messages");
 - assistant and system text as they are; `thinking` is left out.
 """
 
@@ -82,8 +85,9 @@ class ChatMapper:
     async def history(self, messages: Sequence[Message]) -> list[ChatMessage]:
         answers = _answers(messages)
         chat: list[ChatMessage] = []
-        for message in _replies_last(messages):
-            chat.extend(await self._mapped(message, answers))
+        for message in messages:  # archive order is the order it happened
+            for mapped in await self._mapped(message, answers):
+                _append_merged(chat, mapped)
         return chat
 
     async def user(self, message: Message) -> ChatMessage:
@@ -138,26 +142,20 @@ class ChatMapper:
         return base64.b64encode(await self._read_media(media)).decode()
 
 
-def _replies_last(messages: Sequence[Message]) -> list[Message]:
-    """Archive order, except that a turn's reply follows the turn's tool calls.
-
-    The reply is archived when its turn starts (so clients see it before its first
-    word), ahead of the tool calls the agent makes before answering; the model must
-    read them in the order they happened.
-    """
-    ordered: list[Message] = []
-    held: dict[str, Message] = {}  # turn id -> its reply, until the turn's next message
-    for message in messages:
-        is_reply = message.role == "assistant" and message.content_type == "markdown"
-        if is_reply and message.turn_id:
-            held[message.turn_id] = message
-            continue
-        if held and message.turn_id not in held:
-            ordered.extend(held.values())
-            held.clear()
-        ordered.append(message)
-    ordered.extend(held.values())
-    return ordered
+def _append_merged(chat: list[ChatMessage], mapped: ChatMessage) -> None:
+    """Append, folding a tool call into the assistant text right before it: the shape
+    the model itself answers with (`content` and `tool_calls` in one message)."""
+    previous = chat[-1] if chat else None
+    if (
+        previous is not None
+        and "tool_calls" in mapped
+        and previous["role"] == "assistant"
+        and isinstance(previous.get("content"), str)
+        and "tool_calls" not in previous
+    ):
+        chat[-1] = {**mapped, "content": previous["content"]}
+        return
+    chat.append(mapped)
 
 
 def _note(text: str) -> dict[str, Any]:

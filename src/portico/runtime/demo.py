@@ -62,12 +62,14 @@ class DemoTool:
         categories: tuple[str, ...],
         arguments: dict[str, Any] | None = None,
         describe: Callable[[Any], str],
+        preamble: str = "",
     ) -> None:
         self.name = name
         self.consent_message = consent_message
         self.categories = categories
         self.arguments = dict(arguments or {})
         self.describe = describe
+        self.preamble = preamble  # said before the call: the archive keeps it before the card
 
 
 def _field(result: Any, *keys: str) -> str | None:
@@ -111,6 +113,7 @@ TOOLS = {
         consent_message="The demo agent wants to read your device's clock and time zone.",
         categories=("time",),
         describe=_describe_time,
+        preamble="Let me ask your device for the time.",
     ),
     "zone": DemoTool(
         "get_timezone",
@@ -356,6 +359,10 @@ class DemoRuntime:
                 offered = ", ".join(t.name for t in turn.client_tools)
                 reply = f"I'd ask your client for `{tool.name}`, but it only offers: {offered}."
             else:
+                if tool.preamble:
+                    async for chunk in self._stream(tool.preamble):
+                        yield chunk
+                    yield Chunk(" ")  # the answer after the call is a sentence of its own
                 outcome = yield ToolCall(
                     id=new_id("call"),
                     name=tool.name,

@@ -32,6 +32,7 @@ from portico.protocols.rpc.connection import (
 )
 from portico.protocols.rpc.entities import (
     WireEntity,
+    WireMessage,
     entity_wire,
     message_wire,
     parse_rfc3339,
@@ -343,7 +344,15 @@ def refuse_while_draining(services: Services) -> None:
 
 def page_wire(page: Page[Any]) -> dict[str, Any]:
     items: list[WireEntity] = [entity_wire(item) for item in page.items]
+    if page.streamed:
+        items = [_with_streamed(item, page.streamed) for item in items]
     return {"items": items, "next_cursor": page.next_cursor}
+
+
+def _with_streamed(wire: WireEntity, streamed: dict[str, int]) -> WireEntity:
+    if isinstance(wire, WireMessage) and wire.id in streamed:
+        return msgspec.structs.replace(wire, streamed_chunks=streamed[wire.id])
+    return wire
 
 
 def offset_cursor(cursor: str | int) -> int:

@@ -111,7 +111,7 @@ const sidebar = {
   confirmDelete: null,
   elements: new Map(),
 };
-const liveTexts = new Map(); // RPC live chunks by message id: {text, nextIndex, gapped}
+const liveTexts = new Map(); // RPC live chunks by message id: index -> delta
 const runningTurns = new Map(); // session id -> Set of turn ids pending or running
 
 let saveTimer = null;
@@ -222,7 +222,7 @@ function trackTurn(turn) {
   runningTurns.set(turn.session_id, running);
   if (turn.session_id !== view.sessionId) return;
   later(() => {
-    const item = view.items.get(`r:${turn.id}`);
+    const item = lastReply(turn.id);
     if (turn.status === "cancelled" && item) {
       item.cancelled = true;
       scheduleRender(item);
@@ -239,29 +239,33 @@ function trackTurn(turn) {
 }
 
 function onRpcLive(live) {
-  let entry = liveTexts.get(live.message_id);
-  if (!entry) {
-    entry = { text: "", nextIndex: 0, gapped: false };
-    liveTexts.set(live.message_id, entry);
-  }
-  if (live.index === entry.nextIndex && !entry.gapped) {
-    entry.text += live.delta;
-    entry.nextIndex += 1;
-  } else if (live.index > entry.nextIndex) {
-    entry.gapped = true; // live frames are best effort: the final update repairs the text
-  }
-  // A live /v1/session conversation streams over its own exactly-once channel.
-  if (live.session_id !== view.sessionId || lives.has(live.session_id)) return;
+  const deltas = liveTexts.get(live.message_id) ?? new Map();
+  liveTexts.set(live.message_id, deltas.set(live.index, live.delta));
+  if (live.session_id !== view.sessionId) return;
   later(() => {
-    const item = replyItem(live.turn_id);
+    const key = view.messageKeys.get(live.message_id);
+    const item = (key && view.items.get(key)) ?? replyItem(live.turn_id);
     item.id = live.message_id;
-    if (item.final == null) {
-      item.text = entry.text;
-      item.gapped = entry.gapped;
-      item.status = "streaming";
-      scheduleRender(item);
-    }
+    // A live /v1/session conversation streams over its own exactly-once channel, but
+    // not the part of a reply streamed before this page loaded (`item.snapshot`).
+    if (lives.has(live.session_id) && !item.snapshot) return;
+    showStreamed(item);
+    scheduleRender(item);
   });
+}
+
+/** The reply's text so far: what `message.list` said it held (a page loaded mid-reply),
+ * then the live chunks after it, in order. Live frames are best effort: a missing one
+ * shows as "catching up" until the final update repairs the text. */
+function showStreamed(item) {
+  if (item.final != null) return;
+  const deltas = liveTexts.get(item.id) ?? new Map();
+  let text = item.snapshot?.text ?? "";
+  let index = item.snapshot?.chunks ?? 0;
+  while (deltas.has(index)) text += deltas.get(index++);
+  item.text = text;
+  item.gapped = [...deltas.keys()].some((later) => later > index);
+  item.status = "streaming";
 }
 
 // -- live conversations over /v1/session -----------------------------------------------------
@@ -278,7 +282,8 @@ const lostBeforeStart = (frame) =>
 
 class LiveConversation {
   constructor(resumeFrom = null) {
-    this.streams = new Map(); // turn id -> text streamed so far
+    this.streams = new Map(); // reply item key -> text streamed so far
+    this.calls = new Map(); // turn id -> ids of its tool calls: text after one is a new reply
     this.consents = new Map(); // call id -> resolve(allowed) while the user decides
     this.preAnswers = new Map(); // call id -> allowed, for calls answered from the archive
     this.openTurns = 0;
@@ -352,17 +357,20 @@ class LiveConversation {
     const here = view.sessionId === this.sessionId;
     switch (frame.type) {
       case "chunk": {
-        const text = (this.streams.get(frame.turn_id) ?? "") + frame.content;
-        this.streams.set(frame.turn_id, text);
+        const key = replyKey(frame.turn_id, this.segment(frame.turn_id));
+        this.streams.set(key, (this.streams.get(key) ?? "") + frame.content);
         if (here) later(() => this.refreshReply(frame.turn_id));
         break;
       }
-      case "done":
-        this.streams.delete(frame.turn_id);
+      case "done": {
+        const segment = this.segment(frame.turn_id);
+        this.endTurn(frame.turn_id);
         if (here) {
           later(() => {
-            const item = replyItem(frame.turn_id);
-            if (frame.content != null) item.final = frame.content;
+            const item = replyItem(frame.turn_id, null, segment);
+            // `content` is the whole turn's text; after a tool call this message holds
+            // only what came after it (the archive's update brings its exact text).
+            if (frame.content != null && !segment) item.final = frame.content;
             else item.final ??= item.text;
             if (frame.parts) item.parts = frame.parts;
             item.status = "completed";
@@ -371,12 +379,14 @@ class LiveConversation {
           });
         }
         break;
+      }
       case "error":
         if (frame.turn_id != null) {
-          this.streams.delete(frame.turn_id);
+          const segment = this.segment(frame.turn_id);
+          this.endTurn(frame.turn_id);
           if (here) {
             later(() => {
-              const item = replyItem(frame.turn_id);
+              const item = replyItem(frame.turn_id, null, segment);
               item.status = "failed";
               item.error = frame.error.message;
               scheduleRender(item);
@@ -387,6 +397,7 @@ class LiveConversation {
         }
         break;
       case "tool_call":
+        this.calls.set(frame.turn_id, (this.calls.get(frame.turn_id) ?? new Set()).add(frame.tool_call.id));
         this.showCall(frame.tool_call, "sent");
         break;
       case "tool_result": // the server ended a call nobody answered in time
@@ -403,16 +414,31 @@ class LiveConversation {
     renderBusy();
   }
 
+  /** How many tool calls of the turn came so far: its current reply message's number. */
+  segment(turnId) {
+    return this.calls.get(turnId)?.size ?? 0;
+  }
+
+  endTurn(turnId) {
+    const segments = this.segment(turnId);
+    for (let segment = 0; segment <= segments; segment++)
+      this.streams.delete(replyKey(turnId, segment));
+    this.calls.delete(turnId);
+  }
+
   /** A streamed media item, whole: shown with its reply (an incomplete one is dropped).
-   * Streamed media are not archived, so a reloaded page no longer shows them. */
+   * The archive keeps it as a part of that reply, which replaces this copy once its
+   * update arrives (and is what a reloaded page shows). */
   onMedia(media) {
     if (!media.complete || view.sessionId !== this.sessionId) return;
     const mime = media.format.mime_type ?? "";
     const type = partType(mime);
     if (type === "file") return; // the demo plays sounds and shows pictures; nothing else
     const url = URL.createObjectURL(media.blob);
+    const segment = this.segment(media.turn_id);
     later(() => {
-      const item = replyItem(media.turn_id);
+      const item = replyItem(media.turn_id, null, segment);
+      if (item.status === "completed" && item.parts?.some(archivedMedia)) return;
       item.streamed = [
         ...(item.streamed ?? []),
         { part: { type, media: { mime_type: mime, filename: `streamed ${type}` } }, url },
@@ -422,9 +448,9 @@ class LiveConversation {
   }
 
   refreshReply(turnId) {
-    const item = replyItem(turnId);
-    if (item.final != null) return;
-    item.text = this.streams.get(turnId) ?? item.text;
+    const item = replyItem(turnId, null, this.segment(turnId));
+    if (item.final != null || item.snapshot) return; // begun before a reload: see showStreamed
+    item.text = this.streams.get(item.key) ?? item.text;
     item.status = "streaming";
     scheduleRender(item);
   }
@@ -479,6 +505,8 @@ async function openLive() {
 const view = {
   sessionId: null,
   items: new Map(), // key -> item; the DOM order is the archive's (global_offset)
+  turnCalls: new Map(), // turn id -> offsets of its toolcall_input messages
+  messageKeys: new Map(), // assistant message id -> the key of its item
   loading: false,
   queue: [],
   generation: 0,
@@ -519,8 +547,14 @@ function place(item) {
   list.append(item.el);
 }
 
-function replyItem(turnId, offset = null) {
-  const item = newItem(`r:${turnId}`, "reply", offset);
+/** A turn's reply is archived split at its tool calls (docs/storage.md): its
+ * `segment`-th message holds the text after that many calls. */
+function replyKey(turnId, segment = 0) {
+  return segment ? `r:${turnId}:${segment}` : `r:${turnId}`;
+}
+
+function replyItem(turnId, offset = null, segment = 0) {
+  const item = newItem(replyKey(turnId, segment), "reply", offset);
   item.turnId ??= turnId;
   item.text ??= "";
   item.status ??= "streaming";
@@ -537,6 +571,8 @@ function toolItem(callId, offset = null) {
 function applyMessage(m) {
   const data = m.content_data;
   if (m.content_type === "toolcall_input" && data && typeof data === "object") {
+    const calls = view.turnCalls.get(m.turn_id) ?? new Set();
+    view.turnCalls.set(m.turn_id, calls.add(m.global_offset));
     const item = toolItem(data.id, m.global_offset);
     item.name ??= data.name;
     item.args ??= data.arguments;
@@ -554,19 +590,21 @@ function applyMessage(m) {
     scheduleRender(item);
   } else if (m.role === "assistant" && m.content_type === "markdown") {
     const item = m.turn_id
-      ? replyItem(m.turn_id, m.global_offset)
+      ? replyItem(m.turn_id, m.global_offset, callsBefore(m))
       : newItem(`m:${m.id}`, "reply", m.global_offset);
     item.id = m.id;
+    view.messageKeys.set(m.id, item.key);
     item.text ??= "";
     if (m.status === "completed" || m.status === "failed") {
       item.final = String(data ?? "");
       item.status = m.status;
       if (m.parts?.length) item.parts = m.parts;
+      if (item.parts?.some(archivedMedia)) delete item.streamed; // the archived copy replaces it
       liveTexts.delete(m.id);
     } else {
-      item.status = "streaming";
-      const entry = liveTexts.get(m.id);
-      if (entry && !lives.has(m.session_id)) item.text = entry.text;
+      if (m.streamed_chunks) item.snapshot = { text: String(data ?? ""), chunks: m.streamed_chunks };
+      if (item.snapshot || !lives.has(m.session_id)) showStreamed(item);
+      else item.status = "streaming";
     }
     scheduleRender(item);
   } else if (m.content_type === "summary") {
@@ -576,10 +614,31 @@ function applyMessage(m) {
   }
 }
 
+/** The turn's last reply message shown (the one a stop or failure belongs to), if any. */
+function lastReply(turnId) {
+  let last = null;
+  for (const item of view.items.values())
+    if (item.kind === "reply" && item.turnId === turnId && (!last || item.offset > last.offset))
+      last = item;
+  return last;
+}
+
+/** How many of the turn's tool calls come before the message: its reply segment. */
+function callsBefore(m) {
+  let count = 0;
+  for (const offset of view.turnCalls.get(m.turn_id) ?? []) if (offset < m.global_offset) count++;
+  return count;
+}
+
+const archivedMedia = (part) => Boolean(part.media?.storage_ref);
+
 function applyRtc(rtc) {
   const item = toolItem(rtc.id);
   item.name ??= rtc.name;
   item.args ??= rtc.arguments;
+  // What the agent asked the user, as the live view showed it (not the tool's description).
+  item.consent ??= rtc.consent_message ?? undefined;
+  if (rtc.categories?.length) item.categories ??= rtc.categories;
   // Keep the furthest state: archive updates, session frames and clicks interleave.
   const rank = { pending: 0, sent: 1, executing: 2 };
   item.owner = rtc.client_id; // empty while no RPC client has taken the call
@@ -596,6 +655,8 @@ const isTerminal = (status) => ["completed", "failed", "rejected", "timeout"].in
 function clearView() {
   for (const item of view.items.values()) item.el.remove();
   view.items.clear();
+  view.turnCalls.clear();
+  view.messageKeys.clear();
   view.queue = [];
   $("empty").hidden = false;
 }
@@ -642,7 +703,8 @@ async function select(sessionId) {
       view.loading = false;
       view.queue.splice(0).forEach((fn) => fn());
       const live = lives.get(sessionId);
-      for (const turnId of live?.streams.keys() ?? []) live.refreshReply(turnId);
+      const turns = new Set([...(live?.streams.keys() ?? [])].map((key) => key.split(":")[1]));
+      for (const turnId of turns) live.refreshReply(turnId);
       renderBusy();
     }
   }
@@ -774,6 +836,9 @@ function startFork(item) {
 function renderReply(item) {
   const content = h("div", { class: "markdown" });
   const text = item.final ?? item.text ?? "";
+  // The reply message before a tool call the agent made first holds nothing to show.
+  const empty = item.status === "completed" && !text && !item.parts?.length && !item.streamed;
+  item.el.hidden = empty && !item.cancelled;
   content.append(renderMarkdown(text));
   if (item.status === "streaming")
     content.append(h("span", { class: "cursor", "aria-hidden": "true" }));

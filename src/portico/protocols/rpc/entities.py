@@ -69,6 +69,9 @@ class WireMessage(msgspec.Struct, frozen=True, omit_defaults=True):
     # Portico additions, present only when set: media parts and the sender's metadata.
     parts: tuple[ContentPart, ...] = ()
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    # `message.list` of a reply being streamed now: `content_data` is its text so far,
+    # which holds live chunks 0 ... streamed_chunks - 1 (docs/rpc.md).
+    streamed_chunks: int = 0
 
 
 class TurnError(msgspec.Struct, frozen=True):
