@@ -25,11 +25,13 @@ import msgspec
 from aiohttp.abc import AbstractResolver, ResolveResult
 
 from portico.core.model import MediaContent
+from portico.core.reservations import SessionReservations
 from portico.errors import (
     InvalidMessage,
     MediaNotEnabled,
     MediaNotFound,
     SessionExpired,
+    TooManyUploads,
     UploadFailed,
     UploadNotFound,
     UploadTooLarge,
@@ -171,6 +173,8 @@ class MediaService:
         public_url: str | None = None,
         fetch_timeout: float = 30.0,  # seconds, for a whole `url` fetch
         fetch_private: bool = False,  # let `url` parts reach non-public addresses
+        max_pending_uploads: int | None = None,  # unused upload URLs per principal
+        reservations: SessionReservations | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
@@ -184,6 +188,10 @@ class MediaService:
         self._fetch_private = fetch_private
         self._clock = clock
         self._http: aiohttp.ClientSession | None = None
+        self._max_pending = max_pending_uploads
+        self._reservations = reservations or SessionReservations()
+        # principal -> upload id -> expiry: the URLs it holds, in this process.
+        self._pending: dict[str, dict[str, float]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -229,6 +237,7 @@ class MediaService:
             )
         await self._check_session(principal, session_id, SessionExpired)
         now = self._clock()
+        pending = self._pending_of(principal, now)
         upload_id, media_id = new_upload_id(), new_media_id()
         ticket = UploadTicket(
             media_id=media_id,
@@ -241,6 +250,7 @@ class MediaService:
             expires_at=now + self._upload_url_ttl,
         )
         await store.create_ticket(upload_id, ticket)
+        pending[upload_id] = ticket.expires_at
         base = self._public_url or base_url.rstrip("/")
         return UploadGrant(
             upload_id=upload_id,
@@ -267,11 +277,22 @@ class MediaService:
                 )
             now = self._clock()
             expires_at = None if self._media_ttl is None else now + self._media_ttl
-            return await store.write(upload_id, chunks, created_at=now, expires_at=expires_at)
+            info = await store.write(upload_id, chunks, created_at=now, expires_at=expires_at)
         except BaseException:
             # A failed attempt gives the ticket back: the URL works again until it expires.
             await asyncio.shield(store.release_ticket(upload_id))
             raise
+        self._pending.get(ticket.owner, {}).pop(upload_id, None)
+        return info
+
+    def _pending_of(self, principal: str, now: float) -> dict[str, float]:
+        """The principal's unused, unexpired upload URLs; `TooManyUploads` at the quota."""
+        held = self._pending.get(principal, {})
+        pending = {upload_id: at for upload_id, at in held.items() if at > now}
+        if self._max_pending is not None and len(pending) >= self._max_pending:
+            raise TooManyUploads()
+        self._pending[principal] = pending
+        return pending
 
     # -- reading --------------------------------------------------------------------
 
@@ -340,6 +361,8 @@ class MediaService:
         # A session the archive has not seen is allowed: /ws writes sessions lazily,
         # on their first message, and a client uploads before it sends one.
         session = await self._archive.get_session(session_id)
+        if session is None and self._reservations.foreign(session_id, principal):
+            raise error()
         if session is not None and session.owner != principal:
             raise error()
 
