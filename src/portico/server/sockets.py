@@ -35,6 +35,12 @@ def text_frame_header(length: int, *, binary: bool = False) -> bytes:
     return bytes((first, 127)) + length.to_bytes(8, "big")
 
 
+def close_frame(code: int, reason: str) -> bytes:
+    """An unmasked close frame (RFC 6455 5.5.1); the reason is cut to fit 125 bytes."""
+    payload = code.to_bytes(2, "big") + reason.encode()[:123]
+    return bytes((0x88, len(payload))) + payload
+
+
 def frame_type(frame: bytes) -> WSMsgType:
     """Queued frames are text unless a core marked them binary (`BinaryData`)."""
     return WSMsgType.BINARY if isinstance(frame, BinaryData) else WSMsgType.TEXT
@@ -159,13 +165,23 @@ class ServerSocket(ABC):
         self._handshake_timer = None
         self._stop_being_a_stranger()
         self._metrics.upgrades_refused.labels("handshake_timeout").inc()
-        self.start_close(CLOSE_HANDSHAKE_TIMEOUT, "handshake timeout")
+        self._hang_up(CLOSE_HANDSHAKE_TIMEOUT, "handshake timeout")
 
     def evict(self) -> None:
         """The strangers' budget is full and this is its oldest member."""
         self._stop_being_a_stranger()
         self._metrics.upgrades_refused.labels("strangers").inc()
-        self.start_close(CLOSE_TRY_AGAIN_LATER, "too many unauthenticated connections")
+        self._hang_up(CLOSE_TRY_AGAIN_LATER, "too many unauthenticated connections")
+
+    def _hang_up(self, code: int, reason: str) -> None:
+        """Send the close frame and drop the connection at once: a stranger gets no
+        closing handshake, whose wait would keep its slot for `close_timeout`."""
+        if self._closing is not None or self._transport is None:
+            return
+        self._sent_close_code = code
+        self._closed, self._writing = True, False
+        self._transport.write(close_frame(code, reason))
+        self._transport.close()  # flushes the close frame first
 
     def authenticated(self, principal: str) -> bool:
         """The in-band credential proved `principal`: no longer a stranger, and one of the
