@@ -72,6 +72,10 @@ def bearer(name: str) -> dict[str, str]:
     return {"Authorization": f"Bearer key-{name}"}
 
 
+async def omnia(http: aiohttp.ClientSession, server: ServerProcess, name: str) -> OmniaClient:
+    return OmniaClient(await http.ws_connect(server.ws_url, headers=bearer(name)))
+
+
 async def close_code(ws: aiohttp.ClientWebSocketResponse) -> int | None:
     """Read until the server closes; its close code."""
     async with asyncio.timeout(WAIT):
@@ -143,9 +147,10 @@ async def test_a_socket_that_never_authenticates_is_closed_at_the_deadline(
 
 
 async def wait_for_log(server: ServerProcess, text: str) -> str:
-    async with asyncio.timeout(WAIT):
-        while text not in (log := server.log_text()):
-            await asyncio.sleep(0.05)
+    deadline = asyncio.get_running_loop().time() + WAIT
+    while text not in (log := server.log_text()):
+        assert asyncio.get_running_loop().time() < deadline, f"never logged: {text}"
+        await asyncio.sleep(0.05)
     return log
 
 
@@ -169,7 +174,8 @@ async def test_a_principal_has_a_connection_cap_on_every_protocol(
 
         session = await SessionProbe.connect(http, session_url(server))
         answer = await session.hello(credential="key-carol")
-        assert answer["type"] == "error" and answer["error"]["code"] == "RATE_LIMITED", answer
+        assert answer["type"] == "error", answer
+        assert answer["error"]["code"] == "RATE_LIMITED", answer
         assert await close_code(session.ws) == CLOSE_TOO_MANY_CONNECTIONS
 
         # Another principal is not affected; a freed connection can be taken again.
@@ -189,9 +195,14 @@ async def test_a_principal_has_a_connection_cap_on_every_protocol(
 async def test_a_principal_has_an_upload_url_quota(
     http: aiohttp.ClientSession, server: ServerProcess
 ) -> None:
-    ws = OmniaClient(await http.ws_connect(f"ws://127.0.0.1:{server.port}/ws", headers=bearer("erin")))
+    ws = await omnia(http, server, "erin")
     session_id = (await ws.connected())["session_id"]
-    body = {"session_id": session_id, "filename": "a.txt", "mime_type": "text/plain", "size_bytes": 4}
+    body = {
+        "session_id": session_id,
+        "filename": "a.txt",
+        "mime_type": "text/plain",
+        "size_bytes": 4,
+    }
     url = f"{server.http_url}/media/request-upload"
     grants = []
     for _ in range(PENDING_UPLOADS):
@@ -204,7 +215,8 @@ async def test_a_principal_has_an_upload_url_quota(
     upload = {k: v for k, v in body.items() if k != "session_id"}
     await ws.send({"type": "upload_request", "session_id": session_id, "upload_request": upload})
     refused = await ws.recv()
-    assert refused["type"] == "error" and refused["error"]["code"] == "RATE_LIMITED", refused
+    assert refused["type"] == "error", refused
+    assert refused["error"]["code"] == "RATE_LIMITED", refused
 
     # Using a URL gives its place back.
     async with http.put(grants[0]["upload_url"], data=b"abcd", headers=grants[0]["headers"]) as put:
@@ -289,7 +301,7 @@ async def test_an_upload_below_the_minimum_rate_is_refused(
 async def grant_upload(
     http: aiohttp.ClientSession, server: ServerProcess, name: str, size: int
 ) -> dict[str, Any]:
-    ws = OmniaClient(await http.ws_connect(f"ws://127.0.0.1:{server.port}/ws", headers=bearer(name)))
+    ws = await omnia(http, server, name)
     session_id = (await ws.connected())["session_id"]
     body = {"filename": "a.txt", "mime_type": "text/plain", "size_bytes": size}
     await ws.send({"type": "upload_request", "session_id": session_id, "upload_request": body})
@@ -337,10 +349,8 @@ async def test_a_minted_session_id_belongs_to_its_connection(
 async def test_a_malformed_request_is_logged_without_its_headers(server: ServerProcess) -> None:
     secret = "key-alice-SECRET"
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(
-        f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {secret}\x01\r\n\r\n"
-        .encode()
-    )
+    head = f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {secret}\x01\r\n"
+    writer.write(head.encode() + b"\r\n")
     answer = await closed_by_server(reader)
     writer.close()
     assert answer.split(b"\r\n", 1)[0].endswith(b"400 Bad Request"), answer[:200]
@@ -348,3 +358,40 @@ async def test_a_malformed_request_is_logged_without_its_headers(server: ServerP
     assert secret not in log
     assert "Traceback" not in log
     assert "ERROR" not in log
+
+
+# -- RPC params -----------------------------------------------------------------------------
+
+OUT_OF_RANGE = [
+    ("v1.message.list", {"session_id": "sess-x", "cursor": 2**63}, "params.cursor"),
+    ("v1.message.list", {"session_id": "sess-x", "cursor": str(2**63)}, "params.cursor"),
+    ("v1.session.list", {"limit": 2**64}, "params.limit"),
+    ("v1.message.send", {"content_data": "hi", "client_id": "c" * 129}, "params.client_id"),
+    ("v1.session.get", {"session_id": "s" * 129}, "params.session_id"),
+    ("v1.session.update", {"session_id": "sess-x", "title": "t" * 257}, "params.title"),
+    (
+        "v1.session.update",
+        {"session_id": "sess-x", "deleted_at": "2026-01-02T03:04:05"},  # no zone
+        "params.deleted_at",
+    ),
+]
+
+
+async def test_out_of_range_rpc_params_are_invalid_requests(
+    http: aiohttp.ClientSession, server: ServerProcess
+) -> None:
+    probe = await RpcProbe.open(http, rpc_url(server), token="key-dave")
+    try:
+        sent = await probe.call("v1.message.send", {"content_data": "hi", "client_id": "c-z"})
+        for method, params, field in OUT_OF_RANGE:
+            if params.get("session_id") == "sess-x":  # one that exists: the store is reached
+                params = {**params, "session_id": sent["session_id"]}
+            error = await probe.error(method, params)
+            assert error["code"] == "invalid_request", (method, params, error)
+            assert error["details"] == {"field": field}, (method, params, error)
+        # A zoned time is still accepted.
+        update = {"session_id": sent["session_id"], "deleted_at": "2026-01-02T03:04:05+02:00"}
+        deleted = await probe.call("v1.session.update", update)
+        assert deleted["deleted_at"] == "2026-01-02T01:04:05.000Z"
+    finally:
+        await probe.close()
