@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import rpc_url
 
-from support.omnia import OmniaClient
+from support.omnia import OmniaClient, scenario
 from support.rpc import RpcProbe
 from support.server import SCRIPT, ServerProcess
 from support.session import SessionProbe
@@ -395,3 +395,20 @@ async def test_out_of_range_rpc_params_are_invalid_requests(
         assert deleted["deleted_at"] == "2026-01-02T01:04:05.000Z"
     finally:
         await probe.close()
+
+
+async def test_a_refused_fetch_is_logged_without_a_traceback(
+    http: aiohttp.ClientSession, server: ServerProcess
+) -> None:
+    """`localhost` is a name, so the URL check passes; the resolver then refuses it."""
+    client = await omnia(http, server, "frank")
+    await client.connected()
+    media = {"url": f"http://localhost:{server.port}/healthz", "mime_type": "image/png"}
+    frames = await client.ask(
+        "look", parts=[{"type": "image", "media": media}], **scenario("media_info")
+    )
+    await client.ws.close()
+    assert frames[-1]["type"] == "error", frames
+    log = await wait_for_log(server, "turn refused")
+    assert "code=INVALID_MESSAGE" in log
+    assert "Traceback" not in log
