@@ -81,7 +81,7 @@ class Services:
         self.draining = False
         self.connections: weakref.WeakSet[LiveConnection] = weakref.WeakSet()
         self.slots = ConnectionSlots(settings.max_connections)
-        self.strangers = Strangers(settings.max_unauthenticated_connections)
+        self.strangers = Strangers(stranger_budget(settings))
         self.principals = PrincipalSlots(settings.max_connections_per_principal)
 
     async def principal_of(self, request: web.Request) -> str:
@@ -95,6 +95,11 @@ class Services:
 
 
 SERVICES = web.AppKey("services", Services)
+
+
+def stranger_budget(settings: Settings) -> int:
+    """Unauthenticated sockets never hold more than half the connections."""
+    return min(settings.max_unauthenticated_connections, max(1, settings.max_connections // 2))
 
 
 def build_store(settings: Settings) -> Store:
