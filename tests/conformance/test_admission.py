@@ -12,12 +12,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
-from conftest import rpc_url
+from conftest import rpc_url, start_rpc_server
 
 from support.omnia import OmniaClient, scenario
 from support.rpc import RpcProbe
-from support.server import SCRIPT, ServerProcess
+from support.server import ServerProcess
 from support.session import SessionProbe
 
 BUDGET = 8  # max_unauthenticated_connections
@@ -28,7 +27,6 @@ HEADER_TIMEOUT = 1.0
 MIN_RATE = 4096  # bytes per second
 FLOOD = 300  # idle unauthenticated sockets, far more than max_connections
 WAIT = 15.0  # every wait's deadline
-KEYS = {f"key-{name}": name for name in ("alice", "bob", "carol", "dave", "erin", "frank")}
 CLOSE_HANDSHAKE_TIMEOUT = 4002
 CLOSE_TRY_AGAIN_LATER = 1013
 CLOSE_TOO_MANY_CONNECTIONS = 4429
@@ -36,13 +34,6 @@ CLOSE_TOO_MANY_CONNECTIONS = 4429
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    data_dir = tmp_path_factory.mktemp("portico-admission")
-    config = data_dir / "portico.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {"auth": "apikey", "api_keys": KEYS, "runtime": "scripted", "script": str(SCRIPT)}
-        )
-    )
     env = {
         "PORTICO_MAX_CONNECTIONS": "64",
         "PORTICO_MAX_UNAUTHENTICATED_CONNECTIONS": str(BUDGET),
@@ -52,7 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         "PORTICO_HTTP_HEADER_TIMEOUT": str(HEADER_TIMEOUT),
         "PORTICO_UPLOAD_MIN_RATE_BYTES": str(MIN_RATE),
     }
-    process = ServerProcess(data_dir, args=("--config", str(config)), env=env).start()
+    process = start_rpc_server(tmp_path_factory, "portico-admission", env)
     yield process
     process.stop()
 
@@ -68,8 +59,8 @@ def session_url(server: ServerProcess) -> str:
     return f"ws://127.0.0.1:{server.port}/v1/session"
 
 
-def bearer(name: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer key-{name}"}
+def bearer(user: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer key-{user}"}
 
 
 async def omnia(http: aiohttp.ClientSession, server: ServerProcess, name: str) -> OmniaClient:
@@ -116,14 +107,14 @@ async def test_idle_strangers_do_not_lock_out_real_users(
     try:
         assert len(sockets) == FLOOD, [repr(e) for e in flood if isinstance(e, Exception)][:3]
 
-        rpc = await RpcProbe.open(http, rpc_url(server), token="key-alice")
+        rpc = await RpcProbe.open(http, rpc_url(server), token="key-1")
         assert rpc.connected["type"] == "connected", rpc.connected
         sent = await rpc.call("v1.message.send", {"content_data": "hi", "client_id": "c-1"})
         await rpc.wait_turn_end(sent["session_id"])
         await rpc.close()
 
         session = await SessionProbe.connect(http, session_url(server))
-        ready = await session.hello(credential="key-bob")
+        ready = await session.hello(credential="key-2")
         assert ready["type"] == "ready", ready
         await session.message("hi")
         frames = await session.turn()
@@ -161,31 +152,31 @@ async def test_a_principal_has_a_connection_cap_on_every_protocol(
     http: aiohttp.ClientSession, server: ServerProcess
 ) -> None:
     ws_url = f"ws://127.0.0.1:{server.port}/ws"
-    held = [await http.ws_connect(ws_url, headers=bearer("carol")) for _ in range(PER_PRINCIPAL)]
+    held = [await http.ws_connect(ws_url, headers=bearer("3")) for _ in range(PER_PRINCIPAL)]
     try:
         with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
-            await http.ws_connect(ws_url, headers=bearer("carol"))
+            await http.ws_connect(ws_url, headers=bearer("3"))
         assert refused.value.status == 429
 
-        rpc = await RpcProbe.open(http, rpc_url(server), token="key-carol")
+        rpc = await RpcProbe.open(http, rpc_url(server), token="key-3")
         assert rpc.connected["type"] == "error", rpc.connected
         assert rpc.connected["error"]["code"] == "rate_limited"
         assert await close_code(rpc.ws) == CLOSE_TOO_MANY_CONNECTIONS
 
         session = await SessionProbe.connect(http, session_url(server))
-        answer = await session.hello(credential="key-carol")
+        answer = await session.hello(credential="key-3")
         assert answer["type"] == "error", answer
         assert answer["error"]["code"] == "RATE_LIMITED", answer
         assert await close_code(session.ws) == CLOSE_TOO_MANY_CONNECTIONS
 
         # Another principal is not affected; a freed connection can be taken again.
-        other = await http.ws_connect(ws_url, headers=bearer("dave"))
+        other = await http.ws_connect(ws_url, headers=bearer("4"))
         await other.close()
         await held.pop().close()
         async with asyncio.timeout(WAIT):
             while True:  # the server counts the connection gone once its socket is
                 with contextlib.suppress(aiohttp.WSServerHandshakeError):
-                    held.append(await http.ws_connect(ws_url, headers=bearer("carol")))
+                    held.append(await http.ws_connect(ws_url, headers=bearer("3")))
                     break
                 await asyncio.sleep(0.05)
     finally:
@@ -195,7 +186,7 @@ async def test_a_principal_has_a_connection_cap_on_every_protocol(
 async def test_a_principal_has_an_upload_url_quota(
     http: aiohttp.ClientSession, server: ServerProcess
 ) -> None:
-    ws = await omnia(http, server, "erin")
+    ws = await omnia(http, server, "5")
     session_id = (await ws.connected())["session_id"]
     body = {
         "session_id": session_id,
@@ -206,10 +197,10 @@ async def test_a_principal_has_an_upload_url_quota(
     url = f"{server.http_url}/media/request-upload"
     grants = []
     for _ in range(PENDING_UPLOADS):
-        async with http.post(url, json=body, headers=bearer("erin")) as response:
+        async with http.post(url, json=body, headers=bearer("5")) as response:
             assert response.status == 200, await response.text()
             grants.append(await response.json())
-    async with http.post(url, json=body, headers=bearer("erin")) as response:
+    async with http.post(url, json=body, headers=bearer("5")) as response:
         assert response.status == 429
         assert (await response.json())["error"]["code"] == "RATE_LIMITED"
     upload = {k: v for k, v in body.items() if k != "session_id"}
@@ -221,7 +212,7 @@ async def test_a_principal_has_an_upload_url_quota(
     # Using a URL gives its place back.
     async with http.put(grants[0]["upload_url"], data=b"abcd", headers=grants[0]["headers"]) as put:
         assert put.status == 204, await put.text()
-    async with http.post(url, json=body, headers=bearer("erin")) as response:
+    async with http.post(url, json=body, headers=bearer("5")) as response:
         assert response.status == 200, await response.text()
     await ws.ws.close()
 
@@ -268,7 +259,7 @@ async def test_an_upload_below_the_minimum_rate_is_refused(
     http: aiohttp.ClientSession, server: ServerProcess
 ) -> None:
     size = 64 * 1024
-    grant = await grant_upload(http, server, "frank", size)
+    grant = await grant_upload(http, server, "6", size)
     target = aiohttp.client.URL(grant["upload_url"])
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     head = (
@@ -319,8 +310,8 @@ async def test_a_minted_session_id_belongs_to_its_connection(
     http: aiohttp.ClientSession, server: ServerProcess
 ) -> None:
     ws_url = f"ws://127.0.0.1:{server.port}/ws"
-    owner = OmniaClient(await http.ws_connect(ws_url, headers=bearer("alice")))
-    squatter = OmniaClient(await http.ws_connect(ws_url, headers=bearer("bob")))
+    owner = OmniaClient(await http.ws_connect(ws_url, headers=bearer("1")))
+    squatter = OmniaClient(await http.ws_connect(ws_url, headers=bearer("2")))
     try:
         session_id = (await owner.connected())["session_id"]
         await squatter.connected()
@@ -347,7 +338,7 @@ async def test_a_minted_session_id_belongs_to_its_connection(
 
 
 async def test_a_malformed_request_is_logged_without_its_headers(server: ServerProcess) -> None:
-    secret = "key-alice-SECRET"
+    secret = "key-1-SECRET"
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     head = f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {secret}\x01\r\n"
     writer.write(head.encode() + b"\r\n")
@@ -380,7 +371,7 @@ OUT_OF_RANGE = [
 async def test_out_of_range_rpc_params_are_invalid_requests(
     http: aiohttp.ClientSession, server: ServerProcess
 ) -> None:
-    probe = await RpcProbe.open(http, rpc_url(server), token="key-dave")
+    probe = await RpcProbe.open(http, rpc_url(server), token="key-4")
     try:
         sent = await probe.call("v1.message.send", {"content_data": "hi", "client_id": "c-z"})
         for method, params, field in OUT_OF_RANGE:
@@ -401,7 +392,7 @@ async def test_a_refused_fetch_is_logged_without_a_traceback(
     http: aiohttp.ClientSession, server: ServerProcess
 ) -> None:
     """`localhost` is a name, so the URL check passes; the resolver then refuses it."""
-    client = await omnia(http, server, "frank")
+    client = await omnia(http, server, "6")
     await client.connected()
     media = {"url": f"http://localhost:{server.port}/healthz", "mime_type": "image/png"}
     frames = await client.ask(

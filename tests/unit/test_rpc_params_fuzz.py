@@ -16,9 +16,10 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_rpc_fuzz import opened
 
 from portico.protocols.rpc import frames as f
-from portico.protocols.rpc.connection import RequestReceived, RpcConnection
+from portico.protocols.rpc.connection import RequestReceived
 
 INT64 = range(-(2**63), 2**63)
 edge_ints = st.one_of(
@@ -47,16 +48,6 @@ def requests(draw: st.DrawFn) -> dict[str, Any]:
     names = param_names(method)
     params = draw(st.dictionaries(st.sampled_from(names), values, max_size=len(names)))
     return {"id": "r", "method": method, "params": params}
-
-
-def opened() -> RpcConnection:
-    conn = RpcConnection(max_send_queue_bytes=1 << 24)
-    conn.receive_text(b'{"type": "connect"}')
-    conn.accept(user_id="u", epoch="e", offset=0, recovered=False)
-    conn.replay_done()
-    while conn.next_frame() is not None:
-        pass
-    return conn
 
 
 def string_bounds(params: type[msgspec.Struct]) -> dict[str, int | None]:
