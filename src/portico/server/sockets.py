@@ -331,7 +331,7 @@ class ServerSocket(ABC):
     # -- closing ------------------------------------------------------------------------
 
     def start_close(self, code: int, reason: str) -> None:
-        if self._closing is None:
+        if self._sent_close_code is None:  # the first close (or hang-up) is the one sent
             self._sent_close_code = code
             self._closing = asyncio.create_task(self._close(code, reason.encode()))
 
