@@ -213,6 +213,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_send_queue_bytes: Bytes = 4 * 1024 * 1024
     # How long a closing handshake may take before the socket is dropped.
     close_timeout: Seconds = 5.0
+    # Admission that strangers cannot exhaust (docs/security.md).
+    # `/v1/rpc` before `connect`, `/v1/session` before `hello`: closed 4002 after this...
+    handshake_timeout: Seconds = 10.0
+    # ...and at most this many at once (and half of max_connections); a newer one
+    # evicts the oldest (closed 1013).
+    max_unauthenticated_connections: Count = 256
+    max_connections_per_principal: Count = 100  # open WebSockets, every protocol
+    max_pending_uploads_per_principal: Count = 100  # upload URLs granted, not yet used
+    # An HTTP connection must send a whole request head within this long of connecting
+    # (or of its previous response, when kept alive), else it is closed.
+    http_header_timeout: Seconds = 15.0
+    # An upload body must arrive at this many bytes per second, measured over each
+    # `http_header_timeout` window, else the upload fails with 408.
+    upload_min_rate_bytes: Bytes = 1024
 
     # Per-connection limits (issue: /ws complete).
     rate_limit_messages: Annotated[float, msgspec.Meta(gt=0)] = 50.0  # messages per second

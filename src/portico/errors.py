@@ -89,6 +89,22 @@ class RateLimited(PorticoError):
     http_status = 429
 
 
+class TooManyConnections(RateLimited):
+    """The principal has `max_connections_per_principal` sockets open already."""
+
+    close_code = 4429  # 4000 + HTTP 429; an HTTP upgrade is refused with 429 itself
+
+    def __init__(self) -> None:
+        super().__init__("too many connections for this principal")
+
+
+class TooManyUploads(RateLimited):
+    """The principal holds `max_pending_uploads_per_principal` unused upload URLs."""
+
+    def __init__(self) -> None:
+        super().__init__("too many upload URLs pending; use or let some expire first")
+
+
 class SessionDeclarationRefused(PorticoError):
     code = "SESSION_DECLARATION_REFUSED"
     http_status = 400
@@ -357,6 +373,13 @@ class Forbidden(RpcError):
 
 class RpcRateLimited(RpcError):
     code = "rate_limited"
+
+
+class RpcTooManyConnections(RpcRateLimited):
+    close_code = TooManyConnections.close_code
+
+    def __init__(self) -> None:
+        super().__init__("too many connections for this principal")
 
 
 class RpcInternal(RpcError):

@@ -363,6 +363,11 @@ async def test_a_client_that_stops_reading_is_cut_off_once_the_socket_is_paused(
             await asyncio.sleep(0.05)
         stalled.close()
         assert "slow consumer protocol=omnia" in server.log_text()
+        # The log names the code the client was sent, not the one aiohttp saw last.
+        while "connection closed protocol=omnia" not in (log := server.log_text()):
+            assert asyncio.get_running_loop().time() < deadline, "close never logged"
+            await asyncio.sleep(0.05)
+        assert "close_code=4008" in log
     finally:
         server.stop()
 

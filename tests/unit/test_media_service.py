@@ -22,12 +22,14 @@ from hypothesis import strategies as st
 
 from portico.config import Settings
 from portico.core.model import MediaContent, Session
+from portico.core.reservations import SessionReservations
 from portico.errors import (
     ConfigError,
     InvalidMessage,
     MediaNotEnabled,
     MediaNotFound,
     SessionExpired,
+    TooManyUploads,
     UploadFailed,
     UploadGone,
     UploadInProgress,
@@ -679,3 +681,40 @@ def test_public_url_must_be_http(public_url: str) -> None:
     with pytest.raises(ConfigError, match="public_url"):
         Settings(public_url=public_url).check_startable()
     Settings(public_url="https://chat.example.com/portico").check_startable()
+
+
+async def test_pending_upload_urls_are_capped_per_principal(
+    archive: MemoryStore, clock: Clock, tmp_path: Path
+) -> None:
+    media = build(archive, clock, tmp_path, max_pending_uploads=2)
+    await media.open()
+    try:
+        first = await grant(media)
+        await grant(media)
+        with pytest.raises(TooManyUploads):
+            await grant(media)
+        await grant(media, principal="bob", session_id="s2")  # bob has his own quota
+        # A used URL frees its place; so does an expired one.
+        await media.upload(upload_id=first.upload_id, chunks=body(b"hello"), content_length=5)
+        await grant(media)
+        with pytest.raises(TooManyUploads):
+            await grant(media)
+        clock.now += UPLOAD_TTL + 1
+        await grant(media)
+    finally:
+        await media.close()
+
+
+async def test_a_reserved_session_refuses_other_principals_uploads(
+    archive: MemoryStore, clock: Clock, tmp_path: Path
+) -> None:
+    reservations = SessionReservations()
+    reservations.reserve("fresh", "alice")
+    media = build(archive, clock, tmp_path, reservations=reservations)
+    await media.open()
+    try:
+        with pytest.raises(SessionExpired):
+            await grant(media, principal="bob", session_id="fresh")
+        await grant(media, principal="alice", session_id="fresh")
+    finally:
+        await media.close()

@@ -21,6 +21,7 @@ from portico.core.compaction import SUMMARY_THROUGH, compose_summary, since_late
 from portico.core.events import Listener
 from portico.core.model import ContentPart, Message, Session, Turn, new_id
 from portico.core.periodic import every
+from portico.core.reservations import SessionReservations
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.core.tools import NoClientTools, ToolBroker
@@ -139,11 +140,13 @@ class Engine:
         clock: Callable[[], float] = time.time,
         replica_id: str = "",
         replica_lease: float = REPLICA_LEASE,
+        reservations: SessionReservations | None = None,
     ) -> None:
         """`replica_id` names this process among the replicas sharing the archive (empty:
         a fresh one); `replica_lease`: seconds without renewal after which a replica
         counts as dead and its turns are interrupted (docs/storage.md)."""
         self._media = media
+        self.reservations = reservations or SessionReservations()
         self._telemetry = telemetry or NoTelemetry()
         self.store = store
         self._runtimes = dict(runtimes)
@@ -379,6 +382,8 @@ class Engine:
         now = self._clock()
         session = await self.store.get_session(message.session_id)
         if session is None:
+            if self.reservations.foreign(message.session_id, message.principal):
+                raise SessionExpired()
             session = await self.open_session(
                 principal=message.principal,
                 agent=message.agent,

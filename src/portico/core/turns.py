@@ -24,7 +24,13 @@ from portico.core.model import ContentPart, Message, MessageStatus, PartType, Tu
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import Telemetry
 from portico.core.tools import ToolBroker
-from portico.errors import GENERIC_INTERNAL_MESSAGE, InternalError, RuntimeFailure, StoreError
+from portico.errors import (
+    GENERIC_INTERNAL_MESSAGE,
+    InternalError,
+    PorticoError,
+    RuntimeFailure,
+    StoreError,
+)
 from portico.runtime.base import (
     Chunk,
     Done,
@@ -150,6 +156,25 @@ class TurnRunner:
                 log.exception("turn listener failed session=%s", self.turn.session_id)
         return delivered
 
+    def _refused(self, error: PorticoError) -> Failure:
+        """A refusal the runtime let through (a `url` part whose fetch was refused):
+        the client's error, logged in one line. Anything else is a crash."""
+        if error.http_status >= 500:
+            log.error(
+                "runtime raised session=%s turn=%s",
+                self.turn.session_id,
+                self.turn.id,
+                exc_info=error,
+            )
+            return Failure(code=InternalError.code, message=GENERIC_INTERNAL_MESSAGE)
+        log.info(
+            "turn refused session=%s turn=%s code=%s",
+            self.turn.session_id,
+            self.turn.id,
+            error.code,
+        )
+        return Failure(code=error.code, message=error.message)
+
     async def run(self) -> Turn:
         self._task = asyncio.current_task()
         # The `running` record is written behind the runtime's first steps: the first
@@ -166,6 +191,8 @@ class TurnRunner:
                 terminal = await self._drive(stream)
             except asyncio.CancelledError:
                 terminal = None
+            except PorticoError as exc:
+                terminal = self._refused(exc)
             except Exception:
                 log.exception(
                     "runtime raised session=%s turn=%s", self.turn.session_id, self.turn.id

@@ -24,12 +24,14 @@ import msgspec
 from aiohttp.abc import AbstractResolver, ResolveResult
 
 from portico.core.model import MediaContent
+from portico.core.reservations import SessionReservations
 from portico.core.validation import base64_decoded_size
 from portico.errors import (
     InvalidMessage,
     MediaNotEnabled,
     MediaNotFound,
     SessionExpired,
+    TooManyUploads,
     UploadFailed,
     UploadNotFound,
     UploadTooLarge,
@@ -174,6 +176,8 @@ class MediaService:
         public_url: str | None = None,
         fetch_timeout: float = 30.0,  # seconds, for a whole `url` fetch
         fetch_private: bool = False,  # let `url` parts reach non-public addresses
+        max_pending_uploads: int | None = None,  # unused upload URLs per principal
+        reservations: SessionReservations | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
@@ -187,6 +191,10 @@ class MediaService:
         self._fetch_private = fetch_private
         self._clock = clock
         self._http: aiohttp.ClientSession | None = None
+        self._max_pending = max_pending_uploads
+        self._reservations = reservations or SessionReservations()
+        # principal -> upload id -> expiry: the URLs it holds, in this process.
+        self._pending: dict[str, dict[str, float]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -231,9 +239,11 @@ class MediaService:
                 f"size_bytes: {size_bytes} is above the {self._max_upload_bytes}-byte upload limit"
             )
         await self._check_session(principal, session_id, SessionExpired)
+        pending = self._pending_of(principal, self._clock())
         upload_id, ticket = await self._open_ticket(
             store, principal, session_id, filename, mime_type, size_bytes
         )
+        pending[upload_id] = ticket.expires_at
         base = self._public_url or base_url.rstrip("/")
         return UploadGrant(
             upload_id=upload_id,
@@ -259,13 +269,24 @@ class MediaService:
                     f"Content-Length is {content_length}; {ticket.size_bytes} bytes were declared"
                 )
             now = self._clock()
-            return await store.write(
+            info = await store.write(
                 upload_id, chunks, created_at=now, expires_at=self._expiry(now)
             )
         except BaseException:
             # A failed attempt gives the ticket back: the URL works again until it expires.
             await asyncio.shield(store.release_ticket(upload_id))
             raise
+        self._pending.get(ticket.owner, {}).pop(upload_id, None)
+        return info
+
+    def _pending_of(self, principal: str, now: float) -> dict[str, float]:
+        """The principal's unused, unexpired upload URLs; `TooManyUploads` at the quota."""
+        held = self._pending.get(principal, {})
+        pending = {upload_id: at for upload_id, at in held.items() if at > now}
+        if self._max_pending is not None and len(pending) >= self._max_pending:
+            raise TooManyUploads()
+        self._pending[principal] = pending
+        return pending
 
     async def _open_ticket(
         self,
@@ -385,6 +406,8 @@ class MediaService:
         # A session the archive has not seen is allowed: /ws writes sessions lazily,
         # on their first message, and a client uploads before it sends one.
         session = await self._archive.get_session(session_id)
+        if session is None and self._reservations.foreign(session_id, principal):
+            raise error()
         if session is not None and session.owner != principal:
             raise error()
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -13,6 +14,10 @@ if TYPE_CHECKING:
     from portico.server.services import Services
 
 ANY_ORIGIN = "*"
+# Close codes of a socket that authenticates in-band (`/v1/rpc` connect, `/v1/session`
+# hello) and did not in time: documented in docs/security.md.
+CLOSE_HANDSHAKE_TIMEOUT = 4002  # no successful connect/hello within handshake_timeout
+CLOSE_TRY_AGAIN_LATER = 1013  # RFC 6455: evicted to make room for a newer stranger
 
 
 def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...]) -> bool:
@@ -41,6 +46,57 @@ class ConnectionSlots:
             yield
         finally:
             self.open -= 1
+
+
+class Stranger(Protocol):
+    def evict(self) -> None:
+        """Close: a newer unauthenticated socket needs the slot."""
+
+
+class Strangers:
+    """Sockets upgraded but not yet authenticated, at most `limit` of them.
+
+    When the budget is full the oldest is evicted to make room, so a stranger can
+    never lock out the next client: a real client authenticates within a round trip,
+    long before `limit` newer strangers arrive behind it (FIFO eviction).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._waiting: dict[Stranger, None] = {}  # insertion order: oldest first
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def arrived(self, socket: Stranger) -> None:
+        while len(self._waiting) >= self.limit:
+            oldest = next(iter(self._waiting))
+            del self._waiting[oldest]
+            oldest.evict()
+        self._waiting[socket] = None
+
+    def left(self, socket: Stranger) -> None:
+        """Authenticated, timed out or closed."""
+        self._waiting.pop(socket, None)
+
+
+class PrincipalSlots:
+    """Open connections per principal, across every protocol, against `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: Counter[str] = Counter()
+
+    def take(self, principal: str) -> bool:
+        if self._open[principal] >= self.limit:
+            return False
+        self._open[principal] += 1
+        return True
+
+    def give(self, principal: str) -> None:
+        self._open[principal] -= 1
+        if self._open[principal] <= 0:
+            del self._open[principal]
 
 
 async def admit(request: web.Request, services: Services) -> str:

@@ -17,6 +17,7 @@ from portico.bus.memory import InProcessTransportStates
 from portico.config import Settings
 from portico.core.periodic import every
 from portico.server import media_routes, observability
+from portico.server.http_limits import runner_options
 from portico.server.rpc_ws import rpc_handler
 from portico.server.services import SERVICES, Services
 from portico.server.session_ws import TRANSPORTS, LiveSession, session_handler
@@ -164,7 +165,7 @@ async def serve(settings: Settings, *, on_ready: Callable[[str], None] = print) 
     An address or data dir that cannot be used raises `StartupError`."""
     check_startup(settings)
     app = create_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, **runner_options(settings))
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     try:

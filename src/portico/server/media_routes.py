@@ -28,6 +28,7 @@ from portico.errors import (
 )
 from portico.media.base import MediaInfo
 from portico.media.service import MediaDescription, MediaService
+from portico.server.http_limits import UploadTooSlow, paced_body
 from portico.server.services import SERVICES
 
 log = logging.getLogger("portico.media")
@@ -130,8 +131,15 @@ async def request_upload(request: web.Request) -> web.StreamResponse:
 
 async def _body(request: web.Request) -> AsyncIterator[bytes]:
     """The request body in chunks, as it arrives; a broken body is `UploadFailed`."""
+    settings = request.app[SERVICES].settings
+    chunks = paced_body(
+        request.content,
+        chunk_bytes=UPLOAD_CHUNK_BYTES,
+        min_rate=settings.upload_min_rate_bytes,
+        window=settings.http_header_timeout,
+    )
     try:
-        async for chunk in request.content.iter_chunked(UPLOAD_CHUNK_BYTES):
+        async for chunk in chunks:
             yield chunk
     except _BODY_ERRORS as exc:
         raise UploadFailed("the upload body was not received completely") from exc
@@ -147,6 +155,9 @@ async def upload(request: web.Request) -> web.StreamResponse:
             chunks=_body(request),
             content_length=request.content_length,
         )
+    except UploadTooSlow as exc:
+        uploads.labels("failed").inc()
+        return await _hang_up(request, exc)
     except UploadFailed:
         uploads.labels("failed").inc()
         raise
@@ -158,6 +169,17 @@ async def upload(request: web.Request) -> web.StreamResponse:
         info.size_bytes,
     )
     return web.Response(status=204)
+
+
+async def _hang_up(request: web.Request, error: UploadTooSlow) -> web.StreamResponse:
+    """Answer 408 and close: aiohttp would otherwise go on reading the rest of the
+    trickling body (its lingering close) before letting the connection go."""
+    response = _error_response(error.http_status, error.code, error.message)
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+    return response
 
 
 @_json_errors

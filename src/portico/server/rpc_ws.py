@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 import msgspec
@@ -19,6 +20,7 @@ from portico.errors import (
     PorticoError,
     RpcInternal,
     RpcRateLimited,
+    RpcTooManyConnections,
     RpcUnauthenticated,
     Unauthenticated,
 )
@@ -35,7 +37,6 @@ from portico.protocols.rpc.entities import (
     WireMessage,
     entity_wire,
     message_wire,
-    parse_rfc3339,
     rtc_wire,
     session_wire,
     turn_wire,
@@ -49,7 +50,6 @@ log = logging.getLogger("portico.rpc")
 PROTOCOL = "rpc"
 REPLAY_PAGE = 500  # updates read per archive query while replaying
 MAX_IN_FLIGHT = 64  # concurrent requests per connection; more are `rate_limited`
-MAX_TITLE_LENGTH = 256
 
 Handler = Callable[[str, Any], Awaitable[Any]]
 
@@ -58,6 +58,7 @@ class RpcSocket(ServerSocket):
     """One `/v1/rpc` connection."""
 
     protocol = PROTOCOL
+    authenticates_in_band = True
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, services: Services) -> None:
         super().__init__(request, ws, services)
@@ -121,6 +122,9 @@ class RpcSocket(ServerSocket):
             principal = await self._services.auth.authenticate(connect.token)
         except Unauthenticated as exc:
             self._core.refuse(RpcUnauthenticated(exc.message))
+            return
+        if not self.authenticated(principal):
+            self._core.refuse(RpcTooManyConnections())
             return
         self._principal = principal
         # Subscribe before reading the log's head: an update committed in between is
@@ -231,10 +235,6 @@ def method_handlers(services: Services) -> dict[str, Handler]:
 
     async def session_update(principal: str, p: f.SessionUpdate) -> Any:
         title = None if isinstance(p.title, msgspec.UnsetType) else p.title
-        if title is not None and len(title) > MAX_TITLE_LENGTH:
-            raise InvalidRequest(
-                f"title is longer than {MAX_TITLE_LENGTH} characters", field="params.title"
-            )
         deleted_at = deletion_time(p.deleted_at)
         updated = await c.update(principal, p.session_id, title=title, deleted_at=deleted_at)
         return session_wire(updated)
@@ -363,20 +363,16 @@ def offset_cursor(cursor: str | int) -> int:
         if not cursor.isdecimal():
             raise InvalidRequest("cursor must be a decimal global_offset", field="params.cursor")
         cursor = int(cursor)
-    if cursor < 0:
-        raise InvalidRequest("cursor must not be negative", field="params.cursor")
+    if not 0 <= cursor <= f.MAX_INT64:
+        raise InvalidRequest("cursor must be a global_offset", field="params.cursor")
     return cursor
 
 
-def deletion_time(value: str | msgspec.UnsetType | None) -> float | msgspec.UnsetType | None:
+def deletion_time(value: datetime | msgspec.UnsetType | None) -> float | msgspec.UnsetType | None:
+    """Decoding checked the time (RFC 3339, with a zone)."""
     if value is None or isinstance(value, msgspec.UnsetType):
         return value
-    try:
-        return parse_rfc3339(value)
-    except ValueError:
-        raise InvalidRequest(
-            "deleted_at must be an RFC 3339 time or null", field="params.deleted_at"
-        ) from None
+    return value.timestamp()
 
 
 async def rpc_handler(request: web.Request) -> web.StreamResponse:

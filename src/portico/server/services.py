@@ -17,6 +17,7 @@ from portico.bus.updates import InProcessUpdates
 from portico.config import DEFAULT_AGENT, AgentSettings, Settings
 from portico.core.conversations import Conversations
 from portico.core.engine import Engine
+from portico.core.reservations import SessionReservations
 from portico.core.tools import ClientToolBroker
 from portico.errors import Unauthenticated
 from portico.media.local import LocalMediaStore
@@ -26,7 +27,7 @@ from portico.runtime.demo import DemoRuntime
 from portico.runtime.echo import EchoRuntime
 from portico.runtime.openai import OpenAIRuntime
 from portico.runtime.scripted import ScriptedRuntime
-from portico.server.admission import ConnectionSlots
+from portico.server.admission import ConnectionSlots, PrincipalSlots, Strangers
 from portico.server.metrics import Metrics
 from portico.store.base import Store
 from portico.store.memory import MemoryStore
@@ -48,7 +49,8 @@ class Services:
         self.settings = settings
         self.store = build_store(settings)
         self.auth = build_auth(settings)
-        self.media = build_media(settings, self.store)
+        self.reservations = SessionReservations()
+        self.media = build_media(settings, self.store, self.reservations)
         agents = {name: settings.agent(name) for name in settings.agent_names()}
         resolved = {name: agent for name, agent in agents.items() if agent is not None}
         self.metrics = Metrics()
@@ -69,6 +71,7 @@ class Services:
             context_ttl=settings.context_ttl,
             replica_id=settings.replica_id,
             replica_lease=settings.replica_lease,
+            reservations=self.reservations,
         )
         self.updates = InProcessUpdates()
         self.store.set_update_listener(self.updates.publish)
@@ -78,6 +81,8 @@ class Services:
         self.draining = False
         self.connections: weakref.WeakSet[LiveConnection] = weakref.WeakSet()
         self.slots = ConnectionSlots(settings.max_connections)
+        self.strangers = Strangers(stranger_budget(settings))
+        self.principals = PrincipalSlots(settings.max_connections_per_principal)
 
     async def principal_of(self, request: web.Request) -> str:
         """The caller's principal from `Authorization: Bearer`, or HTTP 401."""
@@ -92,6 +97,11 @@ class Services:
 SERVICES = web.AppKey("services", Services)
 
 
+def stranger_budget(settings: Settings) -> int:
+    """Unauthenticated sockets never hold more than half the connections."""
+    return min(settings.max_unauthenticated_connections, max(1, settings.max_connections // 2))
+
+
 def build_store(settings: Settings) -> Store:
     if settings.store == "memory":
         return MemoryStore()
@@ -103,7 +113,9 @@ def build_store(settings: Settings) -> Store:
     return SqliteStore(Path(settings.data_dir) / ARCHIVE_FILE)
 
 
-def build_media(settings: Settings, archive: Store) -> MediaService:
+def build_media(
+    settings: Settings, archive: Store, reservations: SessionReservations | None = None
+) -> MediaService:
     store = (
         LocalMediaStore(Path(settings.data_dir) / MEDIA_DIR) if settings.media == "local" else None
     )
@@ -117,6 +129,8 @@ def build_media(settings: Settings, archive: Store) -> MediaService:
         public_url=settings.public_url,
         fetch_timeout=settings.media_fetch_timeout,
         fetch_private=settings.media_fetch_private,
+        max_pending_uploads=settings.max_pending_uploads_per_principal,
+        reservations=reservations,
     )
 
 

@@ -39,6 +39,7 @@ from portico.errors import (
     ResumeFailed,
     SessionAgentNotFound,
     SessionUnauthenticated,
+    TooManyConnections,
     Unauthenticated,
 )
 from portico.protocols.session import frames as f
@@ -226,6 +227,7 @@ class LiveSession:
 
 class SessionSocket(ServerSocket):
     protocol = PROTOCOL
+    authenticates_in_band = True
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, services: Services) -> None:
         super().__init__(request, ws, services)
@@ -306,6 +308,9 @@ class SessionSocket(ServerSocket):
             self._principal = await self._services.auth.authenticate(hello.credential)
         except Unauthenticated as exc:
             self._core.fail(SessionUnauthenticated(exc.message))
+            return
+        if not self.authenticated(self._principal):
+            self._core.fail(TooManyConnections())
             return
         try:
             if hello.protocol != f.PROTOCOL_VERSION:

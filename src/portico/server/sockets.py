@@ -19,6 +19,7 @@ from typing import ClassVar, Protocol
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
 from portico.protocols.outbox import BinaryData
+from portico.server.admission import CLOSE_HANDSHAKE_TIMEOUT, CLOSE_TRY_AGAIN_LATER
 from portico.server.services import Services
 
 log = logging.getLogger("portico.ws")
@@ -44,6 +45,12 @@ def larger_than(data: str | bytes, limit: int) -> bool:
     return len(data.encode()) > limit
 
 
+def close_frame(code: int, reason: str) -> bytes:
+    """An unmasked close frame (RFC 6455 5.5.1); the reason is cut to fit 125 bytes."""
+    payload = code.to_bytes(2, "big") + reason.encode()[:123]
+    return bytes((0x88, len(payload))) + payload
+
+
 def frame_type(frame: bytes) -> WSMsgType:
     """Queued frames are text unless a core marked them binary (`BinaryData`)."""
     return WSMsgType.BINARY if isinstance(frame, BinaryData) else WSMsgType.TEXT
@@ -60,6 +67,9 @@ class FramedCore(Protocol):
 
 class ServerSocket(ABC):
     protocol: ClassVar[str]
+    # True where the credential arrives in the first frame (`connect`, `hello`): until
+    # `authenticated()`, the socket is a stranger with a deadline and a small budget.
+    authenticates_in_band: ClassVar[bool] = False
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, services: Services) -> None:
         self._transport = request.transport
@@ -84,6 +94,9 @@ class ServerSocket(ABC):
         # A close the server started; the handler waits for it so the close frame
         # reaches the client before the socket goes.
         self._closing: asyncio.Task[None] | None = None
+        self._sent_close_code: int | None = None  # logged: what the client was sent
+        self._handshake_timer: asyncio.TimerHandle | None = None
+        self._held_principal: str | None = None  # counted in the principal's connections
 
     @property
     @abstractmethod
@@ -120,6 +133,8 @@ class ServerSocket(ABC):
     async def serve(self) -> None:
         started = time.perf_counter()
         log.info("connection opened protocol=%s %s", self.protocol, self.describe())
+        if self.authenticates_in_band:
+            self._await_handshake()
         self.wake()
         self._schedule_timer()
         try:
@@ -128,16 +143,65 @@ class ServerSocket(ABC):
             self._closed = True
             self._writing = False
             self.on_closed()
+            self._stop_being_a_stranger()
             if self._closing is not None:
                 await asyncio.gather(self._closing, return_exceptions=True)
             await self._stop_background()
+            if self._held_principal is not None:
+                self._services.principals.give(self._held_principal)
             log.info(
                 "connection closed protocol=%s %s close_code=%s duration_s=%.1f",
                 self.protocol,
                 self.describe(),
-                self._ws.close_code,
+                self._ws.close_code if self._sent_close_code is None else self._sent_close_code,
                 time.perf_counter() - started,
             )
+
+    # -- admission ----------------------------------------------------------------------
+
+    def _await_handshake(self) -> None:
+        self._services.strangers.arrived(self)
+        self._handshake_timer = self._loop.call_later(
+            self._services.settings.handshake_timeout, self._handshake_expired
+        )
+
+    def _stop_being_a_stranger(self) -> None:
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
+        self._services.strangers.left(self)
+
+    def _handshake_expired(self) -> None:
+        self._handshake_timer = None
+        self._stop_being_a_stranger()
+        self._metrics.upgrades_refused.labels("handshake_timeout").inc()
+        self._hang_up(CLOSE_HANDSHAKE_TIMEOUT, "handshake timeout")
+
+    def evict(self) -> None:
+        """The strangers' budget is full and this is its oldest member."""
+        self._stop_being_a_stranger()
+        self._metrics.upgrades_refused.labels("strangers").inc()
+        self._hang_up(CLOSE_TRY_AGAIN_LATER, "too many unauthenticated connections")
+
+    def _hang_up(self, code: int, reason: str) -> None:
+        """Send the close frame and drop the connection at once: a stranger gets no
+        closing handshake, whose wait would keep its slot for `close_timeout`."""
+        if self._closing is not None or self._transport is None:
+            return
+        self._sent_close_code = code
+        self._closed, self._writing = True, False
+        self._transport.write(close_frame(code, reason))
+        self._transport.close()  # flushes the close frame first
+
+    def authenticated(self, principal: str) -> bool:
+        """The in-band credential proved `principal`: no longer a stranger, and one of the
+        principal's connections from now on. False: the principal has none left."""
+        self._stop_being_a_stranger()
+        if not self._services.principals.take(principal):
+            self._metrics.upgrades_refused.labels("principal").inc()
+            return False
+        self._held_principal = principal
+        return True
 
     async def _stop_background(self) -> None:
         if self._timer is not None:
@@ -280,6 +344,9 @@ class ServerSocket(ABC):
     async def _run_timer(self) -> None:
         try:
             await self.on_timer(self._loop.time())
+        except ConnectionError:
+            # A ping to a peer that just went away: the read loop ends the socket.
+            log.debug("timer write on a closed connection protocol=%s", self.protocol)
         finally:
             self._timer_task = None
         self._schedule_timer()
@@ -287,7 +354,8 @@ class ServerSocket(ABC):
     # -- closing ------------------------------------------------------------------------
 
     def start_close(self, code: int, reason: str) -> None:
-        if self._closing is None:
+        if self._sent_close_code is None:  # the first close (or hang-up) is the one sent
+            self._sent_close_code = code
             self._closing = asyncio.create_task(self._close(code, reason.encode()))
 
     async def _close(self, code: int, reason: bytes) -> None:

@@ -79,6 +79,8 @@ class OmniaSocket(ServerSocket):
             wall=time.time(),
         )
         self._attached: set[str] = set()
+        # The minted id is this principal's before its first message (core/reservations.py).
+        services.reservations.reserve(self._core.session_id, principal)
 
     @property
     def core(self) -> OmniaConnection:
@@ -88,6 +90,7 @@ class OmniaSocket(ServerSocket):
         return f"session={self._core.session_id} principal={self._principal} agent={self._agent}"
 
     def on_closed(self) -> None:
+        self._services.reservations.release(self._core.session_id)
         for session_id in self._attached:
             self._services.engine.detach(session_id, self._on_turn_event)
 
@@ -210,6 +213,14 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
     if not services.engine.has_agent(agent):
         raise web.HTTPNotFound(text=f"unknown agent {agent!r}")
     principal = await admit(request, services)
-    return await run_socket(
-        request, services, lambda ws: OmniaSocket(request, ws, services, principal, agent)
-    )
+    if not services.principals.take(principal):
+        services.metrics.upgrades_refused.labels("principal").inc()
+        raise web.HTTPTooManyRequests(
+            text="too many connections for this principal", headers={"Retry-After": "1"}
+        )
+    try:
+        return await run_socket(
+            request, services, lambda ws: OmniaSocket(request, ws, services, principal, agent)
+        )
+    finally:
+        services.principals.give(principal)

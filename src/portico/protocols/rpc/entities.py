@@ -29,14 +29,6 @@ def rfc3339(seconds: float | None) -> str | None:
     return stamp.replace("+00:00", "Z")
 
 
-def parse_rfc3339(text: str) -> float:
-    """Seconds since the epoch; a time without a zone is taken as UTC. ValueError if bad."""
-    parsed = datetime.fromisoformat(text)
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=UTC)
-    return parsed.timestamp()
-
-
 class WireSession(msgspec.Struct, frozen=True):
     id: str
     client_session_id: str

@@ -7,13 +7,30 @@ into that method's struct, which validates them in the same pass.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from datetime import datetime
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from portico.core.model import ContentPart
 
 PROTOCOL_VERSION = 1
+
+# Every number and string a client sends is bounded here, in the decoding, so what
+# reaches the archive fits it (SQLite integers are 64-bit) and is `invalid_request`
+# otherwise (docs/rpc.md, Limits).
+MAX_INT64 = 2**63 - 1
+MAX_ID_LENGTH = 128  # server ids, client ids, cursors, agent names, statuses
+MAX_TITLE_LENGTH = 256
+MAX_TEXT_LENGTH = 4 * 1024 * 1024  # message content, prompts, instructions, reasons
+Int64 = Annotated[int, msgspec.Meta(ge=-MAX_INT64 - 1, le=MAX_INT64)]
+Offset = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_LENGTH)]
+Title = Annotated[str, msgspec.Meta(max_length=MAX_TITLE_LENGTH)]
+Cursor = Annotated[str, msgspec.Meta(max_length=MAX_TITLE_LENGTH)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_LENGTH)]
+# RFC 3339 with a zone: a time without one has no single meaning.
+Timestamp = Annotated[datetime, msgspec.Meta(tz=True)]
 
 
 # -- client frames ----------------------------------------------------------------------
@@ -32,9 +49,9 @@ class ClientFrame(msgspec.Struct, frozen=True):
 
 
 class Connect(msgspec.Struct, frozen=True, kw_only=True):
-    token: str | None = None
-    offset: int | None = None
-    epoch: str | None = None
+    token: str | None = None  # bounded by the frame size; the auth backend judges it
+    offset: Offset | None = None
+    epoch: Id | None = None
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,86 +69,86 @@ class _Params(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 class SessionList(_Params, frozen=True, kw_only=True):
-    cursor: str = ""
-    limit: int = 20
+    cursor: Cursor = ""
+    limit: Int64 = 20
 
 
 class SessionRef(_Params, frozen=True, kw_only=True):
-    session_id: str
+    session_id: Id
 
 
 class SessionClose(SessionRef, frozen=True, kw_only=True):
-    client_id: str = ""  # accepted, not deduplicated (websocket-rpc.md)
+    client_id: Id = ""  # accepted, not deduplicated (websocket-rpc.md)
 
 
 class SessionUpdate(SessionRef, frozen=True, kw_only=True):
-    title: str | msgspec.UnsetType = msgspec.UNSET
+    title: Title | msgspec.UnsetType = msgspec.UNSET
     # Absent: unchanged; a time: soft-deleted; null: restored.
-    deleted_at: str | msgspec.UnsetType | None = msgspec.UNSET
+    deleted_at: Timestamp | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class SessionFork(_Params, frozen=True, kw_only=True):
-    old_server_session_id: str
-    old_server_message_id: str
-    new_client_session_id: str = ""
-    new_client_message_id: str = ""
-    content_data: str
-    limit: int = 200
+    old_server_session_id: Id
+    old_server_message_id: Id
+    new_client_session_id: Id = ""
+    new_client_message_id: Id = ""
+    content_data: Text
+    limit: Int64 = 200
 
 
 class SessionCompact(SessionRef, frozen=True, kw_only=True):
-    custom_instruction: str = ""
+    custom_instruction: Text = ""
 
 
 class MessageSend(_Params, frozen=True, kw_only=True):
-    content_data: str
-    client_id: str
+    content_data: Text
+    client_id: Id
     # Portico addition: media parts as on /ws (uploads by `storage_ref`, `url`, `data`).
     parts: tuple[ContentPart, ...] = ()
-    client_session_id: str = ""
-    server_session_id: str = ""
-    agent_prompt: str = ""
-    agent: str = ""
-    metadata: dict[str, str] | None = None
+    client_session_id: Id = ""
+    server_session_id: Id = ""
+    agent_prompt: Text = ""
+    agent: Id = ""
+    metadata: dict[Title, Text] | None = None
 
 
 class MessageList(SessionRef, frozen=True, kw_only=True):
-    cursor: str | int = ""
-    limit: int = 50
+    cursor: Cursor | Offset = ""
+    limit: Int64 = 50
 
 
 class MessageRef(_Params, frozen=True, kw_only=True):
-    message_id: str
+    message_id: Id
 
 
 class TurnStop(SessionRef, frozen=True, kw_only=True):
-    client_id: str = ""  # accepted, not deduplicated
+    client_id: Id = ""  # accepted, not deduplicated
 
 
 class PagedBySession(SessionRef, frozen=True, kw_only=True):
-    cursor: str = ""
-    limit: int = 50
+    cursor: Cursor = ""
+    limit: Int64 = 50
 
 
 class TurnRef(_Params, frozen=True, kw_only=True):
-    turn_id: str
+    turn_id: Id
 
 
 class RtcRef(_Params, frozen=True, kw_only=True):
-    rtc_id: str
+    rtc_id: Id
 
 
 class RtcUpdateStatus(RtcRef, frozen=True, kw_only=True):
     status: Literal["executing", "rejected"]
-    client_id: str = ""
-    reason: str = ""
+    client_id: Id = ""
+    reason: Text = ""
 
 
 class RtcSubmitResult(RtcRef, frozen=True, kw_only=True):
     success: bool
     result: Any = None
-    error: str = ""
-    client_id: str = ""
+    error: Text = ""
+    client_id: Id = ""
 
 
 class Method(msgspec.Struct, frozen=True):
