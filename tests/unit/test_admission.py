@@ -6,7 +6,7 @@ from __future__ import annotations
 from portico.config import Settings
 from portico.core.reservations import SessionReservations
 from portico.server.admission import PrincipalSlots, Strangers
-from portico.server.services import stranger_budget
+from portico.server.services import principal_cap, stranger_budget
 
 
 class FakeStranger:
@@ -46,6 +46,18 @@ def test_principal_slots_cap_each_principal_alone() -> None:
     assert slots.take("bob")
     slots.give("alice")
     assert slots.take("alice")
+
+
+def test_without_authentication_one_principal_is_not_capped_apart() -> None:
+    # Every client of `auth: none` is `local`: a per-principal cap would lock out the
+    # 101st browser tab of a single-user server long before `max_connections`.
+    assert principal_cap(Settings(auth="none", max_connections_per_principal=2)) is None
+    assert (
+        principal_cap(Settings(auth="apikey", api_keys={"k": "u"}, max_connections_per_principal=2))
+        == 2
+    )
+    slots = PrincipalSlots(None)
+    assert all(slots.take("local") for _ in range(1000))
 
 
 def test_a_reserved_id_is_foreign_to_everyone_but_its_principal() -> None:

@@ -81,14 +81,15 @@ class Strangers:
 
 
 class PrincipalSlots:
-    """Open connections per principal, across every protocol, against `limit`."""
+    """Open connections per principal, across every protocol, against `limit` (None:
+    no cap)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int | None) -> None:
         self.limit = limit
         self._open: Counter[str] = Counter()
 
     def take(self, principal: str) -> bool:
-        if self._open[principal] >= self.limit:
+        if self.limit is not None and self._open[principal] >= self.limit:
             return False
         self._open[principal] += 1
         return True

@@ -82,7 +82,7 @@ class Services:
         self.connections: weakref.WeakSet[LiveConnection] = weakref.WeakSet()
         self.slots = ConnectionSlots(settings.max_connections)
         self.strangers = Strangers(stranger_budget(settings))
-        self.principals = PrincipalSlots(settings.max_connections_per_principal)
+        self.principals = PrincipalSlots(principal_cap(settings))
 
     async def principal_of(self, request: web.Request) -> str:
         """The caller's principal from `Authorization: Bearer`, or HTTP 401."""
@@ -95,6 +95,13 @@ class Services:
 
 
 SERVICES = web.AppKey("services", Services)
+
+
+def principal_cap(settings: Settings) -> int | None:
+    """Connections one principal may hold. Without authentication every client is the
+    one principal `local`: a cap per principal would be a second, smaller
+    `max_connections`, so it applies only when the auth port tells clients apart."""
+    return None if settings.auth == "none" else settings.max_connections_per_principal
 
 
 def stranger_budget(settings: Settings) -> int:
