@@ -26,6 +26,7 @@ from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.core.tools import NoClientTools, ToolBroker
 from portico.core.turns import TurnRunner
 from portico.errors import (
+    InternalError,
     InvalidMessage,
     MediaNotEnabled,
     SessionDeclarationRefused,
@@ -36,6 +37,7 @@ from portico.errors import (
 from portico.runtime.base import (
     ClientTool,
     Closable,
+    ConversationKeeper,
     HistoryReader,
     MediaAccess,
     Runtime,
@@ -373,6 +375,7 @@ class Engine:
     async def _session_for(self, message: UserMessage) -> Session:
         now = self._clock()
         session = await self.store.get_session(message.session_id)
+        resumed = session is not None and not message.own_session
         if session is None:
             session = await self.open_session(
                 principal=message.principal,
@@ -385,7 +388,24 @@ class Engine:
         expired = now - session.last_activity_at > self._context_ttl
         if expired and not message.own_session:
             raise SessionExpired()
+        if resumed:
+            await self._check_resume(session)
         return session
+
+    async def _check_resume(self, session: Session) -> None:
+        """A runtime that owns the context decides whether the session resumes
+        (runtime-contract.md: `HasConversation`)."""
+        agent = self._agents.get(session.agent)
+        runtime = self._runtimes.get(session.agent)
+        if agent is None or not agent.runtime_owns_context:
+            return
+        if not isinstance(runtime, ConversationKeeper):
+            return
+        verdict = await runtime.has_conversation(session.id)
+        if verdict == "not_found":
+            raise SessionExpired()
+        if verdict == "unavailable":
+            raise InternalError()
 
     async def open_session(
         self,

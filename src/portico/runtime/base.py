@@ -153,3 +153,30 @@ class Summarizer(Protocol):
 
     async def summarize(self, history: Sequence[Message], instruction: str) -> str:
         """A summary that stands in for `history` (oldest first); raises when it cannot."""
+
+
+# What a runtime that keeps the conversation says about resuming a session: `unknown`
+# when it has no answer (an unimplemented check), which lets the resume through.
+ResumeVerdict = Literal["resumable", "not_found", "unavailable", "unknown"]
+
+
+@runtime_checkable
+class ConversationKeeper(Protocol):
+    """A runtime that may own a conversation's context (an agent in another process)."""
+
+    async def has_conversation(self, session_id: str) -> ResumeVerdict: ...
+
+
+class RuntimeHealth(msgspec.Struct, frozen=True):
+    healthy: bool
+    reason: str = ""  # why not, for operators (`/readyz` body); never a credential
+
+
+@runtime_checkable
+class HealthReporter(Protocol):
+    """A runtime whose health decides readiness (`/readyz`)."""
+
+    @property
+    def health_required(self) -> bool: ...
+
+    async def health(self) -> RuntimeHealth: ...
