@@ -55,7 +55,9 @@ def grpc_server(
         PORTICO_TOOL_ACK_TIMEOUT=str(TOOL_ACK_TIMEOUT),
         PORTICO_CLIENT_TOOL_TIMEOUT="2.0",
     )
-    process = ServerProcess(tmp_path_factory.mktemp("portico-grpc"), env=env).start()
+    del env["PORTICO_RUNTIME"]  # the flag instead: `portico serve --runtime grpc`
+    data_dir = tmp_path_factory.mktemp("portico-grpc")
+    process = ServerProcess(data_dir, args=("--runtime", "grpc"), env=env).start()
     yield process
     process.stop()
 

@@ -75,7 +75,9 @@ class TurnReader:
                 case "error":
                     self._end(clean=True)
                     code = message.error.code or INTERNAL
-                    return Reading((Failure(code=code, message=message.error.message),))
+                    # The code only: the message may quote what the turn was about.
+                    note = f"the runtime ended the turn with error code={code[:64]!r}"
+                    return Reading((Failure(code=code, message=message.error.message),), note)
                 case "media_chunk":
                     return self._media_chunk(message.media_chunk)
                 case "tool_result":
