@@ -441,6 +441,70 @@ async def test_rpc_streams_and_forwards_rtc_results(
     assert (report["result_json"], report["is_rejected"]) == ('{"city":"Rome"}', False)
 
 
+PCM = {"codec": "pcm16", "sample_rate": 24000, "channels": 1}
+
+
+async def open_session(
+    http: aiohttp.ClientSession, server: ServerProcess, **hello: Any
+) -> SessionProbe:
+    probe = await SessionProbe.connect(http, f"ws://127.0.0.1:{server.port}/v1/session")
+    assert (await probe.hello(**hello))["type"] == "ready"
+    return probe
+
+
+async def test_session_protocol_media_parts_metadata_and_errors(
+    http: aiohttp.ClientSession, grpc_server: ServerProcess
+) -> None:
+    probe = await open_session(http, grpc_server, capabilities=["audio"], audio={"output": [PCM]})
+    await probe.message("sound", **scenario("media"))
+    frames = await probe.turn()
+    assert [f["type"] for f in frames] == ["chunk", "audio_start", "audio_end", "done"]
+    assert [(b.sequence, b.is_last, b.payload) for b in probe.binary] == [
+        (0, False, b"\x00" * 4),
+        (1, False, b"\x01" * 4),
+        (2, True, b"\x02" * 4),
+    ]
+    await probe.message("final", **scenario("final"))
+    done = (await probe.turn())[-1]
+    assert (done["content"], [p["type"] for p in done["parts"]]) == ("FINAL", ["text", "image"])
+    metadata = {"mock_scenario": "meta", "omnia.consent_grants": "camera"}
+    await probe.message("m", metadata=metadata, parts=[{"type": "text", "text": "t"}])
+    report = reported(await probe.turn())
+    assert (report["metadata"], report["consent_grants"]) == (metadata, ["camera"])
+    assert report["parts"] == [{"type": "text", "text": "t", "url": "", "mime_type": ""}]
+    await probe.message("e", **scenario("error_passed"))
+    error = (await probe.turn())[-1]
+    assert (error["type"], error["error"]["code"]) == ("error", "PROVIDER_UNAVAILABLE")
+
+
+async def rpc_turn(probe: RpcProbe, name: str, client_id: str) -> tuple[dict[str, Any], str]:
+    """Send a message playing scenario `name`; its ended turn and its reply's content."""
+    sent = await probe.call(
+        "v1.message.send",
+        {"content_data": "x", "client_id": client_id, "metadata": {"mock_scenario": name}},
+    )
+    turn = await probe.wait_turn_end(sent["session_id"])
+    replies = [
+        m
+        for m in probe.entities("message")
+        if m["session_id"] == sent["session_id"] and m["content_type"] == "markdown"
+    ]
+    return turn, str(replies[-1]["content_data"]) if replies else ""
+
+
+async def test_rpc_turns_carry_the_reply_usage_and_error_codes(
+    http: aiohttp.ClientSession, grpc_server: ServerProcess
+) -> None:
+    probe = await RpcProbe.open(http, f"ws://127.0.0.1:{grpc_server.port}/v1/rpc")
+    turn, reply = await rpc_turn(probe, "stream", "c-grpc-stream")
+    assert (turn["status"], reply) == ("completed", REPLY)
+    assert turn["usage"] == {"input_tokens": 3, "output_tokens": 5}
+    turn, _ = await rpc_turn(probe, "error_passed", "c-grpc-passed")
+    assert (turn["status"], turn["error"]["code"]) == ("failed", "PROVIDER_UNAVAILABLE")
+    turn, _ = await rpc_turn(probe, "error_masked", "c-grpc-masked")
+    assert turn["error"] == {"code": "INTERNAL_ERROR", "message": "internal error"}
+
+
 # -- the runtime's process dies, TLS, bearer tokens --------------------------------------
 
 
