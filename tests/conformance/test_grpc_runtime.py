@@ -477,6 +477,33 @@ async def test_session_protocol_media_parts_metadata_and_errors(
     assert (error["type"], error["error"]["code"]) == ("error", "PROVIDER_UNAVAILABLE")
 
 
+async def until_streams(runtime: RuntimeProcess, session_id: str, count: int) -> None:
+    """Wait until the runtime has `count` streams of the session open."""
+    async with asyncio.timeout(WAIT):
+        while True:
+            state = await asyncio.to_thread(runtime.control)
+            if state["open_streams"].get(session_id, 0) == count:
+                return
+            await asyncio.sleep(0.05)
+
+
+async def test_a_sessions_stream_closes_when_the_session_ends(
+    http: aiohttp.ClientSession, grpc_server: ServerProcess, runtime: RuntimeProcess
+) -> None:
+    probe = await open_session(http, grpc_server)
+    await probe.message("hi", **scenario("stream"))
+    await probe.turn()
+    session_id = probe.received[0]["session_id"]
+    await until_streams(runtime, session_id, 1)  # kept between turns
+    await probe.numbered("end")
+    await until_streams(runtime, session_id, 0)
+    rpc = await RpcProbe.open(http, f"ws://127.0.0.1:{grpc_server.port}/v1/rpc")
+    turn, _ = await rpc_turn(rpc, "stream", "c-grpc-close")
+    await until_streams(runtime, turn["session_id"], 1)
+    await rpc.call("v1.session.close", {"session_id": turn["session_id"]})
+    await until_streams(runtime, turn["session_id"], 0)
+
+
 async def rpc_turn(probe: RpcProbe, name: str, client_id: str) -> tuple[dict[str, Any], str]:
     """Send a message playing scenario `name`; its ended turn and its reply's content."""
     sent = await probe.call(

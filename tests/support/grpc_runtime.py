@@ -234,6 +234,7 @@ class Runtime(pb_grpc.RuntimeServiceServicer):
         self.status = "ok"
         self.resume = "normal"
         self.sessions: set[str] = set()
+        self.open_streams: dict[str, int] = {}  # session id -> Converse streams open now
 
     def _authorized(self, context: grpc.aio.ServicerContext[Any, Any]) -> bool:
         if self.token is None:
@@ -247,15 +248,23 @@ class Runtime(pb_grpc.RuntimeServiceServicer):
         if not self._authorized(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad token")
         stream = Stream(context)
-        while not stream.closing:
-            try:
-                opening = await stream.next_message()
-            except EOFError:
-                return
-            self.sessions.add(opening.session_id)
-            stream.turns += 1
-            name = opening.metadata.get("mock_scenario", "stream")
-            await SCENARIOS.get(name, s_stream)(Turn(self, stream, opening))
+        session_id = ""
+        try:
+            while not stream.closing:
+                try:
+                    opening = await stream.next_message()
+                except EOFError:
+                    return
+                if not session_id:
+                    session_id = opening.session_id
+                    self.open_streams[session_id] = self.open_streams.get(session_id, 0) + 1
+                self.sessions.add(opening.session_id)
+                stream.turns += 1
+                name = opening.metadata.get("mock_scenario", "stream")
+                await SCENARIOS.get(name, s_stream)(Turn(self, stream, opening))
+        finally:
+            if session_id:
+                self.open_streams[session_id] -= 1
 
     async def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:  # noqa: N802
         if not self._authorized(context):
@@ -286,7 +295,8 @@ class Runtime(pb_grpc.RuntimeServiceServicer):
         self.resume = control.get("resume", self.resume)
         if control.get("forget"):
             self.sessions.clear()
-        return pb.InvocationResponse(output_json="{}")
+        open_streams = {key: count for key, count in self.open_streams.items() if count}
+        return pb.InvocationResponse(output_json=json.dumps({"open_streams": open_streams}))
 
 
 async def serve(port: int, token: str | None, tls: tuple[bytes, bytes] | None) -> None:
@@ -386,8 +396,11 @@ class RuntimeProcess:
                 self.process.wait()
             self.process = None
 
-    def control(self, **fields: Any) -> None:
-        """Change what Health or HasConversation answer (through `Invoke`)."""
+    def control(self, **fields: Any) -> dict[str, Any]:
+        """Change what Health or HasConversation answer (through `Invoke`); the runtime's
+        state: `open_streams`, session id -> its `Converse` streams open now."""
         with grpc.insecure_channel(self.target) as channel:
             stub = pb_grpc.RuntimeServiceStub(channel)
-            stub.Invoke(pb.InvocationRequest(input_json=json.dumps(fields)), timeout=5)
+            answer = stub.Invoke(pb.InvocationRequest(input_json=json.dumps(fields)), timeout=5)
+        state: dict[str, Any] = json.loads(answer.output_json)
+        return state

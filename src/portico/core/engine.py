@@ -38,6 +38,7 @@ from portico.runtime.base import (
     ClientTool,
     Closable,
     ConversationKeeper,
+    ConversationReleaser,
     HistoryReader,
     MediaAccess,
     Runtime,
@@ -565,6 +566,13 @@ class Engine:
             del self._running[session_id]
             self._tasks.pop(session_id, None)
             self._start_waiting(session_id)
+
+    def session_ended(self, session_id: str, agent: str) -> None:
+        """The session ended (`/v1/session` `end`, RPC `session.close`): its runtime may
+        free what it keeps for the conversation."""
+        runtime = self._runtimes.get(agent)
+        if isinstance(runtime, ConversationReleaser):
+            runtime.release(session_id)
 
     async def cancel(self, session_id: str) -> bool:
         """Stop the session's running turn (a user's stop); False when none runs."""

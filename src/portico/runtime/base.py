@@ -167,6 +167,14 @@ class ConversationKeeper(Protocol):
     async def has_conversation(self, session_id: str) -> ResumeVerdict: ...
 
 
+@runtime_checkable
+class ConversationReleaser(Protocol):
+    """A runtime holding resources per conversation (a stream) to free when it ends."""
+
+    def release(self, session_id: str) -> None:
+        """The session ended: free what it holds now, or when its running turn ends."""
+
+
 class RuntimeHealth(msgspec.Struct, frozen=True):
     healthy: bool
     reason: str = ""  # why not, for operators (`/readyz` body); never a credential

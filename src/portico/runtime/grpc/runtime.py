@@ -104,6 +104,7 @@ class _Conversation:
         self.call = call
         self.idle_close: asyncio.TimerHandle | None = None
         self.in_turn = False
+        self.released = False  # its session ended during the turn: closed after it
         self.inbox: asyncio.Queue[pb.ServerMessage | Broken] = asyncio.Queue(buffer)
         self._stray = stray
         self._reading = asyncio.ensure_future(self._read())
@@ -253,6 +254,19 @@ class GrpcRuntime:
             del self._conversations[session_id]
         conversation.close()
 
+    def release(self, session_id: str) -> None:
+        conversation = self._conversations.get(session_id)
+        if conversation is None:
+            return
+        if conversation.in_turn:
+            conversation.released = True
+            return
+        log.info(
+            "grpc stream closed: session ended agent=%s target=%s session=%s",
+            *self._where(session_id),
+        )
+        self._drop(session_id, conversation)
+
     def _keep(self, session_id: str, conversation: _Conversation) -> None:
         def expire() -> None:
             if self._conversations.get(session_id) is conversation:
@@ -292,7 +306,7 @@ class GrpcRuntime:
                     reading = await self._next(conversation, reader, first_token=False)
         finally:
             conversation.in_turn = False
-            if reader.clean:
+            if reader.clean and not conversation.released:
                 self._keep(turn.session_id, conversation)
             else:
                 self._drop(turn.session_id, conversation)
