@@ -504,6 +504,22 @@ async def test_a_sessions_stream_closes_when_the_session_ends(
     await until_streams(runtime, turn["session_id"], 0)
 
 
+async def test_an_interrupted_turn_ends_once_and_its_stream_is_dropped(
+    http: aiohttp.ClientSession, grpc_server: ServerProcess, runtime: RuntimeProcess
+) -> None:
+    probe = await open_session(http, grpc_server)
+    session_id = probe.received[0]["session_id"]
+    await probe.message("go", **scenario("hang_mid"))
+    assert (await probe.recv_numbered())["content"] == "working"
+    await probe.numbered("interrupt")
+    frames = await probe.turn()
+    assert [(f["type"], f.get("cancelled")) for f in frames] == [("done", True)]
+    # The runtime may still be in that turn: its stream must not carry the next one.
+    await until_streams(runtime, session_id, 0)
+    await probe.message("again", **scenario("stream"))
+    assert (await probe.turn())[-1]["content"] == REPLY
+
+
 async def rpc_turn(probe: RpcProbe, name: str, client_id: str) -> tuple[dict[str, Any], str]:
     """Send a message playing scenario `name`; its ended turn and its reply's content."""
     sent = await probe.call(

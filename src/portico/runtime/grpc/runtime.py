@@ -322,14 +322,30 @@ class GrpcRuntime:
         kept = self._take(turn.session_id)
         if kept is not None:
             reader = TurnReader()
-            reading = await self._send_and_read(kept, opening, reader)
+            reading = await self._first_reading(turn.session_id, kept, opening, reader)
             if not reader.broken:
                 return kept, reader, reading
             self._log_note(turn, f"kept stream unusable ({reading.note}); opening a new one")
             self._drop(turn.session_id, kept)
         conversation = await self._open_stream(turn.session_id)
         reader = TurnReader()
-        return conversation, reader, await self._send_and_read(conversation, opening, reader)
+        reading = await self._first_reading(turn.session_id, conversation, opening, reader)
+        return conversation, reader, reading
+
+    async def _first_reading(
+        self,
+        session_id: str,
+        conversation: _Conversation,
+        opening: pb.ClientMessage,
+        reader: TurnReader,
+    ) -> Reading:
+        try:
+            return await self._send_and_read(conversation, opening, reader)
+        except BaseException:
+            # Stopped before the turn had begun (a user's stop, a shutdown): the runtime
+            # may be mid-turn on this stream, which must not carry the next one.
+            self._drop(session_id, conversation)
+            raise
 
     async def _send_and_read(
         self, conversation: _Conversation, message: pb.ClientMessage, reader: TurnReader
