@@ -128,6 +128,9 @@ class _Conversation:
                     self._stray(f"{kind} outside a turn ignored")
         except grpc.aio.AioRpcError as exc:
             await self.inbox.put(Broken(classify(exc)))
+        except Exception as exc:  # a bug or a gRPC internal: the turn must still end
+            log.exception("reading a grpc stream failed")
+            await self.inbox.put(Broken(f"unexpected {type(exc).__name__}"))
 
     def begin_turn(self) -> None:
         while not self.inbox.empty():  # left from an earlier turn that ended early
