@@ -160,7 +160,7 @@ def test_an_error_ends_the_turn_and_a_later_done_is_ignored_with_a_note() -> Non
     first = reader.receive(Out(error=pb.Error(code="PROVIDER_TIMEOUT", message="m")))
     late = reader.receive(Out(done=pb.Done(final_content="x")))
     assert first.events == (Failure(code="PROVIDER_TIMEOUT", message="m"),)
-    assert (late.events, reader.clean) == ((), True)
+    assert (late.events, reader.clean, reader.broken) == ((), False, False)
     assert "after the turn's terminal" in late.note
     assert reader.fail("stream broken").events == ()
 

@@ -52,8 +52,9 @@ class TurnReader:
 
     def __init__(self) -> None:
         self.ended = False
-        # True when the runtime itself ended the turn (`done` or `error`): its stream
-        # is in step with the facade and may carry the next turn.
+        # True when the runtime ended the turn with its `done`: its stream is in step
+        # with the facade and may carry the next turn. After an `error` it is not kept,
+        # so nothing the runtime still sends (a stray `done`) can reach the next turn.
         self.clean = False
         self.broken = False  # the transport failed (not a timeout, not the runtime's message)
         self._media: dict[str, tuple[int, str]] = {}  # media id -> (next sequence, mime type)
@@ -73,7 +74,7 @@ class TurnReader:
                 case "done":
                     return self._done(message.done)
                 case "error":
-                    self._end(clean=True)
+                    self._end(clean=False)
                     code = message.error.code or INTERNAL
                     # The code only: the message may quote what the turn was about.
                     note = f"the runtime ended the turn with error code={code[:64]!r}"

@@ -133,13 +133,17 @@ class _Conversation:
             await self.inbox.put(Broken(f"unexpected {type(exc).__name__}"))
 
     def begin_turn(self) -> None:
-        while not self.inbox.empty():  # left from an earlier turn that ended early
-            left = self.inbox.get_nowait()
-            if isinstance(left, pb.ServerMessage):
-                self._stray(f"{left.WhichOneof('message') or 'empty message'} from before ignored")
+        self._discard_left("from before")
         self.in_turn = True
 
+    def _discard_left(self, when: str) -> None:
+        while not self.inbox.empty():  # what arrived after its turn had ended
+            left = self.inbox.get_nowait()
+            if isinstance(left, pb.ServerMessage):
+                self._stray(f"{left.WhichOneof('message') or 'empty message'} {when} ignored")
+
     def close(self) -> None:
+        self._discard_left("after the turn's end")
         if self.idle_close is not None:
             self.idle_close.cancel()
         self._reading.cancel()
