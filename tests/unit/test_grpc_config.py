@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import grpc
+import grpc.aio
 import pytest
 
 from portico.config import Settings, load_settings
 from portico.errors import ConfigError
-from portico.runtime.grpc.runtime import GrpcRuntime
+from portico.runtime.grpc.runtime import GrpcRuntime, classify
 from portico.server.services import build_runtime
 
 
@@ -72,3 +74,27 @@ def test_the_default_agent_refusal_names_the_environment_variable() -> None:
 
 def test_a_token_from_the_environment_is_accepted() -> None:
     agent(grpc_target="h:1", grpc_token_env="TOKEN").check_startable(env={"TOKEN": "t"})
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "cause"),
+    [
+        (
+            "UNAVAILABLE",
+            "failed to connect; last error: ipv4:127.0.0.1:9: Connection refused",
+            "connection refused",
+        ),
+        ("UNAVAILABLE", "DNS resolution failed for nowhere.invalid:1", "name resolution failed"),
+        ("UNAVAILABLE", "Ssl handshake failed: CERTIFICATE_VERIFY_FAILED", "TLS handshake failed"),
+        ("UNAVAILABLE", "Connection reset by peer", "connection reset"),
+        ("UNAUTHENTICATED", "bad token", "unauthenticated"),
+        ("INTERNAL", "something else", "internal"),
+    ],
+)
+def test_connection_failures_are_classified_for_the_log(
+    code: str, details: str, cause: str
+) -> None:
+    error = grpc.aio.AioRpcError(
+        getattr(grpc.StatusCode, code), grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
+    assert classify(error) == cause
