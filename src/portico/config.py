@@ -32,7 +32,7 @@ DEFAULT_AGENT = "default"
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 Bytes = Annotated[int, msgspec.Meta(ge=1)]
-RuntimeName = Literal["demo", "echo", "scripted", "openai"]
+RuntimeName = Literal["demo", "echo", "scripted", "openai", "grpc"]
 StoreName = Literal["sqlite", "memory", "postgres"]
 # What chat-completions endpoints accept as a function name.
 ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -140,6 +140,23 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     compact_after_tokens: Count | None = None
     summary_input_chars: Count = 100_000  # transcript the model summarises (the newest part)
 
+    # The `grpc` runtime: an agent runtime dialled over the runtime contract
+    # (docs/runtime-grpc.md). `first_token_timeout` and `stream_idle_timeout` bound its turns.
+    grpc_target: str | None = None  # host:port
+    grpc_tls: bool = False
+    grpc_ca_file: str | None = None  # PEM roots that sign the runtime's certificate; None: system
+    grpc_token_env: str | None = None  # the NAME of the env variable holding a bearer token
+    grpc_connect_timeout: Seconds = 5.0  # reaching the runtime when a turn opens a stream
+    grpc_reconnect_backoff_max: Seconds = 1.0  # longest wait between connection attempts
+    grpc_stream_idle_close: Seconds = 300.0  # a conversation's stream unused this long closes
+    grpc_health_required: bool = True  # /readyz is 503 while the runtime is unhealthy
+    grpc_health_interval: Seconds = 5.0  # a Health answer is reused this long
+    grpc_health_timeout: Seconds = 2.0  # deadline of one Health call
+    grpc_max_message_bytes: Bytes = 16 * 1024 * 1024  # largest ServerMessage accepted
+    grpc_read_buffer_messages: Count = 256  # read ahead of the turn, per stream
+    # The runtime keeps the conversation: a /ws resume asks it (HasConversation).
+    runtime_owns_context: bool = False
+
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Where to serve and store.
@@ -158,6 +175,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     openai_api_key_env: str | None = None
     openai_system_prompt: str = ""
     demo_word_delay: Annotated[float, msgspec.Meta(ge=0)] = 0.03  # seconds between demo words
+    # The default agent's runtime when `runtime` is `grpc` (`agents.default` for the rest).
+    grpc_target: str | None = None
+    grpc_tls: bool = False
+    grpc_ca_file: str | None = None
+    grpc_token_env: str | None = None
 
     # Archive backend: `sqlite` (file in data_dir), `memory` (lost on exit) or
     # `postgres` (database_url; several replicas may share it).
@@ -262,6 +284,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 model=self.openai_model,
                 api_key_env=self.openai_api_key_env,
                 system_prompt=self.openai_system_prompt,
+                grpc_target=self.grpc_target,
+                grpc_tls=self.grpc_tls,
+                grpc_ca_file=self.grpc_ca_file,
+                grpc_token_env=self.grpc_token_env,
             )
         return None
 
@@ -292,6 +318,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 raise ConfigError(f"agent {name!r}: the scripted runtime needs a script file")
             if agent is not None and agent.runtime == "openai":
                 check_openai_agent(name, agent, os.environ if env is None else env)
+            if agent is not None and agent.runtime == "grpc":
+                check_grpc_agent(name, agent, os.environ if env is None else env)
 
     def _check_store(self) -> None:
         if self.store != "postgres":
@@ -365,6 +393,21 @@ def _check_mcp_server(where: str, server: McpServerSettings, env: Mapping[str, s
             raise ConfigError(f"{where}: names the variable {variable}, which is not set")
     if importlib.util.find_spec("mcp") is None:
         raise ConfigError(f"{where}: MCP servers need the mcp package: pip install 'portico[mcp]'")
+
+
+def check_grpc_agent(name: str, agent: AgentSettings, env: Mapping[str, str]) -> None:
+    """Refuse a `grpc` agent the runtime could not dial, naming the setting."""
+    where = f"agent {name!r}"
+    host, _, port = (agent.grpc_target or "").rpartition(":")
+    if not host or not port.isdigit():
+        hint = " (PORTICO_GRPC_TARGET)" if name == DEFAULT_AGENT else ""
+        raise ConfigError(f"{where}: the grpc runtime needs grpc_target as host:port{hint}")
+    if agent.grpc_ca_file and not Path(agent.grpc_ca_file).is_file():
+        raise ConfigError(f"{where}: grpc_ca_file {agent.grpc_ca_file} is not a readable file")
+    if agent.grpc_token_env and not env.get(agent.grpc_token_env):
+        raise ConfigError(f"{where}: grpc_token_env names {agent.grpc_token_env}, which is not set")
+    if importlib.util.find_spec("grpc") is None:
+        raise ConfigError(f"{where}: the grpc runtime needs grpcio: pip install 'portico[grpc]'")
 
 
 def _check_tool(where: str, tool: ToolSettings, env: Mapping[str, str]) -> None:

@@ -106,7 +106,9 @@ class Conversations:
             return session
         now = self._clock()
         closed = msgspec.structs.replace(session, status="closed", closed_at=now, updated_at=now)
-        return await self._store.update_session(closed)
+        stored = await self._store.update_session(closed)
+        self._engine.session_ended(session.id, session.agent)
+        return stored
 
     async def reopen(self, principal: str, session_id: str) -> Session:
         session = await self.session(principal, session_id)

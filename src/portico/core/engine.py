@@ -27,6 +27,7 @@ from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.core.tools import NoClientTools, ToolBroker
 from portico.core.turns import StreamedSoFar, TurnRunner
 from portico.errors import (
+    InternalError,
     InvalidMessage,
     MediaNotEnabled,
     SessionDeclarationRefused,
@@ -37,6 +38,8 @@ from portico.errors import (
 from portico.runtime.base import (
     ClientTool,
     Closable,
+    ConversationKeeper,
+    ConversationReleaser,
     HistoryReader,
     MediaAccess,
     Runtime,
@@ -381,6 +384,7 @@ class Engine:
     async def _session_for(self, message: UserMessage) -> Session:
         now = self._clock()
         session = await self.store.get_session(message.session_id)
+        resumed = session is not None and not message.own_session
         if session is None:
             if self.reservations.foreign(message.session_id, message.principal):
                 raise SessionExpired()
@@ -395,7 +399,24 @@ class Engine:
         expired = now - session.last_activity_at > self._context_ttl
         if expired and not message.own_session:
             raise SessionExpired()
+        if resumed:
+            await self._check_resume(session)
         return session
+
+    async def _check_resume(self, session: Session) -> None:
+        """A runtime that owns the context decides whether the session resumes
+        (runtime-contract.md: `HasConversation`)."""
+        agent = self._agents.get(session.agent)
+        runtime = self._runtimes.get(session.agent)
+        if agent is None or not agent.runtime_owns_context:
+            return
+        if not isinstance(runtime, ConversationKeeper):
+            return
+        verdict = await runtime.has_conversation(session.id)
+        if verdict == "not_found":
+            raise SessionExpired()
+        if verdict == "unavailable":
+            raise InternalError()
 
     async def open_session(
         self,
@@ -555,6 +576,13 @@ class Engine:
             del self._running[session_id]
             self._tasks.pop(session_id, None)
             self._start_waiting(session_id)
+
+    def session_ended(self, session_id: str, agent: str) -> None:
+        """The session ended (`/v1/session` `end`, RPC `session.close`): its runtime may
+        free what it keeps for the conversation."""
+        runtime = self._runtimes.get(agent)
+        if isinstance(runtime, ConversationReleaser):
+            runtime.release(session_id)
 
     async def cancel(self, session_id: str) -> bool:
         """Stop the session's running turn (a user's stop); False when none runs."""

@@ -158,3 +158,38 @@ class Summarizer(Protocol):
 
     async def summarize(self, history: Sequence[Message], instruction: str) -> str:
         """A summary that stands in for `history` (oldest first); raises when it cannot."""
+
+
+# What a runtime that keeps the conversation says about resuming a session: `unknown`
+# when it has no answer (an unimplemented check), which lets the resume through.
+ResumeVerdict = Literal["resumable", "not_found", "unavailable", "unknown"]
+
+
+@runtime_checkable
+class ConversationKeeper(Protocol):
+    """A runtime that may own a conversation's context (an agent in another process)."""
+
+    async def has_conversation(self, session_id: str) -> ResumeVerdict: ...
+
+
+@runtime_checkable
+class ConversationReleaser(Protocol):
+    """A runtime holding resources per conversation (a stream) to free when it ends."""
+
+    def release(self, session_id: str) -> None:
+        """The session ended: free what it holds now, or when its running turn ends."""
+
+
+class RuntimeHealth(msgspec.Struct, frozen=True):
+    healthy: bool
+    reason: str = ""  # why not, for operators (`/readyz` body); never a credential
+
+
+@runtime_checkable
+class HealthReporter(Protocol):
+    """A runtime whose health decides readiness (`/readyz`)."""
+
+    @property
+    def health_required(self) -> bool: ...
+
+    async def health(self) -> RuntimeHealth: ...

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
+from collections.abc import Mapping
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from portico.runtime.base import HealthReporter, Runtime
 from portico.server.services import SERVICES
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -29,7 +32,25 @@ async def readyz(request: web.Request) -> web.Response:
     services = request.app[SERVICES]
     if not services.ready:
         return web.json_response({"status": "starting or draining"}, status=503)
+    unhealthy = await unhealthy_runtimes(services.runtimes)
+    if unhealthy:
+        return web.json_response({"status": "runtime unhealthy", "agents": unhealthy}, status=503)
     return web.json_response({"status": "ready"})
+
+
+async def unhealthy_runtimes(runtimes: Mapping[str, Runtime]) -> dict[str, str]:
+    """Agent name -> reason, for each runtime readiness depends on that is unhealthy."""
+    required = {
+        name: runtime
+        for name, runtime in runtimes.items()
+        if isinstance(runtime, HealthReporter) and runtime.health_required
+    }
+    answers = await asyncio.gather(*(runtime.health() for runtime in required.values()))
+    return {
+        name: health.reason
+        for name, health in zip(required, answers, strict=True)
+        if not health.healthy
+    }
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -54,6 +54,9 @@ class Services:
         agents = {name: settings.agent(name) for name in settings.agent_names()}
         resolved = {name: agent for name, agent in agents.items() if agent is not None}
         self.metrics = Metrics()
+        self.runtimes = {
+            name: build_runtime(agent, settings, name=name) for name, agent in resolved.items()
+        }
         self.tools = ClientToolBroker(
             store=self.store,
             ack_timeout=settings.tool_ack_timeout,
@@ -66,7 +69,7 @@ class Services:
             tools=self.tools,
             telemetry=self.metrics,
             media=self.media,
-            runtimes={name: build_runtime(agent, settings) for name, agent in resolved.items()},
+            runtimes=self.runtimes,
             agents=resolved,
             context_ttl=settings.context_ttl,
             replica_id=settings.replica_id,
@@ -147,7 +150,9 @@ def build_auth(settings: Settings) -> Authenticator:
     return NoAuth()
 
 
-def build_runtime(agent: AgentSettings, settings: Settings) -> Runtime:
+def build_runtime(
+    agent: AgentSettings, settings: Settings, *, name: str = DEFAULT_AGENT
+) -> Runtime:
     if agent.runtime == "scripted":
         assert agent.script is not None, "check_startable() requires a script"
         return ScriptedRuntime.from_file(agent.script)
@@ -157,4 +162,9 @@ def build_runtime(agent: AgentSettings, settings: Settings) -> Runtime:
         # The key and the tools' header values are read from the environment here, so
         # they never sit in the settings (which `config show` prints).
         return OpenAIRuntime(agent, env=os.environ)
+    if agent.runtime == "grpc":
+        # Imported here: grpcio is an optional extra (`portico[grpc]`).
+        from portico.runtime.grpc.runtime import build
+
+        return build(name, agent)
     return DemoRuntime(word_delay=settings.demo_word_delay)

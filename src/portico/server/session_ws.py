@@ -440,6 +440,7 @@ class SessionSocket(ServerSocket):
                 await self._services.engine.cancel(live.id)
             case f.End():
                 live.end()
+                self._services.engine.session_ended(live.id, live.agent)
                 self._services.engine.detach(live.id, live.on_turn_event)
                 self._core.close(CLOSE_NORMAL, "session ended")
             case _:
