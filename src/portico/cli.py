@@ -1,4 +1,4 @@
-"""The `portico` command: `serve`, `config show`, `chat`."""
+"""The `portico` command: `serve`, `config show`, `chat`, `agent serve`."""
 
 from __future__ import annotations
 
@@ -43,7 +43,52 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="metadata sent with every message (repeatable)",
     )
+    _add_agent_command(commands)
     return parser
+
+
+def _add_agent_command(commands: Any) -> None:
+    agent_cmd = commands.add_parser("agent", help="run an agent handler (portico.agent)")
+    agent_sub = agent_cmd.add_subparsers(dest="agent_command", required=True)
+    serve = agent_sub.add_parser(
+        "serve", help="serve a handler over the gRPC runtime contract (omnia.runtime.v1)"
+    )
+    serve.add_argument("handler", help="the handler: module:attr, or a portico.agents entry point")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (127.0.0.1)")
+    serve.add_argument("--port", type=int, default=50051, help="0 picks a free one (50051)")
+    serve.add_argument("--max-conversations", type=int, default=10_000, help="(10000)")
+    serve.add_argument("--max-history-messages", type=int, default=200, help="(200)")
+    serve.add_argument(
+        "--client-tool-timeout", type=float, default=300.0, help="seconds; 0: none (300)"
+    )
+    serve.add_argument("--grace", type=float, default=10.0, help="seconds on SIGTERM (10)")
+    serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+
+
+def _run_agent(args: argparse.Namespace) -> None:
+    try:
+        from portico.agent.server import AgentOptions, serve_agent
+    except ImportError as exc:
+        raise ConfigError("portico agent serve needs grpcio: pip install 'portico[grpc]'") from exc
+    from portico.agent.loader import load_handler
+
+    handler = load_handler(args.handler)
+    options = AgentOptions(
+        max_conversations=args.max_conversations,
+        max_history_messages=args.max_history_messages,
+        client_tool_timeout=args.client_tool_timeout or None,
+        grace=args.grace,
+    )
+    configure_logging(args.log_level.upper())
+    asyncio.run(
+        serve_agent(
+            handler,
+            host=args.host,
+            port=args.port,
+            options=options,
+            on_ready=lambda line: print(line, flush=True),
+        )
+    )
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "chat":
             return asyncio.run(run_chat(_chat_options(args)))
+        if args.command == "agent":
+            _run_agent(args)
+            return 0
         settings = _settings(args)
         if args.command == "serve":
             _run_server(settings)

@@ -27,7 +27,7 @@ DEFAULT_AGENT = "default"
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 Bytes = Annotated[int, msgspec.Meta(ge=1)]
-RuntimeName = Literal["demo", "echo", "scripted", "openai"]
+RuntimeName = Literal["demo", "echo", "scripted", "openai", "python"]
 StoreName = Literal["sqlite", "memory", "postgres"]
 # What chat-completions endpoints accept as a function name.
 ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -87,6 +87,9 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Sandbox names a session may declare (Omnia `declare.sandboxes`).
     sandboxes: tuple[str, ...] = ()
     description: str = ""
+    # The `python` runtime: the agent handler, `module:attr` or a `portico.agents` entry
+    # point's name (docs/agents.md).
+    plugin: str | None = None
 
     # The `openai` runtime: an OpenAI-compatible /chat/completions endpoint (docs/openai.md).
     base_url: str | None = None  # e.g. https://api.openai.com/v1
@@ -125,6 +128,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # The default agent (always named "default"); more agents under `agents`.
     runtime: RuntimeName = "demo"
     script: str | None = None
+    plugin: str | None = None  # the default agent's handler when `runtime` is `python`
     agents: dict[str, AgentSettings] = msgspec.field(default_factory=dict)
     # The default agent's model when `runtime` is `openai` (`agents.default` for the rest).
     openai_base_url: str | None = None
@@ -220,6 +224,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 model=self.openai_model,
                 api_key_env=self.openai_api_key_env,
                 system_prompt=self.openai_system_prompt,
+                plugin=self.plugin,
             )
         return None
 
@@ -248,6 +253,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             agent = self.agent(name)
             if agent is not None and agent.runtime == "scripted" and not agent.script:
                 raise ConfigError(f"agent {name!r}: the scripted runtime needs a script file")
+            if agent is not None and agent.runtime == "python" and not agent.plugin:
+                raise ConfigError(
+                    f"agent {name!r}: the python runtime needs plugin: module:attr"
+                    + (" (PORTICO_PLUGIN)" if name == DEFAULT_AGENT else "")
+                )
             if agent is not None and agent.runtime == "openai":
                 check_openai_agent(name, agent, os.environ if env is None else env)
 
