@@ -297,3 +297,15 @@ async def test_sigterm_lets_the_running_turn_finish(tmp_path: Path) -> None:
             assert (kinds(turn), chunks(turn)) == (["chunk", "done"], "finished")
     finally:
         assert agent.stop() == 0
+
+
+async def test_a_part_of_an_unknown_type_is_answered_with_one_error(
+    stub: pb_grpc.RuntimeServiceStub,
+) -> None:
+    call = stub.Converse()
+    await send(call, parts=[pb.ContentPart(type="hologram", text="?")])
+    turn = await read_turn(call)
+    assert kinds(turn) == ["error"]
+    assert turn[0].error.code == "INVALID_MESSAGE"
+    assert kinds(await ask(call, "stream"))[-1] == "done"
+    call.cancel()

@@ -191,3 +191,43 @@ def test_the_agents_memory_is_bounded_by_conversations_and_messages() -> None:
     memory.append("c", HistoryMessage(role="user", content="c"))  # b goes
     assert ("a" in memory, "b" in memory, "c" in memory) == (True, False, True)
     assert memory.messages("b") == ()
+
+
+def first_python_block(path: Path, after: str) -> str:
+    text = path.read_text(encoding="utf-8")
+    return text[text.index(after) :].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def handler_of(code: str) -> PythonRuntime:
+    namespace: dict[str, object] = {}
+    exec(compile(code, "<docs>", "exec"), namespace)  # the documented code, as printed
+    handler = namespace["handler"]
+    return PythonRuntime(handler)  # type: ignore[arg-type]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+CLOCK = (ToolOutcome(status="completed", result="09:00"),)
+
+
+async def test_the_readme_handler_runs_as_printed() -> None:
+    code = first_python_block(ROOT / "README.md", "## Bring your own agent")
+    events = await drive(handler_of(code), turn_input("hi"), CLOCK)
+    assert isinstance(events[1], ToolCall)
+    assert events[1].consent_message == "May I read your clock?"
+    assert [events[0], *events[2:]] == [
+        Chunk("You said 'hi'. "),
+        Chunk("Your clock says 09:00."),
+        Done(),
+    ]
+
+
+async def test_the_docs_handler_runs_as_printed() -> None:
+    code = first_python_block(ROOT / "docs" / "agents.md", "## The handler")
+    events = await drive(handler_of(code), turn_input("hi"), CLOCK)
+    assert isinstance(events[1], ToolCall)
+    assert [events[0], *events[2:]] == [
+        Chunk("Let me check. "),
+        Chunk("It is 09:00."),
+        Usage(120, 9),
+        Done(),
+    ]
