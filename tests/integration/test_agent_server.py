@@ -309,3 +309,21 @@ async def test_a_part_of_an_unknown_type_is_answered_with_one_error(
     assert turn[0].error.code == "INVALID_MESSAGE"
     assert kinds(await ask(call, "stream"))[-1] == "done"
     call.cancel()
+
+
+async def test_sigterm_ends_idle_streams_without_waiting_out_the_grace(tmp_path: Path) -> None:
+    """Streams stay open between turns; a stopping agent ends them, it does not wait
+    for the facade to (the grace is far longer than stop()'s deadline)."""
+    agent = AgentProcess(
+        "support.agents:handler", tmp_path / "agent.log", args=("--grace", "600")
+    ).start()
+    try:
+        async with grpc.aio.insecure_channel(agent.target) as channel:
+            call = pb_grpc.RuntimeServiceStub(channel).Converse()
+            assert kinds(await ask(call, "stream"))[-1] == "done"
+            assert agent.process is not None
+            agent.process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(call.read(), WITHIN) is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+    finally:
+        assert agent.stop() == 0

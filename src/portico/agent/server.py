@@ -100,6 +100,7 @@ class AgentService(pb_grpc.RuntimeServiceServicer):
             max_conversations=self._options.max_conversations,
             max_messages=self._options.max_history_messages,
         )
+        self._streams: set[_Stream] = set()
 
     # grpc.aio also takes a coroutine that writes through `context.write` (the stubs
     # know only iterators): the turn's writes then wait for flow control, no queue.
@@ -107,7 +108,16 @@ class AgentService(pb_grpc.RuntimeServiceServicer):
         self, request_iterator: AsyncIterator[pb.ClientMessage], context: Any
     ) -> None:
         stream = _Stream(self._handler, self._memory, self._options, context.write)
-        await stream.run(request_iterator)
+        self._streams.add(stream)
+        try:
+            await stream.run(request_iterator)
+        finally:
+            self._streams.discard(stream)
+
+    def drain(self) -> None:
+        """Stopping: every stream ends after the turns it has (idle ones at once)."""
+        for stream in list(self._streams):
+            stream.drain()
 
     async def Invoke(  # noqa: N802
         self, request: pb.InvocationRequest, context: Any
@@ -152,6 +162,12 @@ class _Stream:
         )
         self._session_id = ""
         self._closed = False
+        self._draining = False
+
+    def drain(self) -> None:
+        self._draining = True
+        if self._queue.empty():
+            self._queue.put_nowait(None)  # wakes an idle stream: it ends now
 
     async def run(self, requests: AsyncIterator[pb.ClientMessage]) -> None:
         reader = asyncio.create_task(self._read(requests))
@@ -161,6 +177,8 @@ class _Stream:
                     await self._send_error("DUPLEX_ERROR", "this agent does not take duplex audio")
                 else:
                     await self._turn(message)
+                if self._draining and self._queue.empty():
+                    return
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
@@ -397,7 +415,8 @@ async def serve_agent(
     """Serve `handler` until SIGTERM or SIGINT, then let running turns finish (`grace`)."""
     options = options or AgentOptions()
     server = grpc.aio.server()
-    pb_grpc.add_RuntimeServiceServicer_to_server(AgentService(handler, options), server)
+    service = AgentService(handler, options)
+    pb_grpc.add_RuntimeServiceServicer_to_server(service, server)
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError as exc:
@@ -412,4 +431,8 @@ async def serve_agent(
     on_ready(f"Portico agent serving grpc://{host}:{bound} (omnia.runtime.v1.RuntimeService)")
     await stop.wait()
     log.info("agent stopping: running turns get %.1f s", options.grace)
-    await server.stop(options.grace)
+    # Streams stay open between turns (one per conversation): ending the idle ones now
+    # lets the process exit once the running turns are done, not after the whole grace.
+    stopped = asyncio.ensure_future(server.stop(options.grace))
+    service.drain()
+    await stopped
