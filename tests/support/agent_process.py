@@ -7,15 +7,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from support.server import _die_with_parent
+from support.server import _await_ready_port, _die_with_parent, stop_child
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 READY_LINE = re.compile(r"Portico agent serving grpc://(?P<host>[^:/]+):(?P<port>\d+)")
-START_TIMEOUT = 20.0
 
 
 def agent_env() -> dict[str, str]:
@@ -52,40 +50,12 @@ class AgentProcess:
                 cwd=REPO,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
-        self.port = self._await_ready()
+        self.port = _await_ready_port(self.process.stdout, self.process, self.log_path, READY_LINE)
         return self
 
-    def _await_ready(self) -> int:
-        process = self.process
-        assert process is not None
-        assert process.stdout is not None
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                if process.poll() is not None:
-                    raise RuntimeError(f"agent exited {process.returncode}:\n{self.log_text()}")
-                continue
-            match = READY_LINE.search(line)
-            if match:
-                return int(match.group("port"))
-        process.kill()
-        raise RuntimeError(f"agent did not start in {START_TIMEOUT}s:\n{self.log_text()}")
-
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.process is None:
-            return 0
         process, self.process = self.process, None
-        if process.poll() is None:
-            process.send_signal(sig)
-        try:
-            return process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            return process.wait()
-        finally:
-            if process.stdout is not None:
-                process.stdout.close()
+        return stop_child(process, sig)
 
     def log_text(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""

@@ -11,11 +11,9 @@ In its own process (the gRPC runtime contract, needs the `grpc` extra):
 """
 
 from portico.agent.api import (
-    AgentError,
     Handler,
     HistoryMessage,
     Media,
-    MediaContent,
     Part,
     Reply,
     ToolAnswer,
@@ -24,6 +22,8 @@ from portico.agent.api import (
     Turn,
     Usage,
 )
+from portico.core.model import MediaContent
+from portico.errors import AgentError
 
 __all__ = [
     "AgentError",

@@ -21,8 +21,7 @@ from typing import Any
 
 import msgspec
 
-from portico.core.model import ContentPart, MediaContent, Role
-from portico.errors import AgentError
+from portico.core.model import ContentPart, Role
 
 # A part of the user's message or of the reply: `Part(type="text", text="...")`, or
 # `Part(type="image", media=MediaContent(mime_type="image/png", url="https://..."))`.
@@ -162,20 +161,3 @@ def media_pieces(media: Media) -> list[tuple[int, bool, bytes]]:
         (index, index == last, media.data[start : start + MEDIA_CHUNK_BYTES])
         for index, start in enumerate(starts)
     ]
-
-
-__all__ = [
-    "AgentError",
-    "Handler",
-    "HistoryMessage",
-    "Media",
-    "MediaContent",
-    "Part",
-    "Reply",
-    "ToolAnswer",
-    "ToolRejected",
-    "ToolRequest",
-    "ToolResult",
-    "Turn",
-    "Usage",
-]
