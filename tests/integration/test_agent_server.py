@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -290,13 +289,12 @@ async def test_sigterm_lets_the_running_turn_finish(tmp_path: Path) -> None:
             call = pb_grpc.RuntimeServiceStub(channel).Converse()
             await send(call, metadata=scenario("hold", seconds="0.5"))
             assert (await read(call)).chunk.content == "started "  # the turn is under way
-            assert agent.process is not None
-            agent.process.send_signal(signal.SIGTERM)
+            exited = asyncio.ensure_future(asyncio.to_thread(agent.terminated))
             turn = await read_turn(call)
-            await call.done_writing()
             assert (kinds(turn), chunks(turn)) == (["chunk", "done"], "finished")
+            assert await exited == 0
     finally:
-        assert agent.stop() == 0
+        agent.stop()
 
 
 async def test_a_part_of_an_unknown_type_is_answered_with_one_error(
@@ -321,9 +319,9 @@ async def test_sigterm_ends_idle_streams_without_waiting_out_the_grace(tmp_path:
         async with grpc.aio.insecure_channel(agent.target) as channel:
             call = pb_grpc.RuntimeServiceStub(channel).Converse()
             assert kinds(await ask(call, "stream"))[-1] == "done"
-            assert agent.process is not None
-            agent.process.send_signal(signal.SIGTERM)
+            exited = asyncio.ensure_future(asyncio.to_thread(agent.terminated))
             assert await asyncio.wait_for(call.read(), WITHIN) is grpc.aio.EOF
             assert await call.code() == grpc.StatusCode.OK
+            assert await exited == 0
     finally:
-        assert agent.stop() == 0
+        agent.stop()

@@ -53,6 +53,15 @@ class AgentProcess:
         self.port = _await_ready_port(self.process.stdout, self.process, self.log_path, READY_LINE)
         return self
 
+    def terminated(self) -> int:
+        """SIGTERM once, then its exit status (no second signal: it may be exiting)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=15)
+        finally:
+            self.stop()
+
     def stop(self, sig: int = signal.SIGTERM) -> int:
         process, self.process = self.process, None
         return stop_child(process, sig)
