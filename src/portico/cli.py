@@ -11,6 +11,8 @@ from typing import Any, get_args
 
 import yaml
 
+from portico.agent.loader import load_handler
+from portico.agent.options import AgentOptions, agent_options
 from portico.client.chat import DEFAULT_URL, ChatOptions, run_chat
 from portico.config import RuntimeName, Settings, StoreName, load_settings
 from portico.errors import ConfigError, StoreError
@@ -56,29 +58,56 @@ def _add_agent_command(commands: Any) -> None:
     serve.add_argument("handler", help="the handler: module:attr, or a portico.agents entry point")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (127.0.0.1)")
     serve.add_argument("--port", type=int, default=50051, help="0 picks a free one (50051)")
-    serve.add_argument("--max-conversations", type=int, default=10_000, help="(10000)")
-    serve.add_argument("--max-history-messages", type=int, default=200, help="(200)")
+    defaults = AgentOptions()
     serve.add_argument(
-        "--client-tool-timeout", type=float, default=300.0, help="seconds; 0: none (300)"
+        "--client-tool-timeout",
+        type=float,
+        default=defaults.client_tool_timeout,
+        help="seconds a client tool call waits before the handler gets a rejection; 0: no "
+        f"limit ({defaults.client_tool_timeout:g})",
     )
-    serve.add_argument("--grace", type=float, default=10.0, help="seconds on SIGTERM (10)")
+    serve.add_argument(
+        "--max-conversations",
+        type=int,
+        default=defaults.max_conversations,
+        help=f"conversations whose history the agent keeps ({defaults.max_conversations})",
+    )
+    serve.add_argument(
+        "--max-history-messages",
+        type=int,
+        default=defaults.max_history_messages,
+        help=f"messages kept per conversation ({defaults.max_history_messages})",
+    )
+    serve.add_argument(
+        "--max-queued-turns",
+        type=int,
+        default=defaults.max_queued_turns,
+        help=f"turns of one stream waiting behind the running one ({defaults.max_queued_turns})",
+    )
+    serve.add_argument(
+        "--grace",
+        type=float,
+        default=defaults.grace,
+        help=f"seconds running turns get on SIGTERM ({defaults.grace:g})",
+    )
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
 def _run_agent(args: argparse.Namespace) -> None:
     try:
-        from portico.agent.server import AgentOptions, serve_agent
+        from portico.agent.server import serve_agent
     except ImportError as exc:
         raise ConfigError("portico agent serve needs grpcio: pip install 'portico[grpc]'") from exc
-    from portico.agent.loader import load_handler
-
-    handler = load_handler(args.handler)
-    options = AgentOptions(
-        max_conversations=args.max_conversations,
-        max_history_messages=args.max_history_messages,
-        client_tool_timeout=args.client_tool_timeout or None,
-        grace=args.grace,
+    options = agent_options(
+        {
+            "max_conversations": args.max_conversations,
+            "max_history_messages": args.max_history_messages,
+            "client_tool_timeout": args.client_tool_timeout or None,
+            "max_queued_turns": args.max_queued_turns,
+            "grace": args.grace,
+        }
     )
+    handler = load_handler(args.handler)
     configure_logging(args.log_level.upper())
     asyncio.run(
         serve_agent(

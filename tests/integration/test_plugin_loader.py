@@ -82,3 +82,10 @@ def test_serve_refuses_the_python_runtime_without_a_plugin(tmp_path: Path) -> No
 @pytest.mark.parametrize(("spec", "words"), CASES)
 def test_agent_serve_refuses_a_handler_it_cannot_load(spec: str, words: str) -> None:
     assert_refused(portico("agent", "serve", spec, "--port", "0"), words)
+
+
+def test_agent_serve_refuses_an_invalid_limit() -> None:
+    result = portico("agent", "serve", "support.agents:handler", "--max-queued-turns", "0")
+    assert result.returncode == 2
+    assert result.stderr.startswith("portico: invalid agent option: Expected `int` >= 1")
+    assert "max_queued_turns" in result.stderr

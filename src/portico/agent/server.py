@@ -43,6 +43,7 @@ from portico.agent.api import (
     media_pieces,
 )
 from portico.agent.api import Usage as AgentUsage
+from portico.agent.options import AgentOptions
 from portico.agent.pump import Failed, Finished, PendingTool, TurnOutput, run_handler
 from portico.contract import runtime_pb2 as pb
 from portico.contract import runtime_pb2_grpc as pb_grpc
@@ -52,16 +53,6 @@ from portico.errors import ConfigError
 log = logging.getLogger("portico.agent")
 CONTRACT_VERSION = "1.3.0"
 CAPABILITIES = ("text", "client_tools", "media", "parts")
-
-
-class AgentOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """The agent server's limits (each is a `portico agent serve` flag)."""
-
-    max_conversations: int = 10_000  # conversations whose history is kept (least recent go)
-    max_history_messages: int = 200  # per conversation, the newest kept
-    client_tool_timeout: float | None = 300.0  # seconds a tool call waits; None: forever
-    max_queued_turns: int = 8  # turns of one stream waiting behind the running one
-    grace: float = 10.0  # seconds running turns get to finish on SIGTERM
 
 
 class Memory:
