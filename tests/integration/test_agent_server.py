@@ -23,10 +23,19 @@ Call = grpc.aio.StreamStreamCall
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
-    log = tmp_path_factory.mktemp("agent") / "agent.log"
     process = AgentProcess(
-        "support.agents:handler", log, args=("--client-tool-timeout", str(SHORT_TOOL_TIMEOUT))
+        "support.agents:handler", tmp_path_factory.mktemp("agent") / "agent.log"
     ).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def impatient_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    """Tool calls time out fast here (the other agent's never do within a test)."""
+    log = tmp_path_factory.mktemp("impatient") / "agent.log"
+    args = ("--client-tool-timeout", str(SHORT_TOOL_TIMEOUT))
+    process = AgentProcess("support.agents:handler", log, args=args).start()
     yield process
     process.stop()
 
@@ -120,15 +129,16 @@ async def test_a_rejection_reaches_the_handler_with_its_reason(
 
 
 async def test_an_unanswered_tool_call_times_out_into_a_rejection(
-    stub: pb_grpc.RuntimeServiceStub,
+    impatient_agent: AgentProcess,
 ) -> None:
-    call = stub.Converse()
-    await send(call, metadata=scenario("tool"))
-    assert kinds([await read(call)]) == ["tool_call"]
-    turn = await read_turn(call)  # nobody answers: --client-tool-timeout
-    assert kinds(turn) == ["chunk", "done"]
-    assert chunks(turn) == "rejected:timed out"
-    call.cancel()
+    async with grpc.aio.insecure_channel(impatient_agent.target) as channel:
+        call = pb_grpc.RuntimeServiceStub(channel).Converse()
+        await send(call, metadata=scenario("tool"))
+        assert kinds([await read(call)]) == ["tool_call"]
+        turn = await read_turn(call)  # nobody answers: --client-tool-timeout
+        assert kinds(turn) == ["chunk", "done"]
+        assert chunks(turn) == "rejected:timed out"
+        call.cancel()
 
 
 async def test_parts_go_out_with_done(stub: pb_grpc.RuntimeServiceStub) -> None:
@@ -325,3 +335,27 @@ async def test_sigterm_ends_idle_streams_without_waiting_out_the_grace(tmp_path:
             assert await exited == 0
     finally:
         agent.stop()
+
+
+async def test_a_tool_result_that_is_not_json_is_a_rejection(
+    stub: pb_grpc.RuntimeServiceStub,
+) -> None:
+    call = stub.Converse()
+    await send(call, metadata=scenario("tool"))
+    tool_call = (await read(call)).tool_call
+    broken = pb.ClientToolResult(call_id=tool_call.id, result_json="{not json")
+    await call.write(pb.ClientMessage(session_id="s-1", client_tool_result=broken))
+    assert chunks(await read_turn(call)) == "rejected:the client's result is not JSON"
+    call.cancel()
+
+
+async def test_closing_the_facades_side_rejects_the_waiting_tool_call(
+    stub: pb_grpc.RuntimeServiceStub,
+) -> None:
+    call = stub.Converse()
+    await send(call, metadata=scenario("tool"))
+    assert kinds([await read(call)]) == ["tool_call"]
+    await call.done_writing()
+    turn = await read_turn(call)
+    assert (kinds(turn), chunks(turn)) == (["chunk", "done"], "rejected:the stream closed")
+    assert await asyncio.wait_for(call.read(), WITHIN) is grpc.aio.EOF
