@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, get_args
 
+import msgspec
 import yaml
 
 from portico.agent.loader import load_handler
@@ -49,6 +50,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The `portico agent serve` flags: AgentOptions' fields, with their defaults.
+AGENT_OPTION_HELP = {
+    "client_tool_timeout": "seconds a client tool call waits before the handler gets a "
+    "rejection; 0: no limit",
+    "max_conversations": "conversations whose history the agent keeps",
+    "max_history_messages": "messages kept per conversation",
+    "max_queued_turns": "turns of one stream waiting behind the running one",
+    "grace": "seconds running turns get on SIGTERM",
+}
+
+
 def _add_agent_command(commands: Any) -> None:
     agent_cmd = commands.add_parser("agent", help="run an agent handler (portico.agent)")
     agent_sub = agent_cmd.add_subparsers(dest="agent_command", required=True)
@@ -58,38 +70,16 @@ def _add_agent_command(commands: Any) -> None:
     serve.add_argument("handler", help="the handler: module:attr, or a portico.agents entry point")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (127.0.0.1)")
     serve.add_argument("--port", type=int, default=50051, help="0 picks a free one (50051)")
-    defaults = AgentOptions()
-    serve.add_argument(
-        "--client-tool-timeout",
-        type=float,
-        default=defaults.client_tool_timeout,
-        help="seconds a client tool call waits before the handler gets a rejection; 0: no "
-        f"limit ({defaults.client_tool_timeout:g})",
-    )
-    serve.add_argument(
-        "--max-conversations",
-        type=int,
-        default=defaults.max_conversations,
-        help=f"conversations whose history the agent keeps ({defaults.max_conversations})",
-    )
-    serve.add_argument(
-        "--max-history-messages",
-        type=int,
-        default=defaults.max_history_messages,
-        help=f"messages kept per conversation ({defaults.max_history_messages})",
-    )
-    serve.add_argument(
-        "--max-queued-turns",
-        type=int,
-        default=defaults.max_queued_turns,
-        help=f"turns of one stream waiting behind the running one ({defaults.max_queued_turns})",
-    )
-    serve.add_argument(
-        "--grace",
-        type=float,
-        default=defaults.grace,
-        help=f"seconds running turns get on SIGTERM ({defaults.grace:g})",
-    )
+    defaults = msgspec.structs.asdict(AgentOptions())
+    for option, meaning in AGENT_OPTION_HELP.items():
+        default = defaults[option]
+        serve.add_argument(
+            "--" + option.replace("_", "-"),
+            dest=option,
+            type=type(default),
+            default=default,
+            help=f"{meaning} ({default:g})",
+        )
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
@@ -98,15 +88,9 @@ def _run_agent(args: argparse.Namespace) -> None:
         from portico.agent.server import serve_agent
     except ImportError as exc:
         raise ConfigError("portico agent serve needs grpcio: pip install 'portico[grpc]'") from exc
-    options = agent_options(
-        {
-            "max_conversations": args.max_conversations,
-            "max_history_messages": args.max_history_messages,
-            "client_tool_timeout": args.client_tool_timeout or None,
-            "max_queued_turns": args.max_queued_turns,
-            "grace": args.grace,
-        }
-    )
+    values = {option: getattr(args, option) for option in AGENT_OPTION_HELP}
+    values["client_tool_timeout"] = values["client_tool_timeout"] or None  # 0: no limit
+    options = agent_options(values)
     handler = load_handler(args.handler)
     configure_logging(args.log_level.upper())
     asyncio.run(
