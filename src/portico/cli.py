@@ -1,4 +1,4 @@
-"""The `portico` command: `serve`, `config show`, `chat`.
+"""The `portico` command: `serve`, `config show`, `chat`, `agent serve`.
 
 Exit status: 0 done; 1 the archive could not be opened or a chat session failed;
 2 the command line, a setting or the machine refuses to start the server (a bad
@@ -16,9 +16,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any, get_args
 
+import msgspec
 import yaml
 
 from portico import __version__
+from portico.agent.loader import load_handler
+from portico.agent.options import AgentOptions, agent_options
 from portico.client.chat import DEFAULT_URL, ChatOptions, run_chat
 from portico.config import (
     RuntimeName,
@@ -63,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="metadata sent with every message (repeatable)",
     )
+    _add_agent_command(commands)
     return parser
 
 
@@ -72,6 +76,60 @@ def version() -> str:
         return importlib.metadata.version("portico")
     except importlib.metadata.PackageNotFoundError:
         return __version__
+
+
+# The `portico agent serve` flags: AgentOptions' fields, with their defaults.
+AGENT_OPTION_HELP = {
+    "client_tool_timeout": "seconds a client tool call waits before the handler gets a "
+    "rejection; 0: no limit",
+    "max_conversations": "conversations whose history the agent keeps",
+    "max_history_messages": "messages kept per conversation",
+    "max_queued_turns": "turns of one stream waiting behind the running one",
+    "grace": "seconds running turns get on SIGTERM",
+}
+
+
+def _add_agent_command(commands: Any) -> None:
+    agent_cmd = commands.add_parser("agent", help="run an agent handler (portico.agent)")
+    agent_sub = agent_cmd.add_subparsers(dest="agent_command", required=True)
+    serve = agent_sub.add_parser(
+        "serve", help="serve a handler over the gRPC runtime contract (omnia.runtime.v1)"
+    )
+    serve.add_argument("handler", help="the handler: module:attr, or a portico.agents entry point")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (127.0.0.1)")
+    serve.add_argument("--port", type=int, default=50051, help="0 picks a free one (50051)")
+    defaults = msgspec.structs.asdict(AgentOptions())
+    for option, meaning in AGENT_OPTION_HELP.items():
+        default = defaults[option]
+        serve.add_argument(
+            "--" + option.replace("_", "-"),
+            dest=option,
+            type=type(default),
+            default=default,
+            help=f"{meaning} ({default:g})",
+        )
+    serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+
+
+def _run_agent(args: argparse.Namespace) -> None:
+    try:
+        from portico.agent.server import serve_agent
+    except ImportError as exc:
+        raise ConfigError("portico agent serve needs grpcio: pip install 'portico[grpc]'") from exc
+    values = {option: getattr(args, option) for option in AGENT_OPTION_HELP}
+    values["client_tool_timeout"] = values["client_tool_timeout"] or None  # 0: no limit
+    options = agent_options(values)
+    handler = load_handler(args.handler)
+    configure_logging(args.log_level.upper())
+    asyncio.run(
+        serve_agent(
+            handler,
+            host=args.host,
+            port=args.port,
+            options=options,
+            on_ready=lambda line: print(line, flush=True),
+        )
+    )
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "chat":
             return asyncio.run(run_chat(_chat_options(args)))
+        if args.command == "agent":
+            _run_agent(args)
+            return 0
         settings = _settings(args)
         if args.command == "serve":
             _run_server(settings)

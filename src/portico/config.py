@@ -11,6 +11,7 @@ import importlib.util
 import ipaddress
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -32,7 +33,7 @@ DEFAULT_AGENT = "default"
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 Bytes = Annotated[int, msgspec.Meta(ge=1)]
-RuntimeName = Literal["demo", "echo", "scripted", "openai", "grpc"]
+RuntimeName = Literal["demo", "echo", "scripted", "openai", "grpc", "python"]
 StoreName = Literal["sqlite", "memory", "postgres"]
 # What chat-completions endpoints accept as a function name.
 ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -112,6 +113,9 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Sandbox names a session may declare (Omnia `declare.sandboxes`).
     sandboxes: tuple[str, ...] = ()
     description: str = ""
+    # The `python` runtime: the agent handler, `module:attr` or a `portico.agents` entry
+    # point's name (docs/agents.md).
+    plugin: str | None = None
 
     # The `openai` runtime: an OpenAI-compatible /chat/completions endpoint (docs/openai.md).
     base_url: str | None = None  # e.g. https://api.openai.com/v1
@@ -168,6 +172,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # The default agent (always named "default"); more agents under `agents`.
     runtime: RuntimeName = "demo"
     script: str | None = None
+    plugin: str | None = None  # the default agent's handler when `runtime` is `python`
     agents: dict[str, AgentSettings] = msgspec.field(default_factory=dict)
     # The default agent's model when `runtime` is `openai` (`agents.default` for the rest).
     openai_base_url: str | None = None
@@ -288,6 +293,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 grpc_tls=self.grpc_tls,
                 grpc_ca_file=self.grpc_ca_file,
                 grpc_token_env=self.grpc_token_env,
+                plugin=self.plugin,
             )
         return None
 
@@ -316,6 +322,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             agent = self.agent(name)
             if agent is not None and agent.runtime == "scripted" and not agent.script:
                 raise ConfigError(f"agent {name!r}: the scripted runtime needs a script file")
+            if agent is not None and agent.runtime == "python" and not agent.plugin:
+                raise ConfigError(
+                    f"agent {name!r}: the python runtime needs plugin: module:attr"
+                    + (" (PORTICO_PLUGIN)" if name == DEFAULT_AGENT else "")
+                )
             if agent is not None and agent.runtime == "openai":
                 check_openai_agent(name, agent, os.environ if env is None else env)
             if agent is not None and agent.runtime == "grpc":

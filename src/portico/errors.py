@@ -131,6 +131,20 @@ class RuntimeFailure(PorticoError):
         return InternalError.code, GENERIC_INTERNAL_MESSAGE
 
 
+class AgentError(RuntimeFailure):
+    """Raised by an agent handler (`portico.agent`) to end its turn with a wire code.
+
+    ``AgentError("PROVIDER_UNAVAILABLE", "the model is down")``: over gRPC the code and
+    message go out as the turn's `error` as they are; a client sees them when the code is
+    one of the client protocols' (`RUNTIME_PASSTHROUGH_CODES`), else `INTERNAL_ERROR`.
+
+    The code is `runtime_code`; the message must be safe to show a user.
+    """
+
+    def __init__(self, code: str, message: str = "") -> None:
+        super().__init__(code, message)
+
+
 class UnknownAgent(PorticoError):
     code = "AGENT_NOT_FOUND"
     http_status = 404
@@ -182,6 +196,10 @@ class StartupError(ConfigError):
     """The settings are valid but this machine refuses them: the address cannot be
     listened on, the data dir cannot be written. The message names the address or the
     folder and the flag that changes it."""
+
+
+class PluginError(ConfigError):
+    """An agent handler named by import path cannot be loaded or has the wrong shape."""
 
 
 class ScriptError(ConfigError):

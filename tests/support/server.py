@@ -88,19 +88,8 @@ class ServerProcess:
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.process is None:
-            return 0
         process, self.process = self.process, None
-        if process.poll() is None:
-            process.send_signal(sig)
-        try:
-            return process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            return process.wait()
-        finally:
-            if process.stdout is not None:
-                process.stdout.close()
+        return stop_child(process, sig)
 
     def restart(self) -> ServerProcess:
         """Stop and start again on the same port and data dir."""
@@ -111,8 +100,27 @@ class ServerProcess:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
 
+def stop_child(process: subprocess.Popen[str] | None, sig: int = signal.SIGTERM) -> int:
+    """Signal a child, wait for its exit status (killed past a deadline)."""
+    if process is None:
+        return 0
+    if process.poll() is None:
+        process.send_signal(sig)
+    try:
+        return process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+    finally:
+        if process.stdout is not None:
+            process.stdout.close()
+
+
 def _await_ready_port(
-    stdout: IO[str] | None, process: subprocess.Popen[str], log_path: Path
+    stdout: IO[str] | None,
+    process: subprocess.Popen[str],
+    log_path: Path,
+    ready_line: re.Pattern[str] = READY_LINE,
 ) -> int:
     assert stdout is not None
     deadline = time.monotonic() + START_TIMEOUT
@@ -122,7 +130,7 @@ def _await_ready_port(
             if process.poll() is not None:
                 raise RuntimeError(f"portico exited {process.returncode}:\n{log_path.read_text()}")
             continue
-        match = READY_LINE.search(line)
+        match = ready_line.search(line)
         if match:
             return int(match.group("port"))
     process.kill()

@@ -26,6 +26,7 @@ from portico.runtime.base import Runtime
 from portico.runtime.demo import DemoRuntime
 from portico.runtime.echo import EchoRuntime
 from portico.runtime.openai import OpenAIRuntime
+from portico.runtime.python import PythonRuntime
 from portico.runtime.scripted import ScriptedRuntime
 from portico.server.admission import ConnectionSlots, PrincipalSlots, Strangers
 from portico.server.metrics import Metrics
@@ -156,6 +157,9 @@ def build_runtime(
     if agent.runtime == "scripted":
         assert agent.script is not None, "check_startable() requires a script"
         return ScriptedRuntime.from_file(agent.script)
+    if agent.runtime == "python":
+        assert agent.plugin is not None, "check_startable() requires a plugin"
+        return PythonRuntime.from_plugin(agent.plugin)
     if agent.runtime == "echo":
         return EchoRuntime()
     if agent.runtime == "openai":
