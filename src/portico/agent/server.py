@@ -203,7 +203,8 @@ class _Stream:
         except ValueError:
             pending.answer(ToolRejected("the client's result is not JSON"))
             return
-        pending.answer(ToolResult(value))
+        error = client_error_of(value)
+        pending.answer(ToolResult(value) if error is None else ToolRejected(error))
 
     async def _turn(self, message: pb.ClientMessage) -> None:
         self._session_id = session_id = message.session_id or self._session_id
@@ -427,3 +428,11 @@ async def serve_agent(
     stopped = asyncio.ensure_future(server.stop(options.grace))
     service.drain()
     await stopped
+
+
+def client_error_of(value: Any) -> str | None:
+    """The error text of a client tool that failed, as the contract's facade encodes it
+    (`result_json` `{"error": "<message>"}`, `is_rejected` false, docs/runtime-grpc.md);
+    the handler gets it as a rejection, exactly as in process."""
+    error = value.get("error") if isinstance(value, dict) and len(value) == 1 else None
+    return error if isinstance(error, str) else None
