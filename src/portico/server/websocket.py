@@ -7,6 +7,11 @@ from typing import Any
 
 from aiohttp import web
 
+from portico.auth.base import (
+    BEARER_SUBPROTOCOL_PREFIX,
+    offered_subprotocols,
+    subprotocol_token,
+)
 from portico.config import DEFAULT_AGENT
 from portico.core.engine import UserMessage
 from portico.core.events import TurnEvent
@@ -202,5 +207,18 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
         raise web.HTTPNotFound(text=f"unknown agent {agent!r}")
     principal = await admit(request, services)
     return await run_socket(
-        request, services, lambda ws: OmniaSocket(request, ws, services, principal, agent)
+        request,
+        services,
+        lambda ws: OmniaSocket(request, ws, services, principal, agent),
+        protocols=selected_subprotocol(request.headers.get("Sec-WebSocket-Protocol")),
     )
+
+
+def selected_subprotocol(header: str | None) -> tuple[str, ...]:
+    """With a `portico.bearer.<token>` entry offered, the first other entry: a browser
+    fails an upgrade that selects none of its offers, and the token is never echoed."""
+    offered = offered_subprotocols(header)
+    if subprotocol_token(offered) is None:
+        return ()
+    real = [entry for entry in offered if not entry.startswith(BEARER_SUBPROTOCOL_PREFIX)]
+    return tuple(real[:1])
