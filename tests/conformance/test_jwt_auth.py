@@ -1,0 +1,208 @@
+"""`portico serve --auth jwt` against locally minted tokens and a JWKS on 127.0.0.1.
+
+Every protocol and a media route accept a valid token and refuse bad ones with
+their defined answers; a browser's `/ws` upgrade carries the token as a
+`portico.bearer.<token>` subprotocol entry and gets the real subprotocol back;
+no token ever reaches the server's log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import jwt
+import pytest
+
+from support.jwks import AUDIENCE, Issuer
+from support.rpc import RpcClosed, RpcProbe
+from support.server import ServerProcess
+from support.session import SessionProbe
+
+USED: list[str] = []  # every token this module sent; none may be in the server's log
+
+
+@pytest.fixture(scope="module")
+def issuer() -> Iterator[Issuer]:
+    served = Issuer().start()
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, issuer: Issuer) -> Iterator[ServerProcess]:
+    process = ServerProcess(
+        tmp_path_factory.mktemp("portico-jwt"),
+        args=("--auth", "jwt", "--runtime", "echo"),
+        env={
+            "PORTICO_JWT_ISSUER": issuer.url,
+            "PORTICO_JWT_AUDIENCE": AUDIENCE,
+            "PORTICO_LOG_LEVEL": "DEBUG",
+        },
+    ).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+async def http() -> Any:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def valid(issuer: Issuer, alg: str = "RS256", **claims: Any) -> str:
+    token = issuer.token(alg, **claims)
+    USED.append(token)
+    return token
+
+
+def bad_tokens(issuer: Issuer) -> dict[str, str]:
+    now = int(time.time())
+    stranger = Issuer(algorithms=("RS256",))
+    tokens = {
+        "expired": issuer.token(exp=now - 600),
+        "not yet valid": issuer.token(nbf=now + 600),
+        "wrong issuer": issuer.token(iss="https://elsewhere.example"),
+        "wrong audience": issuer.token(aud="another-api"),
+        "none": jwt.encode(issuer.claims(), None, algorithm="none"),
+        "another key": jwt.encode(
+            issuer.claims(),
+            stranger.keys["rs256-1"][1],
+            algorithm="RS256",
+            headers={"kid": issuer.kid("RS256")},
+        ),
+        "no subject": issuer.token(sub=None),
+        "garbage": "not.a.token",
+    }
+    USED.extend(tokens.values())
+    return tokens
+
+
+def ws_url(server: ServerProcess) -> str:
+    return f"ws://127.0.0.1:{server.port}/ws?agent=default"
+
+
+# -- /ws --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alg", ["RS256", "ES256", "EdDSA"])
+async def test_ws_accepts_a_bearer_token(
+    http: aiohttp.ClientSession, server: ServerProcess, issuer: Issuer, alg: str
+) -> None:
+    token = valid(issuer, alg, sub=f"ws-{alg}")
+    async with http.ws_connect(ws_url(server), headers={"Authorization": f"Bearer {token}"}) as ws:
+        assert (await ws.receive_json(timeout=10))["type"] == "connected"
+        await ws.send_json({"type": "message", "content": "ping"})
+        frame = await ws.receive_json(timeout=10)
+        while frame["type"] not in ("done", "error"):
+            frame = await ws.receive_json(timeout=10)
+        assert frame["type"] == "done", frame
+
+
+async def test_ws_refuses_bad_tokens_with_401(
+    http: aiohttp.ClientSession, server: ServerProcess, issuer: Issuer
+) -> None:
+    for reason, token in bad_tokens(issuer).items():
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await http.ws_connect(ws_url(server), headers={"Authorization": f"Bearer {token}"})
+        assert refused.value.status == 401, reason
+    with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+        await http.ws_connect(ws_url(server))
+    assert refused.value.status == 401
+
+
+async def test_ws_takes_the_token_as_a_subprotocol_entry_and_selects_the_real_one(
+    http: aiohttp.ClientSession, server: ServerProcess, issuer: Issuer
+) -> None:
+    """What a browser sends: `new WebSocket(url, ["portico.bearer." + token, "omnia"])`."""
+    token = valid(issuer, sub="browser")
+    offered = (f"portico.bearer.{token}", "omnia")
+    async with http.ws_connect(ws_url(server), protocols=offered) as ws:
+        assert ws.protocol == "omnia"
+        assert (await ws.receive_json(timeout=10))["type"] == "connected"
+    async with http.get(
+        f"http://127.0.0.1:{server.port}/ws?agent=default",
+        headers={
+            "Connection": "Upgrade",
+            "Upgrade": "websocket",
+            "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+            "Sec-WebSocket-Protocol": ", ".join(offered),
+        },
+    ) as response:
+        assert response.status == 101
+        assert response.headers["Sec-WebSocket-Protocol"] == "omnia"
+        assert token not in str(response.headers)
+    for token in bad_tokens(issuer).values():
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await http.ws_connect(ws_url(server), protocols=(f"portico.bearer.{token}", "omnia"))
+        assert refused.value.status == 401
+
+
+# -- /v1/session and /v1/rpc ---------------------------------------------------------------
+
+
+async def test_session_hello_credential_is_verified(
+    http: aiohttp.ClientSession, server: ServerProcess, issuer: Issuer
+) -> None:
+    url = f"ws://127.0.0.1:{server.port}/v1/session"
+    probe = await SessionProbe.connect(http, url)
+    ready = await probe.hello(credential=valid(issuer, "ES256", sub="carol"), agent="default")
+    assert ready["type"] == "ready", ready
+    await probe.ws.close()
+    for reason, token in bad_tokens(issuer).items():
+        probe = await SessionProbe.connect(http, url)
+        answer = await probe.hello(credential=token, agent="default")
+        assert answer["error"]["code"] == "UNAUTHENTICATED", reason
+        assert (await probe.closed())[0] == 4401
+
+
+async def test_rpc_connect_token_is_verified(
+    http: aiohttp.ClientSession, server: ServerProcess, issuer: Issuer
+) -> None:
+    url = f"ws://127.0.0.1:{server.port}/v1/rpc"
+    probe = await RpcProbe.open(http, url, token=valid(issuer, "EdDSA", sub="dave"))
+    assert probe.connected["type"] == "connected", probe.connected
+    assert probe.connected["user_id"] == "dave"
+    await probe.ws.close()
+    for reason, token in bad_tokens(issuer).items():
+        probe = await RpcProbe.open(http, url, token=token)
+        assert probe.connected["error"]["code"] == "unauthenticated", reason
+        with pytest.raises(RpcClosed):
+            await probe.next_frame()
+        assert probe.ws.close_code == 4401
+
+
+# -- media --------------------------------------------------------------------------------
+
+
+async def test_media_routes_verify_the_bearer_token(
+    http: aiohttp.ClientSession, server: ServerProcess, issuer: Issuer
+) -> None:
+    url = f"http://127.0.0.1:{server.port}/media/request-upload"
+    body = {"session_id": "sess-jwt", "filename": "a.txt", "mime_type": "text/plain"}
+    body["size_bytes"] = 5  # type: ignore[assignment]
+    token = valid(issuer, sub="erin")
+    async with http.post(url, json=body, headers={"Authorization": f"Bearer {token}"}) as ok:
+        assert ok.status == 200, await ok.text()
+    for reason, token in bad_tokens(issuer).items():
+        headers = {"Authorization": f"Bearer {token}"}
+        async with http.post(url, json=body, headers=headers) as refused:
+            assert refused.status == 401, reason
+            assert refused.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+# -- the log -------------------------------------------------------------------------------
+
+
+def test_no_token_reaches_the_server_log(server: ServerProcess) -> None:
+    """Runs last in the module: every token above has been sent by now."""
+    assert len(USED) > 20
+    log = server.log_path.read_text()
+    assert "connection opened protocol=omnia" in log
+    for token in USED:
+        for piece in {token, *token.split(".")[1:]}:  # nor its payload or signature
+            if len(piece) > 16:
+                assert piece not in log
