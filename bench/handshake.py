@@ -25,9 +25,8 @@ from pathlib import Path
 import aiohttp
 import jwt
 from aiohttp import web
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-
 from common import HOST
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from harness import Server
 
 AUDIENCE = "portico-bench"
