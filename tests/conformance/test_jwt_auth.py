@@ -198,7 +198,7 @@ async def test_media_routes_verify_the_bearer_token(
 
 
 def test_no_token_reaches_the_server_log(server: ServerProcess) -> None:
-    """Runs last in the module: every token above has been sent by now."""
+    """After every test of `server` above: each token they sent is in USED."""
     assert len(USED) > 20
     log = server.log_path.read_text()
     assert "connection opened protocol=omnia" in log
@@ -206,3 +206,94 @@ def test_no_token_reaches_the_server_log(server: ServerProcess) -> None:
         for piece in {token, *token.split(".")[1:]}:  # nor its payload or signature
             if len(piece) > 16:
                 assert piece not in log
+
+
+# -- session binding (jwt_session_claim) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bound_server(
+    tmp_path_factory: pytest.TempPathFactory, issuer: Issuer
+) -> Iterator[ServerProcess]:
+    process = ServerProcess(
+        tmp_path_factory.mktemp("portico-jwt-bound"),
+        args=("--auth", "jwt", "--runtime", "echo"),
+        env={
+            "PORTICO_JWT_ISSUER": issuer.url,
+            "PORTICO_JWT_AUDIENCE": AUDIENCE,
+            "PORTICO_JWT_SESSION_CLAIM": "sid",
+        },
+    ).start()
+    yield process
+    process.stop()
+
+
+async def ws_turn(ws: aiohttp.ClientWebSocketResponse, **message: Any) -> dict[str, Any]:
+    """Send a message; the frame that ends its turn (`done` or `error`)."""
+    await ws.send_json({"type": "message", "content": "hi", **message})
+    frame = await ws.receive_json(timeout=10)
+    while frame["type"] not in ("done", "error"):
+        frame = await ws.receive_json(timeout=10)
+    result: dict[str, Any] = frame
+    return result
+
+
+async def test_ws_resumes_a_bound_session_only_with_the_same_claim_value(
+    http: aiohttp.ClientSession, bound_server: ServerProcess, issuer: Issuer
+) -> None:
+    def auth(sid: str | None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {valid(issuer, sub='frank', sid=sid)}"}
+
+    url = ws_url(bound_server)
+    async with http.ws_connect(url, headers=auth("device-a")) as ws:
+        session_id = (await ws.receive_json(timeout=10))["session_id"]
+        assert (await ws_turn(ws))["type"] == "done"
+    for other in ("device-b", None):
+        async with http.ws_connect(url, headers=auth(other)) as ws:
+            await ws.receive_json(timeout=10)
+            refused = await ws_turn(ws, session_id=session_id)
+            assert refused["error"]["code"] == "SESSION_EXPIRED", other
+    async with http.ws_connect(url, headers=auth("device-a")) as ws:
+        await ws.receive_json(timeout=10)
+        resumed = await ws_turn(ws, session_id=session_id)
+        assert (resumed["type"], resumed["session_id"]) == ("done", session_id)
+
+
+async def test_session_resume_needs_the_same_claim_value(
+    http: aiohttp.ClientSession, bound_server: ServerProcess, issuer: Issuer
+) -> None:
+    url = f"ws://127.0.0.1:{bound_server.port}/v1/session"
+    probe = await SessionProbe.connect(http, url)
+    ready = await probe.hello(credential=valid(issuer, sub="gina", sid="tab-1"), agent="default")
+    session_id = ready["session_id"]
+    await probe.ws.close()
+    for other in ("tab-2", None):
+        probe = await SessionProbe.connect(http, url)
+        answer = await probe.hello(
+            credential=valid(issuer, sub="gina", sid=other), session_id=session_id, last_seq=0
+        )
+        assert answer["error"]["code"] == "RESUME_FAILED", other
+    probe = await SessionProbe.connect(http, url)
+    answer = await probe.hello(
+        credential=valid(issuer, sub="gina", sid="tab-1"), session_id=session_id, last_seq=0
+    )
+    assert (answer["type"], answer["resumed"]) == ("ready", True), answer
+    await probe.ws.close()
+
+
+async def test_rpc_sees_a_bound_session_only_with_the_same_claim_value(
+    http: aiohttp.ClientSession, bound_server: ServerProcess, issuer: Issuer
+) -> None:
+    url = f"ws://127.0.0.1:{bound_server.port}/v1/rpc"
+    owner = await RpcProbe.open(http, url, token=valid(issuer, sub="hana", sid="app-1"))
+    sent = await owner.call("v1.message.send", {"content_data": "hi", "client_id": "b-1"})
+    session_id = sent["session_id"]
+    assert (await owner.call("v1.session.get", {"session_id": session_id}))["id"] == session_id
+    await owner.ws.close()
+    other = await RpcProbe.open(http, url, token=valid(issuer, sub="hana", sid="app-2"))
+    for method in ("v1.session.get", "v1.session.close"):
+        error = await other.error(method, {"session_id": session_id})
+        assert error["code"] == "session.not_found", method
+    params = {"content_data": "x", "client_id": "b-2", "server_session_id": session_id}
+    assert (await other.error("v1.message.send", params))["code"] == "session.not_found"
+    await other.ws.close()

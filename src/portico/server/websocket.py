@@ -9,6 +9,7 @@ from aiohttp import web
 
 from portico.auth.base import (
     BEARER_SUBPROTOCOL_PREFIX,
+    Identity,
     offered_subprotocols,
     subprotocol_token,
 )
@@ -66,13 +67,14 @@ class OmniaSocket(ServerSocket):
         request: web.Request,
         ws: web.WebSocketResponse,
         services: Services,
-        principal: str,
+        identity: Identity,
         agent: str,
     ) -> None:
         super().__init__(request, ws, services)
         # Upload URLs point at this server as the client reached it.
         self._base_url = str(request.url.origin())
-        self._principal = principal
+        self._principal = identity.principal
+        self._binding = identity.session_value
         self._agent = agent
         self._core = OmniaConnection(
             session_id=new_id("sess"),
@@ -172,6 +174,7 @@ class OmniaSocket(ServerSocket):
             raise RateLimited("the server is draining; reconnect and send again")
         message = UserMessage(
             principal=self._principal,
+            binding=self._binding,
             agent=self._agent,
             session_id=event.session_id,
             own_session=event.own_session,
@@ -205,11 +208,11 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
     agent = request.query.get("agent") or DEFAULT_AGENT
     if not services.engine.has_agent(agent):
         raise web.HTTPNotFound(text=f"unknown agent {agent!r}")
-    principal = await admit(request, services)
+    identity = await admit(request, services)
     return await run_socket(
         request,
         services,
-        lambda ws: OmniaSocket(request, ws, services, principal, agent),
+        lambda ws: OmniaSocket(request, ws, services, identity, agent),
         protocols=selected_subprotocol(request.headers.get("Sec-WebSocket-Protocol")),
     )
 
