@@ -16,7 +16,7 @@ import aiohttp
 import jwt
 import pytest
 
-from support.jwks import AUDIENCE, Issuer
+from support.jwks import Issuer, jwt_server
 from support.rpc import RpcClosed, RpcProbe
 from support.server import ServerProcess
 from support.session import SessionProbe
@@ -33,15 +33,9 @@ def issuer() -> Iterator[Issuer]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, issuer: Issuer) -> Iterator[ServerProcess]:
-    process = ServerProcess(
-        tmp_path_factory.mktemp("portico-jwt"),
-        args=("--auth", "jwt", "--runtime", "echo"),
-        env={
-            "PORTICO_JWT_ISSUER": issuer.url,
-            "PORTICO_JWT_AUDIENCE": AUDIENCE,
-            "PORTICO_LOG_LEVEL": "DEBUG",
-        },
-    ).start()
+    process = jwt_server(
+        tmp_path_factory.mktemp("portico-jwt"), issuer.url, PORTICO_LOG_LEVEL="DEBUG"
+    )
     yield process
     process.stop()
 
@@ -215,15 +209,9 @@ def test_no_token_reaches_the_server_log(server: ServerProcess) -> None:
 def bound_server(
     tmp_path_factory: pytest.TempPathFactory, issuer: Issuer
 ) -> Iterator[ServerProcess]:
-    process = ServerProcess(
-        tmp_path_factory.mktemp("portico-jwt-bound"),
-        args=("--auth", "jwt", "--runtime", "echo"),
-        env={
-            "PORTICO_JWT_ISSUER": issuer.url,
-            "PORTICO_JWT_AUDIENCE": AUDIENCE,
-            "PORTICO_JWT_SESSION_CLAIM": "sid",
-        },
-    ).start()
+    process = jwt_server(
+        tmp_path_factory.mktemp("portico-jwt-bound"), issuer.url, PORTICO_JWT_SESSION_CLAIM="sid"
+    )
     yield process
     process.stop()
 

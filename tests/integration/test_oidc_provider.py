@@ -16,7 +16,8 @@ import aiohttp
 import jwt
 import pytest
 
-from support.oidc_provider import AUDIENCE, CLIENT, OidcProvider, require_provider
+from support.jwks import jwt_server
+from support.oidc_provider import CLIENT, OidcProvider, require_provider
 from support.rpc import RpcProbe
 from support.server import ServerProcess
 from support.session import SessionProbe
@@ -34,18 +35,14 @@ def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OidcProvider]
 def server(
     tmp_path_factory: pytest.TempPathFactory, provider: OidcProvider
 ) -> Iterator[ServerProcess]:
-    process = ServerProcess(
+    # A refetch may follow any earlier fetch at once: the rotation below is seen on the
+    # first token with the new kid.
+    process = jwt_server(
         tmp_path_factory.mktemp("portico-oidc"),
-        args=("--auth", "jwt", "--runtime", "echo"),
-        env={
-            "PORTICO_JWT_ISSUER": provider.issuer,
-            "PORTICO_JWT_AUDIENCE": AUDIENCE,
-            # A refetch may follow any earlier fetch at once: the rotation below is seen
-            # on the first token with the new kid.
-            "PORTICO_JWT_JWKS_REFRESH_INTERVAL": "0.01",
-            "PORTICO_LOG_LEVEL": "DEBUG",
-        },
-    ).start()
+        provider.issuer,
+        PORTICO_JWT_JWKS_REFRESH_INTERVAL="0.01",
+        PORTICO_LOG_LEVEL="DEBUG",
+    )
     yield process
     process.stop()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import jwt
@@ -19,10 +20,20 @@ from aiohttp import web
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 
 from support.fake_openai import ThreadedApp
+from support.server import ServerProcess
 
 AUDIENCE = "portico-tests"
 ALGORITHM_KEYS = {"RS256": "rsa", "ES256": "ec", "EdDSA": "ed25519"}
 PrivateKey = rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
+
+
+def jwt_server(data_dir: Path, issuer: str, **env: str) -> ServerProcess:
+    """`portico serve --auth jwt` (the echo agent) trusting `issuer`, started; `env`: more
+    `PORTICO_*` settings."""
+    settings = {"PORTICO_JWT_ISSUER": issuer, "PORTICO_JWT_AUDIENCE": AUDIENCE, **env}
+    return ServerProcess(
+        data_dir, args=("--auth", "jwt", "--runtime", "echo"), env=settings
+    ).start()
 
 
 def new_private_key(kind: str) -> PrivateKey:

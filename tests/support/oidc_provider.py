@@ -21,11 +21,12 @@ from typing import IO
 
 import pytest
 
+from support.jwks import AUDIENCE
+
 HERE = Path(__file__).resolve().parent / "oidc"
 SCRIPT = HERE / "provider.mjs"
 START_TIMEOUT = 20.0
 CLIENT = ("portico-test", "portico-test-secret")
-AUDIENCE = "portico-tests"
 
 
 def require_provider() -> None:
