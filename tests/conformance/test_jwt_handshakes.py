@@ -303,3 +303,43 @@ async def test_rpc_sees_a_bound_session_only_with_the_same_claim_value(
     params = {"content_data": "x", "client_id": "b-2", "server_session_id": session_id}
     assert (await other.error("v1.message.send", params))["code"] == "session.not_found"
     await other.ws.close()
+
+
+# -- an identity provider that is down -------------------------------------------------
+
+
+async def test_a_provider_that_is_down_costs_handshakes_a_defined_answer_not_the_server(
+    http: aiohttp.ClientSession, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Keys unreachable: 503 with Retry-After on `/ws` and media (a client keeps its
+    token and retries), UNAUTHENTICATED/4401 on `/v1/session` and `/v1/rpc`; the server
+    goes on (recovery after the refetch interval: tests/unit/test_jwt_auth.py)."""
+    issuer = Issuer().start()
+    issuer.down = True
+    server = jwt_server(
+        tmp_path_factory.mktemp("portico-jwt-down"),
+        issuer.url,
+        PORTICO_JWT_JWKS_TIMEOUT="1",
+    )
+    try:
+        token = valid(issuer)
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await http.ws_connect(ws_url(server), headers={"Authorization": f"Bearer {token}"})
+        assert refused.value.status == 503
+        assert refused.value.headers is not None
+        assert refused.value.headers["Retry-After"] == "1"
+        headers = {"Authorization": f"Bearer {token}"}
+        async with http.get(f"{server.http_url}/media/info/sess-x/med-x", headers=headers) as media:
+            assert media.status == 503
+        probe = await SessionProbe.connect(http, f"ws://127.0.0.1:{server.port}/v1/session")
+        assert (await probe.hello(credential=token))["error"]["code"] == "UNAUTHENTICATED"
+        assert (await probe.closed())[0] == 4401
+        rpc = await RpcProbe.open(http, f"ws://127.0.0.1:{server.port}/v1/rpc", token=token)
+        assert rpc.connected["error"]["code"] == "unauthenticated"
+        await rpc.ws.close()
+        async with http.get(f"{server.http_url}/healthz") as health:
+            assert health.status == 200  # the process goes on
+        assert "JWKS fetch failed: ClientResponseError" in server.log_path.read_text()
+    finally:
+        server.stop()
+        issuer.stop()

@@ -19,9 +19,9 @@ import jwt
 import pytest
 
 from portico.auth.base import Identity, subprotocol_token
-from portico.auth.jwt import IdentityProviderUnavailable, JwtAuth, KeySet
+from portico.auth.jwt import JwtAuth, KeySet
 from portico.config import Settings, load_settings
-from portico.errors import ConfigError, Unauthenticated
+from portico.errors import ConfigError, IdentityProviderUnavailable, Unauthenticated
 from portico.server.websocket import selected_subprotocol
 from support.jwks import AUDIENCE, Issuer
 

@@ -23,19 +23,12 @@ import jwt
 from jwt.types import Options
 
 from portico.auth.base import Identity, IdentityAuthenticator
-from portico.errors import Unauthenticated
+from portico.errors import IdentityProviderUnavailable, Unauthenticated
 
 log = logging.getLogger("portico.auth")
 DISCOVERY_PATH = "/.well-known/openid-configuration"
 MAX_DOCUMENT_BYTES = 1024 * 1024  # a discovery document or a key set
 FetchJson = Callable[[str, float], Awaitable[Any]]
-
-
-class IdentityProviderUnavailable(Unauthenticated):
-    """The keys could not be fetched: the handshake is refused, the process goes on."""
-
-    def __init__(self) -> None:
-        super().__init__("identity provider unavailable; try again shortly")
 
 
 async def fetch_json(url: str, deadline: float) -> Any:

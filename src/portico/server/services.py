@@ -24,7 +24,7 @@ from portico.config import DEFAULT_AGENT, AgentSettings, Settings
 from portico.core.conversations import Conversations
 from portico.core.engine import Engine
 from portico.core.tools import ClientToolBroker
-from portico.errors import Unauthenticated
+from portico.errors import IdentityProviderUnavailable, Unauthenticated
 from portico.media.local import LocalMediaStore
 from portico.media.service import MediaService
 from portico.runtime.base import Runtime
@@ -97,6 +97,10 @@ class Services:
         )
         try:
             return await self.auth.identify(credential)
+        except IdentityProviderUnavailable as exc:
+            raise web.HTTPServiceUnavailable(
+                text=exc.message, headers={"Retry-After": "1"}
+            ) from exc
         except Unauthenticated as exc:
             raise web.HTTPUnauthorized(
                 text=exc.message, headers={"WWW-Authenticate": 'Bearer realm="portico"'}
