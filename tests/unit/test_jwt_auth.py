@@ -365,3 +365,21 @@ def test_the_token_rides_in_a_subprotocol_entry_and_is_never_selected() -> None:
     assert selected_subprotocol("portico.bearer.t") == ()
     assert selected_subprotocol("chat, superchat") == ()  # no token: nothing changes
     assert selected_subprotocol(None) == ()
+
+
+async def test_a_key_set_without_usable_keys_keeps_the_cached_ones(
+    issuer: Issuer, clock: Clock
+) -> None:
+    auth = make_auth(issuer, clock, jwks_url=issuer.jwks_url)
+    good = issuer.token()
+    await auth.identify(good)
+    unknown = issuer.token(headers={"kid": "new"}, kid=issuer.kid("RS256"))
+    saved = dict(issuer.keys)
+    issuer.keys.clear()  # the provider now publishes {"keys": []}
+    clock.now += INTERVAL
+    try:
+        assert await refused(auth, unknown) == "token signed by an unknown key"
+        assert issuer.fetches["jwks"] == 2
+    finally:
+        issuer.keys.update(saved)
+    assert (await auth.identify(good)).principal == "alice"

@@ -72,7 +72,6 @@ class KeySet:
         self._keys: dict[str | None, SigningKey] = {}
         self._attempted_at: float | None = None
         self._inflight: asyncio.Future[None] | None = None
-        self.fetches = 0  # key-set fetches attempted (metrics, tests)
 
     async def key_for(self, kid: str | None) -> SigningKey:
         key = self._lookup(kid)
@@ -106,15 +105,15 @@ class KeySet:
 
     def _fetched(self, future: asyncio.Future[None]) -> None:
         self._inflight = None
-        if not future.cancelled():
-            future.exception()  # retrieved here; _fetch_keys already logged it
 
     async def _fetch_keys(self) -> None:
-        self.fetches += 1
         try:
             url = self._jwks_url or await self._discover()
-            self._keys = parse_key_set(await self._fetch(url, self._timeout))
-        except Exception as exc:  # any failure of the provider costs a 401, never the process
+            keys = parse_key_set(await self._fetch(url, self._timeout))
+            if not keys:
+                raise ValueError("a key set without usable keys")  # keep the ones cached
+            self._keys = keys
+        except Exception as exc:  # a failing provider costs handshakes, never the process
             log.warning("JWKS fetch failed: %s", type(exc).__name__)
 
     async def _discover(self) -> str:
