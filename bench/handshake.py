@@ -27,7 +27,7 @@ import jwt
 from aiohttp import web
 from common import HOST
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from harness import Server
+from harness import Server, cpu_seconds
 
 AUDIENCE = "portico-bench"
 
@@ -84,8 +84,10 @@ class Keys:
         await asyncio.Event().wait()
 
 
-async def handshakes(url: str, token: str | None, clients: int, seconds: float) -> float:
-    """Connections per second: each client opens, reads `connected`, closes, again."""
+async def handshakes(
+    url: str, token: str | None, clients: int, seconds: float
+) -> tuple[int, float]:
+    """Connections made and seconds taken: each client opens, reads `connected`, closes."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     done = 0
     deadline = time.perf_counter() + seconds
@@ -102,7 +104,7 @@ async def handshakes(url: str, token: str | None, clients: int, seconds: float) 
     async with aiohttp.ClientSession(connector=connector) as http:
         started = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(clients)))
-        return done / (time.perf_counter() - started)
+        return done, time.perf_counter() - started
 
 
 def main() -> None:
@@ -123,27 +125,38 @@ def main() -> None:
         }
         with_jwt = Server("portico", Path(workdir), log_level="WARNING", env=jwt_env).start()
         cases = {
-            "none": (none.url, None),
-            "jwt RS256": (with_jwt.url, keys.token("RS256")),
-            "jwt ES256": (with_jwt.url, keys.token("ES256")),
+            "none": (none, None),
+            "jwt RS256": (with_jwt, keys.token("RS256")),
+            "jwt ES256": (with_jwt, keys.token("ES256")),
         }
         figures: dict[str, list[float]] = {name: [] for name in cases}
+        # The server's CPU per handshake: far steadier than throughput on a shared machine.
+        cpu: dict[str, list[float]] = {name: [] for name in cases}
         try:
             for _ in range(args.repeat):
-                for name, (url, token) in cases.items():
-                    rate = asyncio.run(handshakes(url, token, args.clients, args.seconds))
-                    figures[name].append(rate)
+                for name, (server, token) in cases.items():
+                    before = cpu_seconds(server.pid)
+                    done, took = asyncio.run(
+                        handshakes(server.url, token, args.clients, args.seconds)
+                    )
+                    figures[name].append(done / took)
+                    cpu[name].append((cpu_seconds(server.pid) - before) / done * 1e6)
         finally:
             none.stop()
             with_jwt.stop()
     base = statistics.median(figures["none"])
+    base_cpu = statistics.median(cpu["none"])
     print(f"/ws handshakes per second, {args.clients} clients, {args.seconds:g} s x {args.repeat}")
-    print("| auth | connections/s (median) | min-max | ratio to none |")
-    print("|---|---|---|---|")
+    print("| auth | connections/s (median) | min-max | ratio to none | server CPU µs/handshake |")
+    print("|---|---|---|---|---|")
     for name, rates in figures.items():
         median = statistics.median(rates)
         spread = f"{min(rates):.0f}-{max(rates):.0f}"
-        print(f"| {name} | {median:.0f} | {spread} | {median / base:.2f} |")
+        used = statistics.median(cpu[name])
+        print(
+            f"| {name} | {median:.0f} | {spread} | {median / base:.2f} "
+            f"| {used:.0f} ({base_cpu / used:.2f}) |"
+        )
 
 
 if __name__ == "__main__":
