@@ -143,7 +143,7 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         "--runtime", choices=list(get_args(RuntimeName)), help="the default agent's runtime"
     )
     parser.add_argument("--script", help="the scripted runtime's file (JSON or YAML)")
-    parser.add_argument("--auth", choices=["none", "apikey"], help="authentication")
+    parser.add_argument("--auth", choices=["none", "apikey", "jwt"], help="authentication")
     parser.add_argument("--store", choices=list(get_args(StoreName)), help="archive backend")
     parser.add_argument(
         "--allow-unauthenticated",

@@ -198,10 +198,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # and another replica interrupts its unfinished turns.
     replica_lease: Seconds = 30.0
 
-    # Authentication: `none` (one principal, `local`) or `apikey`.
-    auth: Literal["none", "apikey"] = "none"
+    # Authentication: `none` (one principal, `local`), `apikey` or `jwt` (docs/auth.md).
+    auth: Literal["none", "apikey", "jwt"] = "none"
     api_keys: dict[str, str] = msgspec.field(default_factory=dict)  # token -> principal
     allow_unauthenticated: bool = False  # permit auth=none on a non-loopback bind
+    # auth=jwt: access tokens signed by an OpenID provider (or any JWKS).
+    jwt_issuer: str = ""  # the required `iss`; keys from its OIDC discovery document
+    jwt_audience: str = ""  # the required `aud`; empty: `aud` is not checked
+    jwt_jwks_url: str = ""  # the keys' URL; set: discovery is skipped
+    jwt_algorithms: tuple[str, ...] = ("RS256", "ES256", "EdDSA")  # never `none` or HS*
+    jwt_leeway: Annotated[float, msgspec.Meta(ge=0)] = 30.0  # seconds of clock skew
+    jwt_principal_claim: str = "sub"
+    jwt_session_claim: str = ""  # a resume needs the same value; empty: no binding
+    jwt_jwks_refresh_interval: Seconds = 60.0  # an unknown `kid` refetches at most this often
+    jwt_jwks_timeout: Seconds = 5.0  # one discovery or JWKS fetch
 
     # Sessions.
     context_ttl: Seconds = 86400.0  # a session's context lives this long after its last activity
@@ -314,6 +324,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             )
         if self.auth == "apikey" and not self.api_keys:
             raise ConfigError("auth=apikey needs api_keys (PORTICO_API_KEYS=token=principal,...)")
+        if self.auth == "jwt":
+            self._check_jwt()
         if self.public_url and not self.public_url.startswith(("http://", "https://")):
             raise ConfigError("public_url must start with http:// or https://")
         self._check_keepalive()
@@ -331,6 +343,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 check_openai_agent(name, agent, os.environ if env is None else env)
             if agent is not None and agent.runtime == "grpc":
                 check_grpc_agent(name, agent, os.environ if env is None else env)
+
+    def _check_jwt(self) -> None:
+        if not self.jwt_issuer and not self.jwt_jwks_url:
+            raise ConfigError(
+                "auth=jwt needs jwt_issuer or jwt_jwks_url (PORTICO_JWT_ISSUER=https://...)"
+            )
+        refused = [alg for alg in self.jwt_algorithms if not alg_allowed(alg)]
+        if refused or not self.jwt_algorithms:
+            raise ConfigError(
+                f"jwt_algorithms: {', '.join(refused) or 'empty'} not allowed; "
+                "use asymmetric algorithms such as RS256, ES256, EdDSA"
+            )
 
     def _check_store(self) -> None:
         if self.store != "postgres":
@@ -448,6 +472,16 @@ def parse_api_keys(text: str) -> dict[str, str]:
     return keys
 
 
+def alg_allowed(alg: str) -> bool:
+    """Asymmetric JWS algorithms only: `none` forges anything, HS* needs a shared secret."""
+    return alg in ASYMMETRIC_ALGORITHMS
+
+
+ASYMMETRIC_ALGORITHMS = frozenset(
+    {"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"}
+)
+
+
 def _split_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
@@ -461,7 +495,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         if field.name == "api_keys":
             values[field.name] = _parsed_api_keys(raw, variable)
-        elif field.name == "origins":
+        elif field.name in ("origins", "jwt_algorithms"):
             values[field.name] = _split_list(raw)
         else:
             values[field.name] = raw

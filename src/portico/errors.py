@@ -158,6 +158,17 @@ class Unauthenticated(PorticoError):
     http_status = 401
 
 
+class IdentityProviderUnavailable(Unauthenticated):
+    """The issuer's keys could not be fetched: the credential cannot be checked now.
+    HTTP answers 503 (so a client retries rather than drops its token); the WebSocket
+    protocols answer as for any credential they cannot accept."""
+
+    http_status = 503
+
+    def __init__(self) -> None:
+        super().__init__("identity provider unavailable; try again shortly")
+
+
 class IllegalTransition(PorticoError):
     """A state machine was asked for a transition its table does not have."""
 

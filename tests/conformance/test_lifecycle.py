@@ -103,6 +103,7 @@ def test_config_show_prints_effective_settings_with_masked_keys() -> None:
     [
         (("serve", "--host", "0.0.0.0", "--port", "0"), "without authentication"),
         (("serve", "--auth", "apikey", "--port", "0"), "api_keys"),
+        (("serve", "--auth", "jwt", "--port", "0"), "auth=jwt needs jwt_issuer or jwt_jwks_url"),
         (("serve", "--runtime", "scripted", "--port", "0"), "script"),
         (("serve", "--store", "postgres", "--port", "0"), "store=postgres needs database_url"),
     ],

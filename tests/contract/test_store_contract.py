@@ -171,6 +171,21 @@ async def test_create_session_returns_the_stored_session(store: Store) -> None:
     assert await store.get_session("s1") == session
 
 
+async def test_a_sessions_binding_value_is_kept_through_every_write(store: Store) -> None:
+    """The session-binding claim's value (auth jwt) is stored with the session's owner."""
+    bound = await store.create_session(msgspec.structs.replace(make_session(), binding="sid-7"))
+    assert bound.binding == "sid-7"
+    await store.touch_session("s1", 50.0)
+    stored = await store.get_session("s1")
+    assert stored is not None
+    assert stored.binding == "sid-7"
+    renamed = await store.update_session(msgspec.structs.replace(stored, title="renamed"))
+    assert renamed.binding == "sid-7"
+    assert [s.binding for s in await store.list_sessions("alice", limit=10)] == ["sid-7"]
+    unbound = await store.create_session(make_session("s2"))
+    assert unbound.binding == ""
+
+
 async def test_create_session_is_create_if_absent(store: Store) -> None:
     first = await store.create_session(make_session(owner="alice", created_at=1.0))
     second = await store.create_session(make_session(owner="mallory", created_at=2.0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from portico.auth.apikey import ApiKeyAuth
-from portico.auth.base import bearer_token
+from portico.auth.base import Identity, bearer_token
 from portico.auth.none import LOCAL_PRINCIPAL, NoAuth
 from portico.errors import Unauthenticated
 
@@ -88,3 +88,15 @@ async def test_no_keys_admit_nobody() -> None:
 )
 def test_bearer_token_reads_only_the_bearer_scheme(header: str | None, token: str | None) -> None:
     assert bearer_token(header) == token
+
+
+# -- the identity every authenticator answers with -----------------------------------
+
+
+async def test_api_keys_and_no_auth_identify_without_expiry_or_binding() -> None:
+    assert await ApiKeyAuth(KEYS).identify("tok-bob") == Identity(principal="bob")
+    assert await NoAuth().identify(None) == Identity(principal=LOCAL_PRINCIPAL)
+    identity = await ApiKeyAuth(KEYS).identify("tok-alice")
+    assert (identity.expires_at, identity.session_value, identity.claims) == (None, "", {})
+    with pytest.raises(Unauthenticated):
+        await ApiKeyAuth(KEYS).identify("nope")

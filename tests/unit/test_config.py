@@ -193,7 +193,10 @@ RUNTIMES = "demo, echo, scripted, openai, grpc, python"
             {"PORTICO_WS_COMPRESSION": "maybe"},
             "PORTICO_WS_COMPRESSION: invalid value 'maybe'; expected `bool`",
         ),
-        ({"PORTICO_AUTH": "jwt"}, "PORTICO_AUTH: invalid value 'jwt'; valid values: none, apikey"),
+        (
+            {"PORTICO_AUTH": "ldap"},
+            "PORTICO_AUTH: invalid value 'ldap'; valid values: none, apikey, jwt",
+        ),
         (
             {"PORTICO_RUNTIME": "gpt"},
             f"PORTICO_RUNTIME: invalid value 'gpt'; valid values: {RUNTIMES}",

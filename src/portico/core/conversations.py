@@ -9,6 +9,7 @@ use: a conversation started anywhere is listed and continued here.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Literal, TypeVar
@@ -85,12 +86,21 @@ class Conversations:
         self._store = engine.store
         self._default_agent = default_agent
         self._clock = clock
+        self._binding = ""
+
+    def bound_to(self, binding: str) -> Conversations:
+        """The archive as seen by a caller whose token carries the session-binding value
+        `binding`: sessions it opens record it, and sessions recorded with another value
+        are not found. Shares everything else with this instance."""
+        view = copy.copy(self)
+        view._binding = binding
+        return view
 
     # -- sessions -------------------------------------------------------------------
 
     async def session(self, principal: str, session_id: str) -> Session:
         session = await self._store.get_session(session_id) if session_id else None
-        if session is None or session.owner != principal:
+        if session is None or not self._mine(session, principal):
             raise SessionNotFound(session_id)
         return session
 
@@ -159,6 +169,7 @@ class Conversations:
             session_id=session.id,
             content=request.content,
             client_id=request.client_id,
+            binding=self._binding,
         )
         replacement = await self._engine.enqueue(session, user)
         return session, [*stored, replacement]
@@ -177,6 +188,7 @@ class Conversations:
             parent_session_id=old.id,
             root_session_id=old.root_session_id or old.id,
             forked_from_message_id=point.id,
+            binding=old.binding,
             declare=old.declare,
         )
 
@@ -231,6 +243,7 @@ class Conversations:
             directives=directives,
             client_id=request.client_id,
             unique_client_id=True,
+            binding=self._binding,
         )
         try:
             return session, await self._engine.enqueue(session, user)
@@ -254,6 +267,7 @@ class Conversations:
             agent=agent,
             session_id=session_id,
             client_session_id=request.client_session_id,
+            binding=self._binding,
         )
 
     async def message(self, principal: str, message_id: str) -> Message:
@@ -339,7 +353,10 @@ class Conversations:
 
     async def _owns(self, principal: str, session_id: str) -> bool:
         session = await self._store.get_session(session_id)
-        return session is not None and session.owner == principal
+        return session is not None and self._mine(session, principal)
+
+    def _mine(self, session: Session, principal: str) -> bool:
+        return session.owner == principal and session.binding == self._binding
 
 
 def _copy_into(session_id: str, message: Message) -> Message:

@@ -61,6 +61,9 @@ class UserMessage(msgspec.Struct, frozen=True, kw_only=True):
     principal: str
     agent: str
     session_id: str
+    # The caller's session-binding value: a session opened here records it, and one
+    # recorded with another value is foreign (`SessionExpired`).
+    binding: str = ""
     # True when the connection minted this session id itself (Omnia `connected`):
     # such a session is the caller's own and is never "resumed".
     own_session: bool = False
@@ -393,8 +396,9 @@ class Engine:
                 agent=message.agent,
                 session_id=message.session_id,
                 declare=message.declare,
+                binding=message.binding,
             )
-        if session.owner != message.principal:
+        if session.owner != message.principal or session.binding != message.binding:
             raise SessionExpired()
         expired = now - session.last_activity_at > self._context_ttl
         if expired and not message.own_session:
@@ -426,6 +430,7 @@ class Engine:
         session_id: str,
         declare: dict[str, Any] | None = None,
         client_session_id: str = "",
+        binding: str = "",
     ) -> Session:
         """Create the session unless it exists; return what is stored under the id."""
         settings = self._agents.get(agent)
@@ -444,6 +449,7 @@ class Engine:
                 last_activity_at=now,
                 root_session_id=session_id,
                 client_session_id=client_session_id,
+                binding=binding,
                 declare=declare,
             )
         )

@@ -97,6 +97,9 @@ class Session(msgspec.Struct, frozen=True, kw_only=True):
     parent_session_id: str = ""
     root_session_id: str = ""
     forked_from_message_id: str = ""
+    # The session-binding claim's value (`jwt_session_claim`) of the token that opened
+    # it: only a token with the same value may resume it. "" when unbound.
+    binding: str = ""
     declare: dict[str, Any] | None = None
 
 

@@ -10,6 +10,8 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from portico.auth.base import Identity
+
 if TYPE_CHECKING:
     from portico.server.services import Services
 
@@ -100,10 +102,10 @@ class PrincipalSlots:
             del self._open[principal]
 
 
-async def admit(request: web.Request, services: Services) -> str:
-    """The caller's principal, or the HTTP refusal a browser or SDK can act on."""
+async def admit(request: web.Request, services: Services) -> Identity:
+    """The caller's identity, or the HTTP refusal a browser or SDK can act on."""
     check_admission(request, services)
-    return await services.principal_of(request)
+    return await services.identity_of(request)
 
 
 def check_admission(request: web.Request, services: Services) -> None:

@@ -73,6 +73,9 @@ def _json_errors(handler: Handler) -> Handler:
         except web.HTTPUnauthorized as exc:
             headers = {"WWW-Authenticate": exc.headers.get("WWW-Authenticate", "Bearer")}
             return _error_response(401, "UNAUTHENTICATED", exc.text or "unauthenticated", headers)
+        except web.HTTPServiceUnavailable as exc:  # the identity provider is down
+            retry = {"Retry-After": exc.headers.get("Retry-After", "1")}
+            return _error_response(503, "UNAUTHENTICATED", exc.text or "unavailable", retry)
 
     return wrapper
 

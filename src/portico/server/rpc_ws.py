@@ -119,14 +119,16 @@ class RpcSocket(ServerSocket):
 
     async def _connect(self, connect: f.Connect) -> None:
         try:
-            principal = await self._services.auth.authenticate(connect.token)
+            identity = await self._services.auth.identify(connect.token)
         except Unauthenticated as exc:
             self._core.refuse(RpcUnauthenticated(exc.message))
             return
+        principal = identity.principal
         if not self.authenticated(principal):
             self._core.refuse(RpcTooManyConnections())
             return
         self._principal = principal
+        self._handlers = method_handlers(self._services, identity.session_value)
         # Subscribe before reading the log's head: an update committed in between is
         # then held by the core and sent after the replay, not lost.
         self._services.updates.subscribe(principal, self._on_update)
@@ -217,9 +219,10 @@ def sorted_updates(updates: list[Update]) -> list[Update]:
 # -- methods --------------------------------------------------------------------------------
 
 
-def method_handlers(services: Services) -> dict[str, Handler]:
-    """Each method's implementation: (principal, validated params) -> wire result."""
-    c = services.conversations
+def method_handlers(services: Services, binding: str = "") -> dict[str, Handler]:
+    """Each method's implementation: (principal, validated params) -> wire result, for a
+    caller whose token carries the session-binding value `binding`."""
+    c = services.conversations.bound_to(binding)
 
     async def session_list(principal: str, p: f.SessionList) -> Any:
         return page_wire(await c.list_sessions(principal, cursor=p.cursor, limit=p.limit))

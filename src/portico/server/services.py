@@ -11,7 +11,13 @@ from typing import Protocol
 from aiohttp import web
 
 from portico.auth.apikey import ApiKeyAuth
-from portico.auth.base import Authenticator, bearer_token
+from portico.auth.base import (
+    Authenticator,
+    Identity,
+    bearer_token,
+    offered_subprotocols,
+    subprotocol_token,
+)
 from portico.auth.none import NoAuth
 from portico.bus.updates import InProcessUpdates
 from portico.config import DEFAULT_AGENT, AgentSettings, Settings
@@ -19,7 +25,7 @@ from portico.core.conversations import Conversations
 from portico.core.engine import Engine
 from portico.core.reservations import SessionReservations
 from portico.core.tools import ClientToolBroker
-from portico.errors import Unauthenticated
+from portico.errors import IdentityProviderUnavailable, Unauthenticated
 from portico.media.local import LocalMediaStore
 from portico.media.service import MediaService
 from portico.runtime.base import Runtime
@@ -90,8 +96,20 @@ class Services:
 
     async def principal_of(self, request: web.Request) -> str:
         """The caller's principal from `Authorization: Bearer`, or HTTP 401."""
+        return (await self.identity_of(request)).principal
+
+    async def identity_of(self, request: web.Request) -> Identity:
+        """The caller's identity from `Authorization: Bearer` or, from a browser's
+        WebSocket upgrade, a `portico.bearer.<token>` subprotocol entry; or HTTP 401."""
+        credential = bearer_token(request.headers.get("Authorization")) or subprotocol_token(
+            offered_subprotocols(request.headers.get("Sec-WebSocket-Protocol"))
+        )
         try:
-            return await self.auth.authenticate(bearer_token(request.headers.get("Authorization")))
+            return await self.auth.identify(credential)
+        except IdentityProviderUnavailable as exc:
+            raise web.HTTPServiceUnavailable(
+                text=exc.message, headers={"Retry-After": "1"}
+            ) from exc
         except Unauthenticated as exc:
             raise web.HTTPUnauthorized(
                 text=exc.message, headers={"WWW-Authenticate": 'Bearer realm="portico"'}
@@ -148,7 +166,30 @@ def build_media(
 def build_auth(settings: Settings) -> Authenticator:
     if settings.auth == "apikey":
         return ApiKeyAuth(settings.api_keys)
+    if settings.auth == "jwt":
+        return build_jwt_auth(settings)
     return NoAuth()
+
+
+def build_jwt_auth(settings: Settings) -> Authenticator:
+    # Imported here: PyJWT is an optional extra (`portico[jwt]`).
+    from portico.auth.jwt import JwtAuth, KeySet
+
+    keys = KeySet(
+        issuer=settings.jwt_issuer,
+        jwks_url=settings.jwt_jwks_url,
+        refresh_interval=settings.jwt_jwks_refresh_interval,
+        timeout=settings.jwt_jwks_timeout,
+    )
+    return JwtAuth(
+        keys,
+        issuer=settings.jwt_issuer,
+        audience=settings.jwt_audience,
+        algorithms=settings.jwt_algorithms,
+        leeway=settings.jwt_leeway,
+        principal_claim=settings.jwt_principal_claim,
+        session_claim=settings.jwt_session_claim,
+    )
 
 
 def build_runtime(

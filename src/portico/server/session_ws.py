@@ -109,6 +109,7 @@ class LiveSession:
         *,
         session_id: str,
         owner: str,
+        binding: str = "",
         agent: str,
         capabilities: tuple[str, ...],
         audio: f.AudioChoice | None = None,
@@ -119,6 +120,7 @@ class LiveSession:
     ) -> None:
         self.id = session_id
         self.owner = owner
+        self.binding = binding  # the session-binding claim's value it was opened with
         self.agent = agent
         self.capabilities = capabilities
         self.audio = audio  # `ready.audio`, fixed at open like the capabilities
@@ -237,6 +239,7 @@ class SessionSocket(ServerSocket):
         self._states = request.app[TRANSPORTS]
         self._live: LiveSession | None = None
         self._principal = ""
+        self._binding = ""
 
     @property
     def core(self) -> SessionConnection:
@@ -305,7 +308,8 @@ class SessionSocket(ServerSocket):
 
     async def _hello(self, hello: f.Hello) -> None:
         try:
-            self._principal = await self._services.auth.authenticate(hello.credential)
+            identity = await self._services.auth.identify(hello.credential)
+            self._principal, self._binding = identity.principal, identity.session_value
         except Unauthenticated as exc:
             self._core.fail(SessionUnauthenticated(exc.message))
             return
@@ -345,9 +349,12 @@ class SessionSocket(ServerSocket):
         assert hello.session_id is not None
         live = self._states.get(hello.session_id)
         # One answer for unknown, foreign, expired and ended: existence never leaks.
-        if live is None or live.ended or live.owner != self._principal:
+        if live is None or live.ended or not self._mine(live):
             raise ResumeFailed()
         return live
+
+    def _mine(self, live: LiveSession) -> bool:
+        return live.owner == self._principal and live.binding == self._binding
 
     async def _open(self, hello: f.Hello) -> LiveSession:
         agent = hello.agent or DEFAULT_AGENT
@@ -355,7 +362,7 @@ class SessionSocket(ServerSocket):
             raise SessionAgentNotFound(agent)
         session_id = new_id("sess")
         await self._services.engine.open_session(
-            principal=self._principal, agent=agent, session_id=session_id
+            principal=self._principal, agent=agent, session_id=session_id, binding=self._binding
         )
         return self._live_session(hello, session_id, agent)
 
@@ -363,11 +370,13 @@ class SessionSocket(ServerSocket):
         """A new numbering on an archived conversation: same id, seq from 1, no replay."""
         assert hello.continue_session is not None
         stored = await self._services.store.get_session(hello.continue_session)
-        # Unknown, foreign, deleted or closed: the answer of a failed resume, which
-        # never says whether the session exists.
+        # Unknown, foreign (another principal or another session-binding value),
+        # deleted or closed: the answer of a failed resume, which never says whether
+        # the session exists.
         if (
             stored is None
             or stored.owner != self._principal
+            or stored.binding != self._binding
             or stored.deleted_at is not None
             or stored.status == "closed"
         ):
@@ -392,6 +401,7 @@ class SessionSocket(ServerSocket):
         live = LiveSession(
             session_id=session_id,
             owner=self._principal,
+            binding=self._binding,
             agent=agent,
             capabilities=capabilities,
             audio=choose_audio(hello.audio) if "audio" in capabilities else None,
@@ -457,6 +467,7 @@ class SessionSocket(ServerSocket):
         await self._services.engine.submit(
             UserMessage(
                 principal=self._principal,
+                binding=self._binding,
                 agent=live.agent,
                 session_id=live.id,
                 own_session=True,

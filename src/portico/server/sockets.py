@@ -381,10 +381,16 @@ async def run_socket(
     request: web.Request,
     services: Services,
     socket_for: Callable[[web.WebSocketResponse], ServerSocket],
+    *,
+    protocols: tuple[str, ...] = (),
 ) -> web.WebSocketResponse:
-    """Upgrade, count the connection against `max_connections`, and serve it."""
+    """Upgrade, count the connection against `max_connections`, and serve it.
+
+    `protocols`: the subprotocols the upgrade may select (the client's first offer
+    among them is echoed)."""
     settings = services.settings
     ws = web.WebSocketResponse(
+        protocols=protocols,
         # aiohttp refuses a message of exactly `max_msg_size` bytes; the setting is the
         # largest message accepted.
         max_msg_size=settings.max_payload_size + 1,

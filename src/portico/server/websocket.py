@@ -8,6 +8,12 @@ from typing import Any
 
 from aiohttp import web
 
+from portico.auth.base import (
+    BEARER_SUBPROTOCOL_PREFIX,
+    Identity,
+    offered_subprotocols,
+    subprotocol_token,
+)
 from portico.config import DEFAULT_AGENT
 from portico.core.engine import UserMessage
 from portico.core.events import TurnEvent
@@ -63,13 +69,14 @@ class OmniaSocket(ServerSocket):
         request: web.Request,
         ws: web.WebSocketResponse,
         services: Services,
-        principal: str,
+        identity: Identity,
         agent: str,
     ) -> None:
         super().__init__(request, ws, services)
         # Upload URLs point at this server as the client reached it.
         self._base_url = str(request.url.origin())
-        self._principal = principal
+        self._principal = identity.principal
+        self._binding = identity.session_value
         self._agent = agent
         self._core = OmniaConnection(
             session_id=new_id("sess"),
@@ -80,7 +87,7 @@ class OmniaSocket(ServerSocket):
         )
         self._attached: set[str] = set()
         # The minted id is this principal's before its first message (core/reservations.py).
-        services.reservations.reserve(self._core.session_id, principal)
+        services.reservations.reserve(self._core.session_id, self._principal)
 
     @property
     def core(self) -> OmniaConnection:
@@ -179,6 +186,7 @@ class OmniaSocket(ServerSocket):
             raise RateLimited("the server is draining; reconnect and send again")
         message = UserMessage(
             principal=self._principal,
+            binding=self._binding,
             agent=self._agent,
             session_id=event.session_id,
             own_session=event.own_session,
@@ -212,7 +220,8 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
     agent = request.query.get("agent") or DEFAULT_AGENT
     if not services.engine.has_agent(agent):
         raise web.HTTPNotFound(text=f"unknown agent {agent!r}")
-    principal = await admit(request, services)
+    identity = await admit(request, services)
+    principal = identity.principal
     if not services.principals.take(principal):
         services.metrics.upgrades_refused.labels("principal").inc()
         raise web.HTTPTooManyRequests(
@@ -220,7 +229,20 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
         )
     try:
         return await run_socket(
-            request, services, lambda ws: OmniaSocket(request, ws, services, principal, agent)
+            request,
+            services,
+            lambda ws: OmniaSocket(request, ws, services, identity, agent),
+            protocols=selected_subprotocol(request.headers.get("Sec-WebSocket-Protocol")),
         )
     finally:
         services.principals.give(principal)
+
+
+def selected_subprotocol(header: str | None) -> tuple[str, ...]:
+    """With a `portico.bearer.<token>` entry offered, the first other entry: a browser
+    fails an upgrade that selects none of its offers, and the token is never echoed."""
+    offered = offered_subprotocols(header)
+    if subprotocol_token(offered) is None:
+        return ()
+    real = [entry for entry in offered if not entry.startswith(BEARER_SUBPROTOCOL_PREFIX)]
+    return tuple(real[:1])

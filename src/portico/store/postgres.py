@@ -166,6 +166,10 @@ MIGRATIONS: tuple[str, ...] = (
         last_seen double precision NOT NULL
     );
     """,
+    # The session-binding claim's value of the token that opened the session.
+    """
+    ALTER TABLE sessions ADD COLUMN binding text COLLATE "C" NOT NULL DEFAULT '';
+    """,
 )
 
 _MIGRATIONS_TABLE = (

@@ -221,6 +221,10 @@ MIGRATIONS: tuple[str, ...] = (
         last_seen REAL NOT NULL
     ) WITHOUT ROWID;
     """,
+    # The session-binding claim's value of the token that opened the session.
+    """
+    ALTER TABLE sessions ADD COLUMN binding TEXT NOT NULL DEFAULT '';
+    """,
 )
 
 

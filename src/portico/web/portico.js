@@ -116,6 +116,23 @@ export function websocketUrl(path) {
   return url.toString();
 }
 
+/** The `Sec-WebSocket-Protocol` prefix that carries a token on a browser's `/ws` upgrade. */
+export const BEARER_SUBPROTOCOL_PREFIX = "portico.bearer.";
+
+/**
+ * Open `/ws` (the Omnia protocol) from a browser, authenticated: a browser cannot set
+ * `Authorization` on a WebSocket upgrade, and a token in the URL would be logged, so the
+ * token goes as a subprotocol entry next to a real one (`protocol`), which the server
+ * selects; the token is never echoed. Without a token, nothing is offered.
+ * The token must be made of HTTP token characters (a JWT or a base64url API key is).
+ *
+ *   const ws = openOmniaSocket("/ws?agent=default", { token });
+ */
+export function openOmniaSocket(path, { token = null, protocol = "omnia" } = {}) {
+  const protocols = token ? [BEARER_SUBPROTOCOL_PREFIX + token, protocol] : [];
+  return new WebSocket(websocketUrl(path), protocols);
+}
+
 function deferred() {
   let resolve, reject;
   const promise = new Promise((res, rej) => {
