@@ -151,14 +151,20 @@ async def test_replicas_spare_each_others_turns_until_one_dies(
     try:
         client = OmniaClient(await http.ws_connect(a.ws_url))
         session_id = (await client.connected())["session_id"]
-        asked = asyncio.create_task(client.ask("slow", **scenario("lingering")))
+        # The turn waits for the client's tool result, so it runs for as long as B takes
+        # to start on a loaded machine (a timed scenario could end first).
+        await client.send({"type": "message", "content": "held", **scenario("tool")})
+        call = await client.recv()
+        assert call["type"] == "tool_call", call
         await turns_once(database_url, session_id, running, 10.0)
 
         # B starts (and sweeps) while A's turn runs: the turn is A's, and A is alive.
         b.start()
         turns, _ = await turns_once(database_url, session_id, running, 0.0)
         assert [(t.state, t.replica) for t in turns] == [(TurnState.RUNNING, "rep-a")]
-        frames = await asyncio.wait_for(asked, 15.0)
+        call_id = call["tool_call"]["id"]
+        await client.send({"type": "tool_result", "tool_result": {"call_id": call_id, "result": 1}})
+        frames = await client.turn(within=15.0)
         assert frames[-1]["type"] == "done"
         turns, _ = await turns_once(database_url, session_id, lambda t: not running(t), 10.0)
         assert turns[-1].state is TurnState.COMPLETED
@@ -174,7 +180,8 @@ async def test_replicas_spare_each_others_turns_until_one_dies(
         assert (turns[-1].state, turns[-1].replica) == (TurnState.INTERRUPTED, "rep-a")
         assert waited <= 2 * LEASE + 1.0  # a lease, then B's next sweep
         messages = await settled_messages(database_url, session_id, 4)
-        assert [(m.role, m.status) for m in messages[2:]] == [
+        # The second turn's: its message, and its reply failed by the interruption.
+        assert [(m.role, m.status) for m in messages[-2:]] == [
             ("user", "completed"),
             ("assistant", "failed"),
         ]
