@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from support.archive import assert_ledger, open_archive
-from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, cut
+from support.archive import wait_for_messages
+from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, cut, suppress
 from support.server import SCRIPT, ServerProcess
 
 SCRIPTED = ("--runtime", "scripted", "--script", str(SCRIPT))
@@ -158,6 +159,50 @@ async def test_a_server_restart_while_the_user_types_continues_the_conversation(
                 ("user", "hi"),
                 ("assistant", "Hello world"),
                 ("user", "typed during the outage"),
+                ("assistant", "Hello world"),
+                ("user", "and after"),
+                ("assistant", "Hello world"),
+            ],
+        )
+    finally:
+        own.stop()
+
+
+async def test_a_line_the_server_archived_before_dying_is_answered_once(tmp_path: Path) -> None:
+    """The server archives and answers a line, but its ack and reply never reach the
+    chat, and it is killed: the chat sends the line again with its key after the
+    restart and prints the archived answer; the archive holds the line once."""
+    own = ServerProcess(tmp_path / "server", args=SCRIPTED).start()
+    try:
+        async with FaultProxy(own.http_url) as proxy:
+            hidden = proxy.add_rule(
+                Rule(
+                    suppress(),
+                    direction=SERVER_TO_CLIENT,
+                    type={"ack", "chunk", "done"},
+                    times=None,
+                )
+            )
+            process = await terminal_chat(proxy.url("/v1/session"))
+            assert process.stdin is not None
+            assert process.stdout is not None
+            async with asyncio.timeout(WITHIN):
+                process.stdin.write(b"only once\n")
+                await process.stdin.drain()
+                ready = await proxy.events.wait_for_frame(SERVER_TO_CLIENT, type="ready")
+                session_id = ready.json["session_id"]
+                await wait_for_messages(own.archive_path, session_id, 2)
+                await asyncio.to_thread(own.stop, signal.SIGKILL)
+                proxy.remove_rule(hidden)
+                await asyncio.to_thread(own.start)
+                output, _ = await process.communicate(b"and after\n")
+        assert process.returncode == 0, output
+        assert output.decode().splitlines() == [CONTINUED, "Hello world", "Hello world"]
+        await assert_ledger(
+            own.archive_path,
+            session_id,
+            [
+                ("user", "only once"),
                 ("assistant", "Hello world"),
                 ("user", "and after"),
                 ("assistant", "Hello world"),

@@ -9,8 +9,10 @@ unknown. `/quit` or end of input ends the session. Reconnects are silent but
 for one dim status line on stderr, written between lines, never inside a
 streamed one. After a server restart the chat continues the same conversation
 (`hello.continue`): a line typed meanwhile is sent when the server is back, and
-a line whose reply had not started yet is sent again. `--session ID` continues
-an archived conversation. Media parts print as `[image: name]`, `[audio: 0.5 s]`.
+a line whose reply had not started yet is sent again with the same idempotency
+key, so one the old server had archived is answered from the archive
+(`DUPLICATE_MESSAGE`), never twice. `--session ID` continues an archived
+conversation. Media parts print as `[image: name]`, `[audio: 0.5 s]`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from portico.client.session import (
     SessionClient,
     SessionError,
     Turn,
+    duplicate_details,
+    new_message_key,
 )
 from portico.core.model import ContentPart
 from portico.protocols.session import frames as f
@@ -187,9 +191,13 @@ class Chat:
                 await self._say(line)
 
     async def _say(self, line: str) -> None:
-        """Send `line` and show its turn; again if a restart lost it before it started."""
+        """Send `line` and show its turn; again if a restart lost it before it started,
+        with the same key: the server answers a line it already had from its archive."""
+        key = new_message_key()
         while True:
-            turn = await self.client.start_turn(line, metadata=self._options.metadata or None)
+            turn = await self.client.start_turn(
+                line, metadata=self._options.metadata or None, client_id=key
+            )
             if not await self._show(turn):
                 return
 
@@ -224,8 +232,19 @@ class Chat:
             elif isinstance(frame, f.Error):
                 if _lost_before_start(frame):
                     return True
-                self._screen.line(f"[error {frame.error.code}] {frame.error.message}")
+                self._error(frame, streamed)
         return False
+
+    def _error(self, frame: f.Error, streamed: bool) -> None:
+        duplicate = duplicate_details(frame.error)
+        if duplicate is None:
+            self._screen.line(f"[error {frame.error.code}] {frame.error.message}")
+        elif duplicate.get("turn_state") != "running" and not streamed:
+            # The server already had the line (a restart hid its answer): show that one.
+            self._screen.write(str(duplicate.get("reply", "")))
+            if duplicate.get("turn_state") not in ("completed", None):
+                self._screen.write(f" [{duplicate['turn_state']}]")
+            self._screen.end_line()
 
     def _done(self, frame: f.Done, streamed: bool) -> None:
         parts = frame.parts or ()
