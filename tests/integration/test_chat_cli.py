@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from support.archive import assert_ledger, open_archive
-from support.archive import wait_for_messages
+from support.archive import assert_ledger, open_archive, wait_for_messages
 from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, cut, suppress
 from support.server import SCRIPT, ServerProcess
 
@@ -247,9 +246,28 @@ async def test_session_continues_an_archived_conversation(server: ServerProcess)
     session_id, count = await session_with(server.archive_path, "first of two")
     second = await asyncio.to_thread(chat, server, "second of two\n", "--session", session_id)
     assert second.returncode == 0, second.stderr
-    assert second.stdout == "Hello world\n"
+    # The conversation so far, then the new line's reply.
+    assert second.stdout == "> first of two\nHello world\nHello world\n"
     assert second.stderr == ""  # continuing at the start is no reconnect
     assert await session_with(server.archive_path, "second of two") == (session_id, count)
+
+
+async def test_session_prints_the_conversation_so_far_as_the_live_view_did(
+    server: ServerProcess,
+) -> None:
+    """Lines after `> `, the tool call as its prompt showed it, the text either side of
+    it; the result (never shown live) and the empty reply before the call are not."""
+    first = await asyncio.to_thread(chat, server, "where am I?\ny\n", *TOOL)
+    assert first.returncode == 0, first.stderr
+    session_id, _ = await session_with(server.archive_path, "where am I?")
+    second = await asyncio.to_thread(chat, server, "", "--session", session_id)
+    assert second.returncode == 0, second.stderr
+    live = first.stdout.splitlines()
+    history = second.stdout.splitlines()
+    assert history[0] == "> where am I?"
+    assert history[1] == live[0] == "[tool] get_location query='current'"
+    assert history[2:] == live[4:]  # the reply after the call, as it streamed
+    assert all(line.strip() for line in history)  # no empty message printed
 
 
 def test_session_of_an_unknown_id_exits_1_with_a_message(server: ServerProcess) -> None:
