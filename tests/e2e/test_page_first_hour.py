@@ -6,6 +6,8 @@ Chromium through the proxy, as in test_chat_page.py: each test is a user of its 
 from __future__ import annotations
 
 import json
+import signal
+import time
 from typing import Any
 
 from e2e.harness import ARTIFACTS, TcpProxy, watch
@@ -58,6 +60,62 @@ def test_a_reload_after_the_restart_continues_the_conversation(
     expect(ask(page, "echo two")).to_have_text("two")
     assert session_id(page) == sid
     assert user_texts(server, token, sid) == ["echo one", "echo two"]
+
+
+HIDDEN_FRAMES = ('{"type":"ack"', '{"type":"chunk"', '{"type":"done"')
+
+
+def settled(server: ServerProcess, token: str, sid: str, count: int) -> None:
+    """Wait until the archive holds `count` messages, none still being written."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        items = rpc(server, token, "v1.message.list", session_id=sid, limit=50)["items"]
+        if len(items) >= count and all(m["status"] == "completed" for m in items):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the archive of {sid} did not reach {count} settled messages")
+
+
+def test_a_line_the_server_archived_before_dying_is_sent_again_without_a_duplicate(
+    context: Any, proxy: TcpProxy, server: ServerProcess, token: str, errors: list[str]
+) -> None:
+    """The server archives and answers a line, but the page sees neither its ack nor its
+    reply (the page's `/v1/session` frames are held back), and the server is killed:
+    after the restart the page sends the line again with its key, and the archive
+    still holds it once, answered once."""
+    hiding = {"on": False}
+
+    def hold_back(ws: Any) -> None:
+        upstream = ws.connect_to_server()
+
+        def to_page(message: str | bytes) -> None:
+            if hiding["on"] and isinstance(message, str) and message.startswith(HIDDEN_FRAMES):
+                return
+            ws.send(message)
+
+        upstream.on_message(to_page)
+        ws.on_message(upstream.send)
+
+    tab = context.new_page()
+    watch(tab, errors)
+    tab.route_web_socket("**/v1/session", hold_back)
+    tab.goto(proxy.url)
+    expect(tab.locator("#connection")).to_have_attribute("data-state", "open")
+    expect(ask(tab, "echo before")).to_have_text("before")
+    sid = session_id(tab)
+    hiding["on"] = True
+    send(tab, "echo only once")
+    settled(server, token, sid, 4)
+    server.stop(signal.SIGKILL)
+    hiding["on"] = False
+    server.start()
+    expect(tab.locator("#notice")).to_have_text(CONTINUED, timeout=30_000)
+    expect(tab.locator(COMPLETED)).to_have_count(2)
+    expect(tab.locator(COMPLETED).last).to_have_text("only once")
+    expect(ask(tab, "echo after")).to_have_text("after")
+    assert user_texts(server, token, sid) == ["echo before", "echo only once", "echo after"]
+    expect(tab.locator(".msg.user")).to_have_count(3)
+    assert not errors, errors
 
 
 def test_the_sidebar_titles_a_conversation_from_its_first_message_and_shows_its_activity(

@@ -59,6 +59,12 @@
  * - Continuing after a server restart, as Python's: `continueAfterRestart: true` turns a
  *   failed resume into `hello.continue` (a new numbering on the same conversation; the
  *   `status` event says `continued: true`), `continueSession: id` opens that way.
+ * - Idempotency keys (docs/session.md): every message carries `client_id` (`clientId` in
+ *   `startTurn`/`sendMessage`, a fresh `newMessageKey()` otherwise; `turn.clientId`), kept
+ *   in the frame across resends, snapshots and continuations. Send a message again with its
+ *   key and the server never takes it twice: the answer is an `error` DUPLICATE_MESSAGE
+ *   (`reply.duplicate` has its details, `reply.text` the earlier answer's archived text);
+ *   while the earlier turn still runs, its frames follow instead.
  *
  * RpcClient, as Python's `RpcClient` (docs/rpc.md, spec rpc-protocol.md):
  *
@@ -223,6 +229,20 @@ function watchOnline(wake) {
 const endsTurn = (frame) =>
   frame.type === "done" || (frame.type === "error" && frame.turn_id != null);
 
+export const DUPLICATE_MESSAGE = "DUPLICATE_MESSAGE";
+
+/** A fresh idempotency key (`message.client_id`) for one message. */
+export const newMessageKey = () => `cm-${crypto.randomUUID()}`;
+
+/** The running turn that already answers a message sent again with its key, or null. */
+const runningDuplicate = (frame) =>
+  frame.type === "error" &&
+  frame.turn_id == null &&
+  frame.error?.code === DUPLICATE_MESSAGE &&
+  frame.error.details?.turn_state === "running"
+    ? frame.error.details.turn_id ?? null
+    : null;
+
 /** One turn's frames: `done` or `error` last. */
 export class Reply {
   constructor(turnId, frames) {
@@ -237,9 +257,15 @@ export class Reply {
     const last = this.frames.at(-1);
     return last?.type === "error" ? last.error : null;
   }
-  /** `done.content` when the server sent one, else the chunks. */
+  /** DUPLICATE_MESSAGE details: the server already had this message (its key). */
+  get duplicate() {
+    return this.error?.code === DUPLICATE_MESSAGE ? this.error.details ?? {} : null;
+  }
+  /** `done.content` when the server sent one, else the chunks (for a message the server
+   * already had, the earlier answer's archived text). */
   get text() {
     if (this.done?.content != null) return this.done.content;
+    if (this.duplicate) return this.duplicate.reply ?? "";
     return this.frames
       .filter((f) => f.type === "chunk")
       .map((f) => f.content)
@@ -259,8 +285,9 @@ export class Reply {
  * (TURN_IN_PROGRESS, INVALID_MESSAGE, ...) gives one `error` frame with `ref_seq`.
  */
 export class Turn {
-  constructor(messageSeq) {
+  constructor(messageSeq, clientId = null) {
     this.messageSeq = messageSeq;
+    this.clientId = clientId; // the message's key: send it again with this one
     this.turnId = null;
     this.frames = [];
     this._ended = false;
@@ -271,7 +298,9 @@ export class Turn {
 
   _put(frame) {
     this.frames.push(frame);
-    if (endsTurn(frame) || (frame.type === "error" && frame.ref_seq === this.messageSeq)) {
+    const refused =
+      frame.type === "error" && frame.ref_seq === this.messageSeq && !runningDuplicate(frame);
+    if (endsTurn(frame) || refused) {
       this._ended = true;
       this._finished.resolve(new Reply(this.turnId, [...this.frames]));
     }
@@ -720,10 +749,11 @@ export class SessionClient extends EventTarget {
   // -- sending --------------------------------------------------------------------------------
 
   /** Send a message; the returned `Turn` receives the frames that answer it. */
-  startTurn(content, { parts = null, metadata = null } = {}) {
+  startTurn(content, { parts = null, metadata = null, clientId = null } = {}) {
     this._checkOpen();
-    const seq = this._queueMessage(content, parts, metadata);
-    const turn = new Turn(seq);
+    const key = clientId || newMessageKey();
+    const seq = this._queueMessage(content, parts, metadata, key);
+    const turn = new Turn(seq, key);
     this._turnForMessage.set(seq, turn);
     return turn;
   }
@@ -734,9 +764,9 @@ export class SessionClient extends EventTarget {
   }
 
   /** Send a message (it starts a turn); its frames arrive as `message` events. Returns seq. */
-  sendMessage(content, { parts = null, metadata = null } = {}) {
+  sendMessage(content, { parts = null, metadata = null, clientId = null } = {}) {
     this._checkOpen();
-    return this._queueMessage(content, parts, metadata);
+    return this._queueMessage(content, parts, metadata, clientId || newMessageKey());
   }
 
   ackToolCall(callId) {
@@ -766,9 +796,10 @@ export class SessionClient extends EventTarget {
     return this._send({ type: "interrupt" });
   }
 
-  _queueMessage(content, parts, metadata) {
+  _queueMessage(content, parts, metadata, clientId) {
     if (!content && !parts?.length) throw new Error("a message needs content or parts");
-    const message = { type: "message" };
+    // The key travels in the frame: resends, snapshots and continuations keep it.
+    const message = { type: "message", client_id: clientId };
     if (content) message.content = content;
     if (parts?.length) message.parts = parts;
     if (metadata) message.metadata = metadata;
@@ -1000,7 +1031,16 @@ export class SessionClient extends EventTarget {
 
   /** The Turn this frame belongs to, or null. */
   _route(frame) {
-    if (frame.type === "error" && frame.turn_id == null) return this._refusal(frame.ref_seq);
+    if (frame.type === "error" && frame.turn_id == null) {
+      const running = runningDuplicate(frame);
+      if (running && this._openTurns.has(running)) return this._openTurns.get(running);
+      const turn = this._refusal(frame.ref_seq);
+      if (running && turn) {
+        turn.turnId = running; // the earlier turn answers it: follow that one
+        this._openTurns.set(running, turn);
+      }
+      return turn;
+    }
     if (frame.type === "tool_result") {
       const owner = this._callOwner.get(frame.call_id) ?? null;
       this._callOwner.delete(frame.call_id);
