@@ -31,7 +31,7 @@ from portico.client import (
 )
 from portico.protocols.session import frames as f
 from support.archive import assert_ledger, wait_for_messages
-from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, close
+from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, close, suppress
 from support.server import SCRIPT, ServerProcess
 
 SCRIPTED = ("--runtime", "scripted", "--script", str(SCRIPT))
@@ -770,3 +770,30 @@ async def test_a_key_sent_again_while_its_turn_runs_follows_that_turn(
     assert session_id is not None
     messages = await wait_for_messages(server.archive_path, session_id, 2)
     assert [m.role for m in messages] == ["user", "assistant"]
+
+
+async def test_a_message_a_killed_server_had_archived_is_sent_again_and_taken_once(
+    own_server: ServerProcess,
+) -> None:
+    """Its ack and reply never arrived; after the restart the client sends it again in
+    the new numbering with its key, and its turn ends with the archived answer."""
+    async with FaultProxy(own_server.http_url) as proxy:
+        hidden = proxy.add_rule(
+            Rule(suppress(), direction=SERVER_TO_CLIENT, type={"ack", "chunk", "done"}, times=None)
+        )
+        async with make_client(proxy, continue_after_restart=True) as client:
+            turn = await client.start_turn("only once")
+            session_id = client.session_id
+            assert session_id is not None
+            await wait_for_messages(own_server.archive_path, session_id, 2)
+            await asyncio.to_thread(own_server.stop, signal.SIGKILL)
+            proxy.remove_rule(hidden)
+            await asyncio.to_thread(own_server.start)
+            async with asyncio.timeout(WITHIN):
+                reply = await turn.reply()
+    assert reply.duplicate is not None
+    assert reply.duplicate["turn_state"] == "completed"
+    assert reply.text == "Hello world"
+    await assert_ledger(
+        own_server.archive_path, session_id, [("user", "only once"), ("assistant", "Hello world")]
+    )

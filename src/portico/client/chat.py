@@ -9,9 +9,9 @@ unknown. `/quit` or end of input ends the session. Reconnects are silent but
 for one dim status line on stderr, written between lines, never inside a
 streamed one. After a server restart the chat continues the same conversation
 (`hello.continue`): a line typed meanwhile is sent when the server is back, and
-a line whose reply had not started yet is sent again with the same idempotency
-key, so one the old server had archived is answered from the archive
-(`DUPLICATE_MESSAGE`), never twice. `--session ID` continues an archived
+a line whose reply had not started yet is sent again with its idempotency key
+(by `SessionClient`), so one the old server had archived is answered from the
+archive (`DUPLICATE_MESSAGE`), never twice. `--session ID` continues an archived
 conversation and first prints it so far (read with `v1.message.list` on the
 server's `/v1/rpc`): the user's lines after `> `, the replies, tool calls and
 parts as the live view prints them. Media parts print as `[image: name]`,
@@ -40,7 +40,6 @@ from portico.client.session import (
     SessionError,
     Turn,
     duplicate_details,
-    new_message_key,
 )
 from portico.core.model import ContentPart
 from portico.protocols.session import frames as f
@@ -201,15 +200,10 @@ class Chat:
                 await self._say(line)
 
     async def _say(self, line: str) -> None:
-        """Send `line` and show its turn; again if a restart lost it before it started,
-        with the same key: the server answers a line it already had from its archive."""
-        key = new_message_key()
-        while True:
-            turn = await self.client.start_turn(
-                line, metadata=self._options.metadata or None, client_id=key
-            )
-            if not await self._show(turn):
-                return
+        """Send `line` and show its turn (after a restart the client sends a line that
+        was not answered yet again with its key; the server never takes it twice)."""
+        turn = await self.client.start_turn(line, metadata=self._options.metadata or None)
+        await self._show(turn)
 
     async def _prompt(self) -> str | None:
         if self._lines.interactive:
@@ -224,9 +218,8 @@ class Chat:
             if isinstance(frame, f.Error):
                 self._screen.status(f"[{frame.error.code}] {frame.error.message}")
 
-    async def _show(self, turn: Turn) -> bool:
-        """The turn, to its end. True: a server restart lost it before it started (the
-        old server may never have seen the message, so it is worth sending again)."""
+    async def _show(self, turn: Turn) -> None:
+        """The turn, to its end."""
         streamed = False
         async for frame in turn:
             if isinstance(frame, f.Chunk):
@@ -240,10 +233,7 @@ class Chat:
             elif isinstance(frame, f.Done):
                 self._done(frame, streamed)
             elif isinstance(frame, f.Error):
-                if _lost_before_start(frame):
-                    return True
                 self._error(frame, streamed)
-        return False
 
     def _error(self, frame: f.Error, streamed: bool) -> None:
         duplicate = duplicate_details(frame.error)
@@ -325,12 +315,6 @@ class Chat:
         if self._opened and (status.resumed or status.continued):
             self._screen.notice(CONTINUED if status.continued else RECONNECTED)
         self._opened = True
-
-
-def _lost_before_start(frame: f.Error) -> bool:
-    details = frame.error.details or {}
-    lost = frame.error.code == "RESUME_FAILED" and details.get("reason") == "continued"
-    return lost and frame.turn_id is None
 
 
 def rpc_url(session_url: str) -> str:

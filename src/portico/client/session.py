@@ -52,9 +52,10 @@ Continuing after a server restart (opt-in): with `continue_after_restart=True` a
 failed resume (`RESUME_FAILED`: the server restarted, or the window passed) is not
 terminal once: the client continues the same conversation in a new numbering
 (`hello.continue`, docs/session.md) and `on_status` reports `continued=True`.
-Messages queued while no connection was up are sent in the new numbering; turns
-the old numbering owed (their message had gone out) end with an `error` frame
-`RESUME_FAILED` (`details.reason = "continued"`), never replayed. To pick up an
+Messages queued while no connection was up, and sent ones no turn answered yet
+(their key makes a second copy harmless), are sent in the new numbering; turns the
+old numbering owed (already started) end with an `error` frame `RESUME_FAILED`
+(`details.reason = "continued"`), never replayed. To pick up an
 archived conversation from the start, pass `continue_session="sess-..."`.
 
 Every message carries an idempotency key (`client_id`, a fresh `cm-...` unless
@@ -802,17 +803,22 @@ class SessionClient:
     def _start_continuation(self) -> None:
         """The resume failed: the next hello continues the conversation in a new numbering.
 
-        Old messages are never replayed (they may have taken effect on the server that
-        went away), so turns waiting on them end with a `RESUME_FAILED` error. Messages
-        queued while no connection was up never reached any server: they move to the
-        new numbering, so nothing typed during an outage is lost.
+        Old messages are never replayed blindly (they may have taken effect on the
+        server that went away), so turns already answering them end with a
+        `RESUME_FAILED` error. Messages queued while no connection was up never reached
+        any server, and keyed ones nothing answered yet are harmless to send again (the
+        server answers a key it already has with `DUPLICATE_MESSAGE`): they move to the
+        new numbering with their keys, so nothing typed is lost or taken twice.
         """
         assert self.session_id is not None
         old, self._channel = self._channel, self._new_channel()
+        waiting = set(self._pending_messages)
         unsent: list[tuple[int, f.Message]] = []
         for data in old.unacknowledged():
             frame = f.client_frame_decoder.decode(data)
-            if isinstance(frame, f.Message) and frame.seq > self._wire_seq:
+            if isinstance(frame, f.Message) and (
+                frame.seq > self._wire_seq or (bool(frame.client_id) and frame.seq in waiting)
+            ):
                 unsent.append((frame.seq, frame))
         self._end_lost_turns({seq for seq, _ in unsent})
         renumbered: dict[int, int] = {}

@@ -276,13 +276,6 @@ const CONTINUED_NOTICE = "The server restarted: this conversation goes on.";
 // line; a duplicate is a line the server already had, answered (see showDuplicate).
 const QUIET_REFUSALS = new Set(["INVALID_MESSAGE", "DUPLICATE_MESSAGE"]);
 
-/** A turn a server restart lost before it started: the old server may never have seen it. */
-const lostBeforeStart = (frame) =>
-  frame.type === "error" &&
-  frame.turn_id == null &&
-  frame.error.code === "RESUME_FAILED" &&
-  frame.error.details?.reason === "continued";
-
 class LiveConversation {
   constructor(resumeFrom = null) {
     this.streams = new Map(); // reply item key -> text streamed so far
@@ -1356,7 +1349,8 @@ async function send() {
   }
 }
 
-/** Send over the live session; a line a server restart lost before it started goes again. */
+/** Send over the live session. After a server restart the client sends a line nothing
+ * answered yet again, with its key: one the old server had is answered DUPLICATE_MESSAGE. */
 function sendLive(live, item, { text, cmid, sessionId }) {
   try {
     // The page's message id is its key too: sent again, the server never takes it twice.
@@ -1371,9 +1365,7 @@ function sendLive(live, item, { text, cmid, sessionId }) {
       .reply()
       .then((reply) => {
         const refusal = reply.frames.find((f) => f.type === "error" && f.turn_id == null);
-        if (refusal && lostBeforeStart(refusal)) {
-          sendLive(live, item, { text, cmid, sessionId });
-        } else if (reply.duplicate) {
+        if (reply.duplicate) {
           showDuplicate(item, reply.duplicate, sessionId);
         } else if (refusal && view.sessionId === sessionId) {
           item.status = "failed";

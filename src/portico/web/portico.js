@@ -640,6 +640,9 @@ export class SessionClient extends EventTarget {
     this._toolTasks = new Map(); // call id -> AbortController of a running registered tool
     // Routing: messages still waiting for their turn (oldest first) and open turns.
     this._pendingMessages = [];
+    // Seqs of our messages the server answered (a turn started, or a refusal), until
+    // acknowledged: the others are sent again, with their key, after a restart.
+    this._answered = new Set();
     this._turnForMessage = new Map();
     this._openTurns = new Map();
     this._callOwner = new Map();
@@ -836,20 +839,29 @@ export class SessionClient extends EventTarget {
 
   /**
    * The resume failed: the next hello continues the conversation in a new numbering.
-   * Old messages are never replayed (they may have taken effect on the server that went
-   * away): turns waiting on them end with a RESUME_FAILED error. Messages queued while
-   * no connection was up never reached a server: they move to the new numbering.
+   * Old messages are never replayed blindly (they may have taken effect on the server
+   * that went away): turns already answering them end with a RESUME_FAILED error.
+   * Messages queued while no connection was up never reached a server, and keyed ones
+   * nothing answered yet (a restored snapshot's too) are harmless to send again (the
+   * server answers a key it already has with DUPLICATE_MESSAGE): they move to the new
+   * numbering, keeping their keys.
    */
   _startContinuation() {
     const unsent = this._buffer
       .map((entry) => JSON.parse(entry.data))
-      .filter((frame) => frame.type === "message" && frame.seq > this._wireSeq);
+      .filter(
+        (frame) =>
+          frame.type === "message" &&
+          (frame.seq > this._wireSeq || (frame.client_id && !this._answered.has(frame.seq))),
+      );
     const kept = new Set(unsent.map((frame) => frame.seq));
     this._endLostTurns(kept);
     Object.assign(this, { _nextSeq: 1, _handled: 0, _peerAcked: 0, _buffer: [], _bufferBytes: 0 });
+    this._answered.clear();
     const renumbered = new Map();
     for (const { seq: old, ...frame } of unsent) renumbered.set(old, this._number(frame));
-    this._pendingMessages = this._pendingMessages.map((seq) => renumbered.get(seq));
+    // Each one sent again waits for its answer (a restored snapshot's too), in order.
+    this._pendingMessages = unsent.map((frame) => renumbered.get(frame.seq));
     const turns = new Map();
     for (const [old, turn] of this._turnForMessage) {
       turn.messageSeq = renumbered.get(old);
@@ -892,7 +904,9 @@ export class SessionClient extends EventTarget {
     if (seq <= this._peerAcked) return;
     this._peerAcked = seq;
     while (this._buffer.length && this._buffer[0].seq <= seq) {
-      this._bufferBytes -= byteLength(this._buffer.shift().data);
+      const entry = this._buffer.shift();
+      this._bufferBytes -= byteLength(entry.data);
+      this._answered.delete(entry.seq);
     }
     this._changed();
   }
@@ -1064,6 +1078,7 @@ export class SessionClient extends EventTarget {
     // turn answers the oldest message still waiting for an answer.
     const seq = this._pendingMessages.shift();
     if (seq === undefined) return null;
+    this._answered.add(seq);
     const turn = this._turnForMessage.get(seq) ?? null;
     this._turnForMessage.delete(seq);
     if (turn) turn.turnId = turnId;
@@ -1074,6 +1089,7 @@ export class SessionClient extends EventTarget {
     const index = this._pendingMessages.indexOf(refSeq);
     if (refSeq == null || index < 0) return null;
     this._pendingMessages.splice(index, 1);
+    this._answered.add(refSeq);
     const turn = this._turnForMessage.get(refSeq) ?? null;
     this._turnForMessage.delete(refSeq);
     return turn;
