@@ -124,6 +124,46 @@ def test_a_line_the_server_archived_before_dying_is_sent_again_without_a_duplica
     assert not errors, errors
 
 
+def test_a_line_the_server_never_saw_is_sent_after_a_reload_and_a_restart(
+    context: Any, proxy: TcpProxy, server: ServerProcess, token: str, errors: list[str]
+) -> None:
+    """The line goes out but never reaches the server, which is killed; the tab is
+    reloaded: its snapshot still holds the line with its key, and the continued
+    session sends it, so it is answered, once."""
+    connections = []
+
+    def lose_the_line(ws: Any) -> None:
+        upstream = ws.connect_to_server()
+        first = not connections
+        connections.append(ws)
+
+        def to_server(message: str | bytes) -> None:
+            if first and isinstance(message, str) and "echo never seen" in message:
+                return
+            upstream.send(message)
+
+        ws.on_message(to_server)
+        upstream.on_message(ws.send)
+
+    tab = context.new_page()
+    watch(tab, errors)
+    tab.route_web_socket("**/v1/session", lose_the_line)
+    tab.goto(proxy.url)
+    expect(tab.locator("#connection")).to_have_attribute("data-state", "open")
+    expect(ask(tab, "echo before")).to_have_text("before")
+    sid = session_id(tab)
+    send(tab, "echo never seen")
+    expect(tab.locator(".msg.user")).to_have_count(2)  # sent: the snapshot says so
+    server.stop(signal.SIGKILL)
+    server.start()
+    tab.reload()
+    expect(tab.locator(COMPLETED)).to_have_count(2, timeout=30_000)
+    expect(tab.locator(COMPLETED).last).to_have_text("never seen")
+    assert session_id(tab) == sid
+    assert user_texts(server, token, sid) == ["echo before", "echo never seen"]
+    assert not errors, errors
+
+
 def test_the_sidebar_titles_a_conversation_from_its_first_message_and_shows_its_activity(
     context: Any, proxy: TcpProxy, server: ServerProcess, token: str, errors: list[str]
 ) -> None:
