@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from e2e.harness import ARTIFACTS, TcpProxy, watch
@@ -71,6 +72,41 @@ def answers_the_second_line(message: str | bytes) -> bool:
     return (kind == "ack" and seq >= 2) or (kind in ("chunk", "done") and seq >= 3)
 
 
+Drop = Callable[[str | bytes], bool]
+
+
+def faulty_tab(
+    context: Any,
+    proxy: TcpProxy,
+    errors: list[str],
+    *,
+    to_page: Drop = lambda _: False,
+    to_server: Drop = lambda _: False,
+) -> Page:
+    """A tab whose first `/v1/session` connection drops the frames the predicates pick
+    (later ones, after a restart or a reload, pass everything); one exchange done."""
+    connections: list[Any] = []
+
+    def relay(ws: Any) -> None:
+        upstream = ws.connect_to_server()
+        first = not connections
+        connections.append(ws)
+
+        def forward(send: Callable[[str | bytes], None], drop: Drop) -> Callable[..., None]:
+            return lambda message: None if first and drop(message) else send(message)
+
+        upstream.on_message(forward(ws.send, to_page))
+        ws.on_message(forward(upstream.send, to_server))
+
+    tab = context.new_page()
+    watch(tab, errors)
+    tab.route_web_socket("**/v1/session", relay)
+    tab.goto(proxy.url)
+    expect(tab.locator("#connection")).to_have_attribute("data-state", "open")
+    expect(ask(tab, "echo before")).to_have_text("before")
+    return tab
+
+
 def settled(server: ServerProcess, token: str, sid: str, count: int) -> None:
     """Wait until the archive holds `count` messages, none still being written."""
     deadline = time.monotonic() + 10
@@ -89,27 +125,7 @@ def test_a_line_the_server_archived_before_dying_is_sent_again_without_a_duplica
     reply (the page's `/v1/session` frames are held back), and the server is killed:
     after the restart the page sends the line again with its key, and the archive
     still holds it once, answered once."""
-    connections = []
-
-    def hold_back(ws: Any) -> None:
-        upstream = ws.connect_to_server()
-        first = not connections
-        connections.append(ws)
-
-        def to_page(message: str | bytes) -> None:
-            if first and answers_the_second_line(message):
-                return
-            ws.send(message)
-
-        upstream.on_message(to_page)
-        ws.on_message(upstream.send)
-
-    tab = context.new_page()
-    watch(tab, errors)
-    tab.route_web_socket("**/v1/session", hold_back)
-    tab.goto(proxy.url)
-    expect(tab.locator("#connection")).to_have_attribute("data-state", "open")
-    expect(ask(tab, "echo before")).to_have_text("before")
+    tab = faulty_tab(context, proxy, errors, to_page=answers_the_second_line)
     sid = session_id(tab)
     send(tab, "echo only once")
     settled(server, token, sid, 4)
@@ -130,27 +146,7 @@ def test_a_line_the_server_never_saw_is_sent_after_a_reload_and_a_restart(
     """The line goes out but never reaches the server, which is killed; the tab is
     reloaded: its snapshot still holds the line with its key, and the continued
     session sends it, so it is answered, once."""
-    connections = []
-
-    def lose_the_line(ws: Any) -> None:
-        upstream = ws.connect_to_server()
-        first = not connections
-        connections.append(ws)
-
-        def to_server(message: str | bytes) -> None:
-            if first and isinstance(message, str) and "echo never seen" in message:
-                return
-            upstream.send(message)
-
-        ws.on_message(to_server)
-        upstream.on_message(ws.send)
-
-    tab = context.new_page()
-    watch(tab, errors)
-    tab.route_web_socket("**/v1/session", lose_the_line)
-    tab.goto(proxy.url)
-    expect(tab.locator("#connection")).to_have_attribute("data-state", "open")
-    expect(ask(tab, "echo before")).to_have_text("before")
+    tab = faulty_tab(context, proxy, errors, to_server=lambda m: "echo never seen" in str(m))
     sid = session_id(tab)
     send(tab, "echo never seen")
     expect(tab.locator(".msg.user")).to_have_count(2)  # sent: the snapshot says so
