@@ -858,12 +858,16 @@ async def test_a_repeated_key_is_not_archived_or_run_again() -> None:
     assert not engine.is_busy("s1")  # the refusal left the session free
 
 
-async def test_keys_are_scoped_per_principal() -> None:
+async def test_keys_are_scoped_per_principal_and_unkeyed_messages_never_deduplicated() -> None:
     runtime = ListRuntime(Done(content="ok"))
     engine = make_engine(runtime)
     await run_turn(engine, keyed("cm-1"))
-    await run_turn(engine, keyed("cm-1", principal="bob", session_id="s2"))
-    assert len(runtime.inputs) == 2
+    await run_turn(engine, keyed("cm-1", principal="bob", session_id="s2"))  # bob's own
+    with pytest.raises(DuplicateMessage):
+        await engine.submit(keyed("cm-1"), Recorder())  # alice's, again
+    await run_turn(engine, keyed(""))
+    await run_turn(engine, keyed(""))
+    assert len(runtime.inputs) == 4
     assert [m.role for m in await engine.store.list_messages("s2")] == ["user", "assistant"]
 
 
@@ -884,11 +888,3 @@ async def test_a_key_sent_again_while_its_turn_runs_names_the_running_turn() -> 
     runtime.release.set()
     assert await engine.wait_idle(WAIT)
     assert len(runtime.inputs) == 1
-
-
-async def test_messages_without_a_key_are_never_deduplicated() -> None:
-    runtime = ListRuntime(Done(content="ok"))
-    engine = make_engine(runtime)
-    await run_turn(engine, keyed(""))
-    await run_turn(engine, keyed(""))
-    assert len(runtime.inputs) == 2
