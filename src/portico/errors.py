@@ -82,6 +82,18 @@ class TurnInProgress(PorticoError):
         super().__init__(f"session {session_id} has a turn in progress; send again after its reply")
 
 
+class DuplicateMessage(PorticoError):
+    """`/v1/session`: the principal's archive already holds a message with this
+    `client_id`; it was not archived or answered again. `details` say where it is and
+    how far its reply got (docs/session.md, "Idempotency keys")."""
+
+    code = "DUPLICATE_MESSAGE"
+    http_status = 409
+
+    def __init__(self, client_id: str, details: dict[str, Any]) -> None:
+        super().__init__(f"client_id {client_id} was already sent", details=details)
+
+
 class RateLimited(PorticoError):
     """Shed by a rate or concurrency limit (or a draining server); the socket stays open."""
 

@@ -6,6 +6,9 @@ Chromium through the proxy, as in test_chat_page.py: each test is a user of its 
 from __future__ import annotations
 
 import json
+import signal
+import time
+from collections.abc import Callable
 from typing import Any
 
 from e2e.harness import ARTIFACTS, TcpProxy, watch
@@ -58,6 +61,103 @@ def test_a_reload_after_the_restart_continues_the_conversation(
     expect(ask(page, "echo two")).to_have_text("two")
     assert session_id(page) == sid
     assert user_texts(server, token, sid) == ["echo one", "echo two"]
+
+
+def answers_the_second_line(message: str | bytes) -> bool:
+    """The first connection's ack of the page's second message, and its turn's frames
+    (the first turn was seq 1-2 both ways). Judged by content, not by time: Playwright
+    runs route callbacks only while the test calls into it, so they may run late."""
+    frame = json.loads(message) if isinstance(message, str) else {}
+    kind, seq = frame.get("type"), frame.get("seq", 0)
+    return (kind == "ack" and seq >= 2) or (kind in ("chunk", "done") and seq >= 3)
+
+
+Drop = Callable[[str | bytes], bool]
+
+
+def faulty_tab(
+    context: Any,
+    proxy: TcpProxy,
+    errors: list[str],
+    *,
+    to_page: Drop = lambda _: False,
+    to_server: Drop = lambda _: False,
+) -> Page:
+    """A tab whose first `/v1/session` connection drops the frames the predicates pick
+    (later ones, after a restart or a reload, pass everything); one exchange done."""
+    connections: list[Any] = []
+
+    def relay(ws: Any) -> None:
+        upstream = ws.connect_to_server()
+        first = not connections
+        connections.append(ws)
+
+        def forward(send: Callable[[str | bytes], None], drop: Drop) -> Callable[..., None]:
+            return lambda message: None if first and drop(message) else send(message)
+
+        upstream.on_message(forward(ws.send, to_page))
+        ws.on_message(forward(upstream.send, to_server))
+
+    tab = context.new_page()
+    watch(tab, errors)
+    tab.route_web_socket("**/v1/session", relay)
+    tab.goto(proxy.url)
+    expect(tab.locator("#connection")).to_have_attribute("data-state", "open")
+    expect(ask(tab, "echo before")).to_have_text("before")
+    return tab
+
+
+def settled(server: ServerProcess, token: str, sid: str, count: int) -> None:
+    """Wait until the archive holds `count` messages, none still being written."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        items = rpc(server, token, "v1.message.list", session_id=sid, limit=50)["items"]
+        if len(items) >= count and all(m["status"] == "completed" for m in items):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the archive of {sid} did not reach {count} settled messages")
+
+
+def test_a_line_the_server_archived_before_dying_is_sent_again_without_a_duplicate(
+    context: Any, proxy: TcpProxy, server: ServerProcess, token: str, errors: list[str]
+) -> None:
+    """The server archives and answers a line, but the page sees neither its ack nor its
+    reply (the page's `/v1/session` frames are held back), and the server is killed:
+    after the restart the page sends the line again with its key, and the archive
+    still holds it once, answered once."""
+    tab = faulty_tab(context, proxy, errors, to_page=answers_the_second_line)
+    sid = session_id(tab)
+    send(tab, "echo only once")
+    settled(server, token, sid, 4)
+    server.stop(signal.SIGKILL)
+    server.start()
+    expect(tab.locator("#notice")).to_have_text(CONTINUED, timeout=30_000)
+    expect(tab.locator(COMPLETED)).to_have_count(2)
+    expect(tab.locator(COMPLETED).last).to_have_text("only once")
+    expect(ask(tab, "echo after")).to_have_text("after")
+    assert user_texts(server, token, sid) == ["echo before", "echo only once", "echo after"]
+    expect(tab.locator(".msg.user")).to_have_count(3)
+    assert not errors, errors
+
+
+def test_a_line_the_server_never_saw_is_sent_after_a_reload_and_a_restart(
+    context: Any, proxy: TcpProxy, server: ServerProcess, token: str, errors: list[str]
+) -> None:
+    """The line goes out but never reaches the server, which is killed; the tab is
+    reloaded: its snapshot still holds the line with its key, and the continued
+    session sends it, so it is answered, once."""
+    tab = faulty_tab(context, proxy, errors, to_server=lambda m: "echo never seen" in str(m))
+    sid = session_id(tab)
+    send(tab, "echo never seen")
+    expect(tab.locator(".msg.user")).to_have_count(2)  # sent: the snapshot says so
+    server.stop(signal.SIGKILL)
+    server.start()
+    tab.reload()
+    expect(tab.locator(COMPLETED)).to_have_count(2, timeout=30_000)
+    expect(tab.locator(COMPLETED).last).to_have_text("never seen")
+    assert session_id(tab) == sid
+    assert user_texts(server, token, sid) == ["echo before", "echo never seen"]
+    assert not errors, errors
 
 
 def test_the_sidebar_titles_a_conversation_from_its_first_message_and_shows_its_activity(

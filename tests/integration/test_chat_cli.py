@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from support.archive import assert_ledger, open_archive
-from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, cut
+from support.archive import assert_ledger, open_archive, wait_for_messages
+from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, cut, suppress
 from support.server import SCRIPT, ServerProcess
 
 SCRIPTED = ("--runtime", "scripted", "--script", str(SCRIPT))
@@ -167,6 +167,50 @@ async def test_a_server_restart_while_the_user_types_continues_the_conversation(
         own.stop()
 
 
+async def test_a_line_the_server_archived_before_dying_is_answered_once(tmp_path: Path) -> None:
+    """The server archives and answers a line, but its ack and reply never reach the
+    chat, and it is killed: the chat sends the line again with its key after the
+    restart and prints the archived answer; the archive holds the line once."""
+    own = ServerProcess(tmp_path / "server", args=SCRIPTED).start()
+    try:
+        async with FaultProxy(own.http_url) as proxy:
+            hidden = proxy.add_rule(
+                Rule(
+                    suppress(),
+                    direction=SERVER_TO_CLIENT,
+                    type={"ack", "chunk", "done"},
+                    times=None,
+                )
+            )
+            process = await terminal_chat(proxy.url("/v1/session"))
+            assert process.stdin is not None
+            assert process.stdout is not None
+            async with asyncio.timeout(WITHIN):
+                process.stdin.write(b"only once\n")
+                await process.stdin.drain()
+                ready = await proxy.events.wait_for_frame(SERVER_TO_CLIENT, type="ready")
+                session_id = ready.json["session_id"]
+                await wait_for_messages(own.archive_path, session_id, 2)
+                await asyncio.to_thread(own.stop, signal.SIGKILL)
+                proxy.remove_rule(hidden)
+                await asyncio.to_thread(own.start)
+                output, _ = await process.communicate(b"and after\n")
+        assert process.returncode == 0, output
+        assert output.decode().splitlines() == [CONTINUED, "Hello world", "Hello world"]
+        await assert_ledger(
+            own.archive_path,
+            session_id,
+            [
+                ("user", "only once"),
+                ("assistant", "Hello world"),
+                ("user", "and after"),
+                ("assistant", "Hello world"),
+            ],
+        )
+    finally:
+        own.stop()
+
+
 async def test_the_restart_notice_is_printed_once_on_its_own_line(tmp_path: Path) -> None:
     own = ServerProcess(tmp_path / "server", args=SCRIPTED).start()
     try:
@@ -202,9 +246,28 @@ async def test_session_continues_an_archived_conversation(server: ServerProcess)
     session_id, count = await session_with(server.archive_path, "first of two")
     second = await asyncio.to_thread(chat, server, "second of two\n", "--session", session_id)
     assert second.returncode == 0, second.stderr
-    assert second.stdout == "Hello world\n"
+    # The conversation so far, then the new line's reply.
+    assert second.stdout == "> first of two\nHello world\nHello world\n"
     assert second.stderr == ""  # continuing at the start is no reconnect
     assert await session_with(server.archive_path, "second of two") == (session_id, count)
+
+
+async def test_session_prints_the_conversation_so_far_as_the_live_view_did(
+    server: ServerProcess,
+) -> None:
+    """Lines after `> `, the tool call as its prompt showed it, the text either side of
+    it; the result (never shown live) and the empty reply before the call are not."""
+    first = await asyncio.to_thread(chat, server, "where am I?\ny\n", *TOOL)
+    assert first.returncode == 0, first.stderr
+    session_id, _ = await session_with(server.archive_path, "where am I?")
+    second = await asyncio.to_thread(chat, server, "", "--session", session_id)
+    assert second.returncode == 0, second.stderr
+    live = first.stdout.splitlines()
+    history = second.stdout.splitlines()
+    assert history[0] == "> where am I?"
+    assert history[1] == live[0] == "[tool] get_location query='current'"
+    assert history[2:] == live[4:]  # the reply after the call, as it streamed
+    assert all(line.strip() for line in history)  # no empty message printed
 
 
 def test_session_of_an_unknown_id_exits_1_with_a_message(server: ServerProcess) -> None:

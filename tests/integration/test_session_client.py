@@ -31,7 +31,7 @@ from portico.client import (
 )
 from portico.protocols.session import frames as f
 from support.archive import assert_ledger, wait_for_messages
-from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, close
+from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, close, suppress
 from support.server import SCRIPT, ServerProcess
 
 SCRIPTED = ("--runtime", "scripted", "--script", str(SCRIPT))
@@ -721,3 +721,79 @@ async def test_a_turn_cut_by_a_killed_server_ends_with_resume_failed_and_the_cli
         assert ending[0].error.code == "RESUME_FAILED"
         assert ending[0].error.details == {"reason": "continued"}
         assert [s.continued for s in statuses.seen if s.state == "open"] == [False, True]
+
+
+# -- idempotency keys ----------------------------------------------------------------------
+
+
+async def test_every_message_has_a_key_and_one_sent_again_is_answered_from_the_archive(
+    server: ServerProcess,
+) -> None:
+    async with make_client(server) as client:
+        async with asyncio.timeout(WITHIN):
+            turn = await client.start_turn("only once")
+            first = await turn.reply()
+            again = await client.ask("only once", client_id=turn.client_id)
+        session_id = client.session_id
+    assert session_id is not None
+    assert turn.client_id.startswith("cm-")
+    assert again.duplicate is not None
+    assert (again.duplicate["turn_id"], again.duplicate["turn_state"]) == (
+        first.turn_id,
+        "completed",
+    )
+    assert again.text == first.text == "Hello world"
+    messages = await wait_for_messages(server.archive_path, session_id, 2)
+    assert [(m.role, m.client_id) for m in messages] == [
+        ("user", turn.client_id),
+        ("assistant", ""),
+    ]
+
+
+async def test_a_key_sent_again_while_its_turn_runs_follows_that_turn(
+    server: ServerProcess,
+) -> None:
+    """A second client continues the conversation while the first one's turn runs and
+    sends that message again with its key: it gets the running turn, not a new one."""
+    async with make_client(server) as first:
+        async with asyncio.timeout(WITHIN):
+            turn = await first.start_turn("slow", metadata={"mock_scenario": "slow"})
+            assert isinstance(await anext(turn), f.Chunk)
+        session_id = first.session_id
+        async with make_client(server, continue_session=session_id) as second:
+            async with asyncio.timeout(WITHIN):
+                reply = await second.ask("slow", client_id=turn.client_id)
+    assert reply.turn_id == turn.turn_id
+    assert isinstance(reply.frames[0], f.Error)  # the notice, then the turn's own end
+    assert reply.frames[0].error.code == "DUPLICATE_MESSAGE"
+    assert reply.done is not None
+    assert session_id is not None
+    messages = await wait_for_messages(server.archive_path, session_id, 2)
+    assert [m.role for m in messages] == ["user", "assistant"]
+
+
+async def test_a_message_a_killed_server_had_archived_is_sent_again_and_taken_once(
+    own_server: ServerProcess,
+) -> None:
+    """Its ack and reply never arrived; after the restart the client sends it again in
+    the new numbering with its key, and its turn ends with the archived answer."""
+    async with FaultProxy(own_server.http_url) as proxy:
+        hidden = proxy.add_rule(
+            Rule(suppress(), direction=SERVER_TO_CLIENT, type={"ack", "chunk", "done"}, times=None)
+        )
+        async with make_client(proxy, continue_after_restart=True) as client:
+            turn = await client.start_turn("only once")
+            session_id = client.session_id
+            assert session_id is not None
+            await wait_for_messages(own_server.archive_path, session_id, 2)
+            await asyncio.to_thread(own_server.stop, signal.SIGKILL)
+            proxy.remove_rule(hidden)
+            await asyncio.to_thread(own_server.start)
+            async with asyncio.timeout(WITHIN):
+                reply = await turn.reply()
+    assert reply.duplicate is not None
+    assert reply.duplicate["turn_state"] == "completed"
+    assert reply.text == "Hello world"
+    await assert_ledger(
+        own_server.archive_path, session_id, [("user", "only once"), ("assistant", "Hello world")]
+    )

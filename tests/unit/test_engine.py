@@ -14,13 +14,17 @@ from portico.core.events import TERMINAL_EVENTS, TurnChunk, TurnCompleted, TurnE
 from portico.core.model import Message, Session, Turn
 from portico.core.states import TurnState
 from portico.core.tools import ClientToolBroker
+from portico.core.validation import CLIENT_ID_MAX_LENGTH, check_client_id
 from portico.errors import (
+    DuplicateMessage,
+    InvalidMessage,
     SessionDeclarationRefused,
     SessionExpired,
     StoreError,
     TurnInProgress,
     UnknownAgent,
 )
+from portico.protocols.session import frames as f
 from portico.runtime.base import (
     Chunk,
     Done,
@@ -801,3 +805,86 @@ async def test_history_waits_for_the_message_to_be_archived() -> None:
     second = runtime.inputs[-1]
     history = [(m.role, m.content) for m in await second.history()]
     assert history == [("user", "first"), ("assistant", "")]  # the first turn said nothing
+
+
+# -- /v1/session idempotency keys (message.client_id) --------------------------------
+
+
+def keyed(key: str, *, principal: str = "alice", session_id: str = "s1") -> UserMessage:
+    return UserMessage(
+        principal=principal,
+        agent="default",
+        session_id=session_id,
+        own_session=True,
+        content="hi",
+        client_id=key,
+        unique_client_id=True,
+    )
+
+
+def test_the_message_frame_carries_its_key_both_ways() -> None:
+    frame = f.client_frame_decoder.decode(
+        b'{"type":"message","seq":1,"content":"hi","client_id":"cm-1"}'
+    )
+    assert isinstance(frame, f.Message)
+    assert frame.client_id == "cm-1"
+    assert b'"client_id":"cm-1"' in f.encode(frame)
+
+
+def test_a_key_is_bounded() -> None:
+    check_client_id("k" * CLIENT_ID_MAX_LENGTH)
+    with pytest.raises(InvalidMessage):
+        check_client_id("k" * (CLIENT_ID_MAX_LENGTH + 1))
+
+
+async def test_a_repeated_key_is_not_archived_or_run_again() -> None:
+    runtime = ListRuntime(Chunk("Hello "), Chunk("world"), Done())
+    engine = make_engine(runtime)
+    turn, _ = await run_turn(engine, keyed("cm-1"))
+    with pytest.raises(DuplicateMessage) as refused:
+        await engine.submit(keyed("cm-1"), Recorder())
+    messages = await engine.store.list_messages("s1")
+    assert [(m.role, m.content) for m in messages] == [("user", "hi"), ("assistant", "Hello world")]
+    assert len(runtime.inputs) == 1
+    assert refused.value.code == "DUPLICATE_MESSAGE"
+    assert refused.value.details == {
+        "client_id": "cm-1",
+        "session_id": "s1",
+        "message_id": messages[0].id,
+        "turn_id": turn.id,
+        "turn_state": "completed",
+        "reply": "Hello world",
+    }
+    assert not engine.is_busy("s1")  # the refusal left the session free
+
+
+async def test_keys_are_scoped_per_principal_and_unkeyed_messages_never_deduplicated() -> None:
+    runtime = ListRuntime(Done(content="ok"))
+    engine = make_engine(runtime)
+    await run_turn(engine, keyed("cm-1"))
+    await run_turn(engine, keyed("cm-1", principal="bob", session_id="s2"))  # bob's own
+    with pytest.raises(DuplicateMessage):
+        await engine.submit(keyed("cm-1"), Recorder())  # alice's, again
+    await run_turn(engine, keyed(""))
+    await run_turn(engine, keyed(""))
+    assert len(runtime.inputs) == 4
+    assert [m.role for m in await engine.store.list_messages("s2")] == ["user", "assistant"]
+
+
+async def test_a_key_sent_again_while_its_turn_runs_names_the_running_turn() -> None:
+    runtime = GatedRuntime()
+    engine = make_engine(runtime)
+    turn = await engine.submit(keyed("cm-1"), Recorder())
+    await wait_for(runtime.streaming)
+    with pytest.raises(DuplicateMessage) as refused:
+        await engine.submit(keyed("cm-1"), Recorder())
+    assert refused.value.details is not None
+    assert (refused.value.details["turn_id"], refused.value.details["turn_state"]) == (
+        turn.id,
+        "running",
+    )
+    with pytest.raises(TurnInProgress):  # another key: the usual refusal
+        await engine.submit(keyed("cm-2"), Recorder())
+    runtime.release.set()
+    assert await engine.wait_idle(WAIT)
+    assert len(runtime.inputs) == 1

@@ -996,3 +996,35 @@ def test_client_opens_a_continued_conversation_and_resends_its_new_messages() ->
     events = conn.receive_text(text(ready()), 0.0)
     assert [type(e) for e in events] == [ReadyReceived]
     assert [(m["type"], m["seq"]) for m in out(conn)] == [("message", 1)]
+
+
+# -- idempotency keys (`message.client_id`) ----------------------------------------------
+
+
+def test_server_hands_the_message_key_to_the_adapter() -> None:
+    conn, _ = open_server()
+    keyed = text(f.Message(seq=1, content="hi", client_id="cm-1"))
+    [event] = conn.receive_text(keyed, 0.0)
+    assert isinstance(event, Received)
+    assert isinstance(event.frame, f.Message)
+    assert event.frame.client_id == "cm-1"
+
+
+def test_the_key_survives_a_resume_and_a_continued_numbering() -> None:
+    _, chan = open_client()
+    chan.send(f.Message(seq=0, content="hi", client_id="cm-1"))
+    resumed, _ = started(chan=chan)
+    resumed.receive_text(text(ready(resumed=True)), 0.0)
+    [sent] = out(resumed)
+    assert (sent["seq"], sent["client_id"]) == (1, "cm-1")
+    # A continuation renumbers the unanswered message into a fresh channel, key and all.
+    [data] = chan.unacknowledged()
+    again = msgspec.structs.replace(f.client_frame_decoder.decode(data), seq=0)
+    fresh = channel()
+    fresh.send(again)
+    continued = SessionConnection(role=Role.CLIENT, timing=TIMING, now=0.0)
+    continued.start(f.Hello(continue_session="s-1"), fresh)
+    continued.data_to_send()
+    continued.receive_text(text(ready()), 0.0)
+    [sent] = out(continued)
+    assert (sent["seq"], sent["client_id"]) == (1, "cm-1")

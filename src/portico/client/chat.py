@@ -9,13 +9,19 @@ unknown. `/quit` or end of input ends the session. Reconnects are silent but
 for one dim status line on stderr, written between lines, never inside a
 streamed one. After a server restart the chat continues the same conversation
 (`hello.continue`): a line typed meanwhile is sent when the server is back, and
-a line whose reply had not started yet is sent again. `--session ID` continues
-an archived conversation. Media parts print as `[image: name]`, `[audio: 0.5 s]`.
+a line whose reply had not started yet is sent again with its idempotency key
+(by `SessionClient`), so one the old server had archived is answered from the
+archive (`DUPLICATE_MESSAGE`), never twice. `--session ID` continues an archived
+conversation and first prints it so far (read with `v1.message.list` on the
+server's `/v1/rpc`): the user's lines after `> `, the replies, tool calls and
+parts as the live view prints them. Media parts print as `[image: name]`,
+`[audio: 0.5 s]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import sys
 import threading
@@ -24,12 +30,16 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final, TextIO
 
+import msgspec
+
+from portico.client.rpc import MessageEntity, RpcClient, RpcClientError
 from portico.client.session import (
     AudioItem,
     ConnectionStatus,
     SessionClient,
     SessionError,
     Turn,
+    duplicate_details,
 )
 from portico.core.model import ContentPart
 from portico.protocols.session import frames as f
@@ -41,6 +51,9 @@ YES: Final = frozenset({"y", "yes"})
 NO_PARAMETERS: Final[Mapping[str, Any]] = {"type": "object", "properties": {}}
 # Streamed media are asked for so they can be named (`[audio: 0.5 s]`); never played.
 AUDIO_OUTPUT: Final = tuple(f.AudioFormat(codec=c) for c in ("wav", "pcm16", "mp3", "opus"))
+HISTORY_PAGE: Final = 200  # messages per `v1.message.list` call when printing a history
+USER_PREFIX: Final = "> "  # a user's line in a printed history, as the prompt shows it
+HIDDEN_KINDS: Final = frozenset({"thinking", "summary", "toolcall_output"})  # never shown live
 RECONNECTED: Final = "(reconnected)"
 CONTINUED: Final = "(reconnected: the server restarted; the conversation goes on)"
 
@@ -187,11 +200,10 @@ class Chat:
                 await self._say(line)
 
     async def _say(self, line: str) -> None:
-        """Send `line` and show its turn; again if a restart lost it before it started."""
-        while True:
-            turn = await self.client.start_turn(line, metadata=self._options.metadata or None)
-            if not await self._show(turn):
-                return
+        """Send `line` and show its turn (after a restart the client sends a line that
+        was not answered yet again with its key; the server never takes it twice)."""
+        turn = await self.client.start_turn(line, metadata=self._options.metadata or None)
+        await self._show(turn)
 
     async def _prompt(self) -> str | None:
         if self._lines.interactive:
@@ -206,9 +218,8 @@ class Chat:
             if isinstance(frame, f.Error):
                 self._screen.status(f"[{frame.error.code}] {frame.error.message}")
 
-    async def _show(self, turn: Turn) -> bool:
-        """The turn, to its end. True: a server restart lost it before it started (the
-        old server may never have seen the message, so it is worth sending again)."""
+    async def _show(self, turn: Turn) -> None:
+        """The turn, to its end."""
         streamed = False
         async for frame in turn:
             if isinstance(frame, f.Chunk):
@@ -222,10 +233,18 @@ class Chat:
             elif isinstance(frame, f.Done):
                 self._done(frame, streamed)
             elif isinstance(frame, f.Error):
-                if _lost_before_start(frame):
-                    return True
-                self._screen.line(f"[error {frame.error.code}] {frame.error.message}")
-        return False
+                self._error(frame, streamed)
+
+    def _error(self, frame: f.Error, streamed: bool) -> None:
+        duplicate = duplicate_details(frame.error)
+        if duplicate is None:
+            self._screen.line(f"[error {frame.error.code}] {frame.error.message}")
+        elif duplicate.get("turn_state") != "running" and not streamed:
+            # The server already had the line (a restart hid its answer): show that one.
+            self._screen.write(str(duplicate.get("reply", "")))
+            if duplicate.get("turn_state") not in ("completed", None):
+                self._screen.write(f" [{duplicate['turn_state']}]")
+            self._screen.end_line()
 
     def _done(self, frame: f.Done, streamed: bool) -> None:
         parts = frame.parts or ()
@@ -241,12 +260,7 @@ class Chat:
 
     async def _ask(self, frame: f.ToolCall) -> bool:
         """Consent for a demo tool: show the call, then one line answers y or n."""
-        call = frame.tool_call
-        self._screen.line(" ".join(["[tool]", call.name, *_arguments(call.arguments)]))
-        if call.consent_message:
-            self._screen.line(f"       {call.consent_message}")
-        if call.categories:
-            self._screen.line(f"       categories: {', '.join(call.categories)}")
+        self._tool_lines(frame.tool_call)
         self._screen.write("allow? [y/N] ")
         answer = await self._lines.next()
         if answer is None:
@@ -254,6 +268,46 @@ class Chat:
             return False
         self._screen.typed(answer, echo=not self._lines.interactive)
         return answer.strip().lower() in YES
+
+    def _tool_lines(self, call: f.ToolCallInfo) -> None:
+        self._screen.line(" ".join(["[tool]", call.name, *_arguments(call.arguments)]))
+        if call.consent_message:
+            self._screen.line(f"       {call.consent_message}")
+        if call.categories:
+            self._screen.line(f"       categories: {', '.join(call.categories)}")
+
+    async def print_history(self, session_id: str) -> None:
+        """The conversation so far, in archive order, so a continued chat shows where
+        it left off. A history that cannot be read is a status line, not a failure."""
+        try:
+            async with RpcClient(rpc_url(self._options.url), token=self._options.credential) as rpc:
+                cursor: str | int = ""
+                while True:
+                    page = await rpc.message_list(session_id, cursor=cursor, limit=HISTORY_PAGE)
+                    for message in page.items:
+                        self._history_message(message)
+                    if not page.has_more:
+                        return
+                    cursor = page.next_cursor
+        except RpcClientError as exc:
+            self._screen.status(f"(the conversation so far could not be read: {exc})")
+
+    def _history_message(self, message: MessageEntity) -> None:
+        data = message.content_data
+        if message.content_type in HIDDEN_KINDS:
+            return
+        if message.content_type == "toolcall_input":
+            with contextlib.suppress(msgspec.ValidationError):
+                self._tool_lines(msgspec.convert(data, f.ToolCallInfo, strict=False))
+            return
+        text = data if isinstance(data, str) else ""
+        if message.role == "user":
+            self._screen.line(USER_PREFIX + text)
+        elif text:
+            self._screen.line(text)
+        for part in message.parts:
+            if part.type != "text":
+                self._screen.line(part_label(part))
 
     def _on_status(self, status: ConnectionStatus) -> None:
         if status.state != "open":
@@ -263,10 +317,10 @@ class Chat:
         self._opened = True
 
 
-def _lost_before_start(frame: f.Error) -> bool:
-    details = frame.error.details or {}
-    lost = frame.error.code == "RESUME_FAILED" and details.get("reason") == "continued"
-    return lost and frame.turn_id is None
+def rpc_url(session_url: str) -> str:
+    """The server's `/v1/rpc`, beside the `/v1/session` the chat talks to."""
+    base, _, _ = session_url.rstrip("/").rpartition("/v1/session")
+    return f"{base}/v1/rpc" if base else session_url.rsplit("/", 1)[0] + "/v1/rpc"
 
 
 def part_label(part: ContentPart) -> str:
@@ -322,6 +376,8 @@ async def run_chat(
     except SessionError as exc:
         screen.status(f"portico chat: {exc.message}")
         return 1
+    if options.session is not None:
+        await chat.print_history(options.session)
     if chat.interactive:
         screen.status(f"session {chat.client.session_id} ({QUIT} or end of input to leave)")
     conversation = asyncio.create_task(chat.converse())

@@ -52,10 +52,17 @@ Continuing after a server restart (opt-in): with `continue_after_restart=True` a
 failed resume (`RESUME_FAILED`: the server restarted, or the window passed) is not
 terminal once: the client continues the same conversation in a new numbering
 (`hello.continue`, docs/session.md) and `on_status` reports `continued=True`.
-Messages queued while no connection was up are sent in the new numbering; turns
-the old numbering owed (their message had gone out) end with an `error` frame
-`RESUME_FAILED` (`details.reason = "continued"`), never replayed. To pick up an
+Messages queued while no connection was up, and sent ones no turn answered yet
+(their key makes a second copy harmless), are sent in the new numbering; turns the
+old numbering owed (already started) end with an `error` frame `RESUME_FAILED`
+(`details.reason = "continued"`), never replayed. To pick up an
 archived conversation from the start, pass `continue_session="sess-..."`.
+
+Every message carries an idempotency key (`client_id`, a fresh `cm-...` unless
+given; `Turn.client_id`), so such a message may be sent again with its key:
+`start_turn(text, client_id=turn.client_id)`. If the old server had archived it,
+the answer is an `error` `DUPLICATE_MESSAGE` instead of a second copy, and
+`Reply.text` is the earlier answer's archived text (`Reply.duplicate` its details).
 
 Terminal conditions are raised from iteration, from `Turn`s and from the send
 methods: `ResumeFailedError` (the session is gone; the client never replays
@@ -86,8 +93,8 @@ from portico.client.supervision import (
     open_socket,
     serve_socket,
 )
-from portico.core.model import ContentPart
-from portico.errors import BinaryFrameError, BufferOverflow, ProtocolViolation
+from portico.core.model import ContentPart, new_id
+from portico.errors import BinaryFrameError, BufferOverflow, DuplicateMessage, ProtocolViolation
 from portico.protocols.omnia.binary import decode_frame
 from portico.protocols.session import frames as f
 from portico.protocols.session.channel import Channel
@@ -117,6 +124,7 @@ CLOSE_TOO_LARGE: Final = 1009
 CLOSE_PROTOCOL_ERROR: Final = 4400
 CLOSE_UNAUTHENTICATED: Final = 4401
 CLOSE_RESUME_FAILED: Final = 4404
+DUPLICATE_MESSAGE: Final = DuplicateMessage.code
 CLOSE_REPLACED: Final = 4409
 CLOSE_RATE_LIMITED: Final = 4429
 # Closes that mean "this client sent something wrong": resuming resends the same
@@ -247,11 +255,22 @@ class Reply:
         return last.error if isinstance(last, f.Error) else None
 
     @property
+    def duplicate(self) -> dict[str, Any] | None:
+        """`DUPLICATE_MESSAGE` details: the server already had this message (its key)
+        and answered it before; `reply` in them is that answer's archived text."""
+        error = self.error
+        return duplicate_details(error) if error is not None else None
+
+    @property
     def text(self) -> str:
-        """The reply's text: `done.content` when the server sent one, else the chunks."""
+        """The reply's text: `done.content` when the server sent one, else the chunks
+        (for a message the server already had, the earlier answer's archived text)."""
         done = self.done
         if done is not None and done.content is not None:
             return done.content
+        duplicate = self.duplicate
+        if duplicate is not None:
+            return str(duplicate.get("reply", ""))
         return "".join(frame.content for frame in self.frames if isinstance(frame, f.Chunk))
 
     @property
@@ -292,6 +311,29 @@ def _ends_turn(frame: ServerMessage) -> bool:
     return isinstance(frame, f.Done) or (isinstance(frame, f.Error) and frame.turn_id is not None)
 
 
+def new_message_key() -> str:
+    """A fresh idempotency key (`message.client_id`) for one message."""
+    return new_id("cm")
+
+
+def duplicate_details(error: f.ErrorInfo) -> dict[str, Any] | None:
+    """The details of a `DUPLICATE_MESSAGE` answer, or None for any other error."""
+    if error.code != DUPLICATE_MESSAGE:
+        return None
+    return dict(error.details or {})
+
+
+def _running_duplicate(frame: ServerMessage) -> str | None:
+    """The running turn that already answers a message sent again with its key."""
+    if not isinstance(frame, f.Error) or frame.turn_id is not None:
+        return None
+    details = duplicate_details(frame.error)
+    if details is None or details.get("turn_state") != "running":
+        return None
+    turn_id = details.get("turn_id")
+    return turn_id if isinstance(turn_id, str) and turn_id else None
+
+
 # -- one turn ----------------------------------------------------------------------------------
 
 
@@ -300,11 +342,14 @@ class Turn:
 
     Iterate it (`async for frame in turn`) or `await turn.reply()`. A message the
     server refuses (`TURN_IN_PROGRESS`, `INVALID_MESSAGE`, ...) gives a turn of one
-    `error` frame with `ref_seq` set and no `turn_id`.
+    `error` frame with `ref_seq` set and no `turn_id`. A message the server already
+    had (its `client_id` key) gives an `error` `DUPLICATE_MESSAGE`: the turn ends
+    with it, unless the earlier turn still runs; then that turn's frames follow.
     """
 
-    def __init__(self, client: SessionClient, message_seq: int) -> None:
+    def __init__(self, client: SessionClient, message_seq: int, client_id: str) -> None:
         self.message_seq = message_seq
+        self.client_id = client_id  # the message's key: send it again with this one
         self.turn_id: str | None = None
         self._client = client
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
@@ -323,7 +368,11 @@ class Turn:
         if isinstance(item, _Stop):
             self._queue.put_nowait(item)  # every later read stops too
             raise self._client._stopped_error("the session stopped before this turn ended")
-        if _ends_turn(item) or (isinstance(item, f.Error) and item.ref_seq == self.message_seq):
+        if _ends_turn(item) or (
+            isinstance(item, f.Error)
+            and item.ref_seq == self.message_seq
+            and _running_duplicate(item) is None
+        ):
             self._exhausted = True
         return item
 
@@ -638,11 +687,17 @@ class SessionClient:
         *,
         parts: Sequence[ContentPart] | None = None,
         metadata: Mapping[str, str] | None = None,
+        client_id: str | None = None,
     ) -> Turn:
-        """Send a message; the returned `Turn` receives the frames that answer it."""
+        """Send a message; the returned `Turn` receives the frames that answer it.
+
+        `client_id` is the message's idempotency key (a fresh one when None): send a
+        message again with its `Turn.client_id` and the server never takes it twice.
+        """
         self._check_open()
-        seq = self._queue_message(content, parts, metadata)
-        turn = Turn(self, seq)
+        key = client_id or new_message_key()
+        seq = self._queue_message(content, parts, metadata, key)
+        turn = Turn(self, seq, key)
         self._turn_for_message[seq] = turn
         return turn
 
@@ -652,13 +707,14 @@ class SessionClient:
         *,
         parts: Sequence[ContentPart] | None = None,
         metadata: Mapping[str, str] | None = None,
+        client_id: str | None = None,
     ) -> Reply:
         """Send a message and collect its turn.
 
         The server ends every turn with `done` or `error`, across reconnects too; to
         bound the wait anyway, wrap the call in `asyncio.timeout(...)`.
         """
-        turn = await self.start_turn(content, parts=parts, metadata=metadata)
+        turn = await self.start_turn(content, parts=parts, metadata=metadata, client_id=client_id)
         return await turn.reply()
 
     # -- sending ------------------------------------------------------------------------------
@@ -669,10 +725,12 @@ class SessionClient:
         *,
         parts: Sequence[ContentPart] | None = None,
         metadata: Mapping[str, str] | None = None,
+        client_id: str | None = None,
     ) -> int:
-        """Send a message (it starts a turn); its frames arrive in `messages()`. Returns seq."""
+        """Send a message (it starts a turn); its frames arrive in `messages()`. Returns seq.
+        `client_id`: its idempotency key, as for `start_turn`."""
         self._check_open()
-        return self._queue_message(content, parts, metadata)
+        return self._queue_message(content, parts, metadata, client_id or new_message_key())
 
     async def ack_tool_call(self, call_id: str) -> int:
         return await self._send(f.ToolCallAck(seq=0, call_id=call_id))
@@ -707,14 +765,17 @@ class SessionClient:
         content: str | None,
         parts: Sequence[ContentPart] | None,
         metadata: Mapping[str, str] | None,
+        client_id: str,
     ) -> int:
         if not content and not parts:
             raise ValueError("a message needs content or parts")
+        # The key travels in the frame: a resend or a continuation keeps it.
         message = f.Message(
             seq=0,
             content=content,
             parts=tuple(parts) if parts is not None else None,
             metadata=dict(metadata) if metadata is not None else None,
+            client_id=client_id,
         )
         seq = self._number(message)
         self._pending_messages.append(seq)
@@ -742,17 +803,22 @@ class SessionClient:
     def _start_continuation(self) -> None:
         """The resume failed: the next hello continues the conversation in a new numbering.
 
-        Old messages are never replayed (they may have taken effect on the server that
-        went away), so turns waiting on them end with a `RESUME_FAILED` error. Messages
-        queued while no connection was up never reached any server: they move to the
-        new numbering, so nothing typed during an outage is lost.
+        Old messages are never replayed blindly (they may have taken effect on the
+        server that went away), so turns already answering them end with a
+        `RESUME_FAILED` error. Messages queued while no connection was up never reached
+        any server, and keyed ones nothing answered yet are harmless to send again (the
+        server answers a key it already has with `DUPLICATE_MESSAGE`): they move to the
+        new numbering with their keys, so nothing typed is lost or taken twice.
         """
         assert self.session_id is not None
         old, self._channel = self._channel, self._new_channel()
+        waiting = set(self._pending_messages)
         unsent: list[tuple[int, f.Message]] = []
         for data in old.unacknowledged():
             frame = f.client_frame_decoder.decode(data)
-            if isinstance(frame, f.Message) and frame.seq > self._wire_seq:
+            if isinstance(frame, f.Message) and (
+                frame.seq > self._wire_seq or (bool(frame.client_id) and frame.seq in waiting)
+            ):
                 unsent.append((frame.seq, frame))
         self._end_lost_turns({seq for seq, _ in unsent})
         renumbered: dict[int, int] = {}
@@ -937,7 +1003,14 @@ class SessionClient:
     def _route(self, frame: ServerMessage) -> Turn | None:
         """The `Turn` this frame belongs to, or None for the client's own stream."""
         if isinstance(frame, f.Error) and frame.turn_id is None:
-            return self._refusal(frame.ref_seq)
+            running = _running_duplicate(frame)
+            if running is not None and running in self._open_turns:
+                return self._open_turns[running]  # its frames came first and claimed it
+            turn = self._refusal(frame.ref_seq)
+            if running is not None and turn is not None:
+                turn.turn_id = running  # the earlier turn answers it: follow that one
+                self._open_turns[running] = turn
+            return turn
         if isinstance(frame, f.ServerToolResult):
             return self._call_owner.pop(frame.call_id, None)
         turn_id = getattr(frame, "turn_id", None)
@@ -1218,4 +1291,6 @@ __all__ = [
     "SessionError",
     "SessionReplacedError",
     "Turn",
+    "duplicate_details",
+    "new_message_key",
 ]

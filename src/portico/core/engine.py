@@ -18,6 +18,7 @@ import msgspec
 
 from portico.config import AgentSettings, ClientToolSettings
 from portico.core.compaction import SUMMARY_THROUGH, compose_summary, since_latest_summary
+from portico.core.duplicates import earlier_send, running_duplicate
 from portico.core.events import Listener
 from portico.core.model import ContentPart, Message, Session, Turn, new_id
 from portico.core.periodic import every
@@ -27,6 +28,7 @@ from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.core.tools import NoClientTools, ToolBroker
 from portico.core.turns import StreamedSoFar, TurnRunner
 from portico.errors import (
+    DuplicateMessage,
     InternalError,
     InvalidMessage,
     MediaNotEnabled,
@@ -73,8 +75,9 @@ class UserMessage(msgspec.Struct, frozen=True, kw_only=True):
     directives: dict[str, str] = msgspec.field(default_factory=dict)
     declare: dict[str, Any] | None = None
     client_id: str = ""
-    # RPC `message.send`: the client id must be new for the principal (the archive
-    # checks it in the message's own transaction; `DuplicateClientId` otherwise).
+    # The client id must be new for the principal. RPC `message.send`: the archive
+    # checks it in the message's own transaction (`DuplicateClientId` otherwise);
+    # `submit` (`/v1/session`) checks it first (`DuplicateMessage` otherwise).
     unique_client_id: bool = False
     client_tools: tuple[ClientTool, ...] = ()
     context: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -252,13 +255,37 @@ class Engine:
         # Ownership first: a foreign session must look expired, never busy.
         session = await self._session_for(message)
         if session.id in self._running:
-            raise TurnInProgress(session.id)
+            raise self._running_duplicate(session.id, message) or TurnInProgress(session.id)
         self._running[session.id] = None
+        try:
+            await self._refuse_repeated_key(message)
+        except BaseException:
+            del self._running[session.id]
+            raise
         turn, turn_input, reply = self._archive_behind(session, message)
         if listener is not None:
             self.attach(session.id, listener)
         self._start_runner(session, turn, turn_input, reply)
         return turn
+
+    def _running_duplicate(self, session_id: str, message: UserMessage) -> DuplicateMessage | None:
+        """The running turn answers this very message (sent again with its key)."""
+        runner = self._running.get(session_id)
+        if runner is None or not message.unique_client_id or not message.client_id:
+            return None
+        earlier = runner.message
+        if earlier.client_id != message.client_id:
+            return None
+        return running_duplicate(earlier, runner.turn.id)
+
+    async def _refuse_repeated_key(self, message: UserMessage) -> None:
+        """`/v1/session` keys: checked while the session's slot is held, so an earlier
+        message of this session with the key is archived by now (a turn ends only once
+        its user message is written)."""
+        if message.unique_client_id and message.client_id:
+            duplicate = await earlier_send(self.store, message.principal, message.client_id)
+            if duplicate is not None:
+                raise duplicate
 
     async def enqueue(self, session: Session, message: UserMessage) -> Message:
         """RPC: archive the message with a pending turn that runs once the session is free.

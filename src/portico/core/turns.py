@@ -117,6 +117,11 @@ class TurnRunner:
         self._started: asyncio.Future[None] | None = None
 
     @property
+    def message(self) -> Message:
+        """The user message this turn answers."""
+        return self._input.message
+
+    @property
     def owner(self) -> str:
         return self._input.owner
 

@@ -21,6 +21,7 @@ METADATA_KEY_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 METADATA_MAX_VALUE_BYTES = 8 * 1024
 METADATA_MAX_TOTAL_BYTES = 32 * 1024
 DECLARE_MAX_BYTES = 16 * 1024
+CLIENT_ID_MAX_LENGTH = 128  # a message's idempotency key, as RPC ids
 
 _encode = msgspec.json.Encoder().encode
 
@@ -82,3 +83,9 @@ def declare_fits(declare: dict[str, Any]) -> bool:
 def base64_decoded_size(data: str) -> int:
     """The bytes a base64 text decodes to (well-formed or not: a budget, not a check)."""
     return len(data) * 3 // 4 - data[-2:].count("=")
+
+
+def check_client_id(client_id: str) -> None:
+    """An idempotency key is bounded like every id a client chooses."""
+    if len(client_id) > CLIENT_ID_MAX_LENGTH:
+        raise InvalidMessage(f"client_id is longer than {CLIENT_ID_MAX_LENGTH} characters")

@@ -28,7 +28,7 @@ from portico.core.events import (
     TurnToolCallTimedOut,
 )
 from portico.core.model import new_id
-from portico.core.validation import check_parts, split_metadata
+from portico.core.validation import check_client_id, check_parts, split_metadata
 from portico.errors import (
     BufferOverflow,
     InternalError,
@@ -463,6 +463,8 @@ class SessionSocket(ServerSocket):
         if not frame.content and not parts:
             raise InvalidMessage("a message needs `content` or `parts`")
         check_parts(parts)
+        client_id = frame.client_id or ""
+        check_client_id(client_id)
         forwarded, directives = split_metadata(frame.metadata or {})
         await self._services.engine.submit(
             UserMessage(
@@ -477,6 +479,8 @@ class SessionSocket(ServerSocket):
                 directives=directives,
                 client_tools=live.tools,
                 context=live.context,
+                client_id=client_id,
+                unique_client_id=True,
             ),
             live.on_turn_event,
         )

@@ -34,6 +34,9 @@ class MemoryStore:
         self._sessions: dict[str, Session] = {}
         self._messages: dict[str, list[Message]] = {}
         self._message_index: dict[str, Message] = {}
+        # (owner, client id) -> the id of the first message stored with it: every
+        # `/v1/session` message is looked up by its key, so no scan of all messages.
+        self._by_client_id: dict[tuple[str, str], str] = {}
         self._turns: dict[str, Turn] = {}
         self._tool_calls: dict[str, ToolCallRecord] = {}
         self._epoch = new_id("epoch")
@@ -135,6 +138,9 @@ class MemoryStore:
         stored = msgspec.structs.replace(message, global_offset=len(messages) + 1)
         messages.append(stored)
         self._message_index[stored.id] = stored
+        if stored.client_id:
+            owner = self._sessions[stored.session_id].owner
+            self._by_client_id.setdefault((owner, stored.client_id), stored.id)
         return stored
 
     async def append_message(self, message: Message) -> Message:
@@ -171,13 +177,8 @@ class MemoryStore:
         return self._message_index.get(message_id)
 
     async def find_message_by_client_id(self, owner: str, client_id: str) -> Message | None:
-        if not client_id:
-            return None
-        for message in self._message_index.values():
-            session = self._sessions[message.session_id]
-            if message.client_id == client_id and session.owner == owner:
-                return message
-        return None
+        message_id = self._by_client_id.get((owner, client_id)) if client_id else None
+        return None if message_id is None else self._message_index[message_id]
 
     async def list_messages(
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None

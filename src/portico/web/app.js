@@ -272,13 +272,9 @@ function showStreamed(item) {
 
 const lives = new Map(); // session id -> LiveConversation, the sessions this tab holds
 const CONTINUED_NOTICE = "The server restarted: this conversation goes on.";
-
-/** A turn a server restart lost before it started: the old server may never have seen it. */
-const lostBeforeStart = (frame) =>
-  frame.type === "error" &&
-  frame.turn_id == null &&
-  frame.error.code === "RESUME_FAILED" &&
-  frame.error.details?.reason === "continued";
+// Refusals shown with their message instead of as a notice: an invalid one fails its
+// line; a duplicate is a line the server already had, answered (see showDuplicate).
+const QUIET_REFUSALS = new Set(["INVALID_MESSAGE", "DUPLICATE_MESSAGE"]);
 
 class LiveConversation {
   constructor(resumeFrom = null) {
@@ -392,7 +388,7 @@ class LiveConversation {
               scheduleRender(item);
             });
           }
-        } else if (here && frame.ref_seq != null && frame.error.code !== "INVALID_MESSAGE") {
+        } else if (here && frame.ref_seq != null && !QUIET_REFUSALS.has(frame.error.code)) {
           showNotice(`${frame.error.code}: ${frame.error.message}`);
         }
         break;
@@ -1353,12 +1349,15 @@ async function send() {
   }
 }
 
-/** Send over the live session; a line a server restart lost before it started goes again. */
+/** Send over the live session. After a server restart the client sends a line nothing
+ * answered yet again, with its key: one the old server had is answered DUPLICATE_MESSAGE. */
 function sendLive(live, item, { text, cmid, sessionId }) {
   try {
+    // The page's message id is its key too: sent again, the server never takes it twice.
     const turn = live.client.startTurn(text || null, {
       parts: item.parts.length ? item.parts : null,
       metadata: { client_message_id: cmid },
+      clientId: cmid,
     });
     live.openTurns += 1;
     renderBusy();
@@ -1366,8 +1365,8 @@ function sendLive(live, item, { text, cmid, sessionId }) {
       .reply()
       .then((reply) => {
         const refusal = reply.frames.find((f) => f.type === "error" && f.turn_id == null);
-        if (refusal && lostBeforeStart(refusal)) {
-          sendLive(live, item, { text, cmid, sessionId });
+        if (reply.duplicate) {
+          showDuplicate(item, reply.duplicate, sessionId);
         } else if (refusal && view.sessionId === sessionId) {
           item.status = "failed";
           item.error = refusal.error.message;
@@ -1384,6 +1383,22 @@ function sendLive(live, item, { text, cmid, sessionId }) {
     item.error = error.message;
     render(item);
   }
+}
+
+/** The server already had this line (a restart hid its answer): the archive's copy of
+ * it and of its reply stand; show that reply if the history has not yet. */
+function showDuplicate(item, duplicate, sessionId) {
+  if (view.sessionId !== sessionId) return;
+  item.status = "sent";
+  render(item);
+  if (!duplicate.turn_id || duplicate.reply == null) return;
+  later(() => {
+    const reply = replyItem(duplicate.turn_id, null, 0);
+    if (reply.status === "completed") return;
+    reply.final = duplicate.reply;
+    reply.status = "completed";
+    scheduleRender(reply);
+  });
 }
 
 async function stop() {

@@ -59,6 +59,12 @@
  * - Continuing after a server restart, as Python's: `continueAfterRestart: true` turns a
  *   failed resume into `hello.continue` (a new numbering on the same conversation; the
  *   `status` event says `continued: true`), `continueSession: id` opens that way.
+ * - Idempotency keys (docs/session.md): every message carries `client_id` (`clientId` in
+ *   `startTurn`/`sendMessage`, a fresh `newMessageKey()` otherwise; `turn.clientId`), kept
+ *   in the frame across resends, snapshots and continuations. Send a message again with its
+ *   key and the server never takes it twice: the answer is an `error` DUPLICATE_MESSAGE
+ *   (`reply.duplicate` has its details, `reply.text` the earlier answer's archived text);
+ *   while the earlier turn still runs, its frames follow instead.
  *
  * RpcClient, as Python's `RpcClient` (docs/rpc.md, spec rpc-protocol.md):
  *
@@ -240,6 +246,20 @@ function watchOnline(wake) {
 const endsTurn = (frame) =>
   frame.type === "done" || (frame.type === "error" && frame.turn_id != null);
 
+export const DUPLICATE_MESSAGE = "DUPLICATE_MESSAGE";
+
+/** A fresh idempotency key (`message.client_id`) for one message. */
+export const newMessageKey = () => `cm-${crypto.randomUUID()}`;
+
+/** The running turn that already answers a message sent again with its key, or null. */
+const runningDuplicate = (frame) =>
+  frame.type === "error" &&
+  frame.turn_id == null &&
+  frame.error?.code === DUPLICATE_MESSAGE &&
+  frame.error.details?.turn_state === "running"
+    ? frame.error.details.turn_id ?? null
+    : null;
+
 /** One turn's frames: `done` or `error` last. */
 export class Reply {
   constructor(turnId, frames) {
@@ -254,9 +274,15 @@ export class Reply {
     const last = this.frames.at(-1);
     return last?.type === "error" ? last.error : null;
   }
-  /** `done.content` when the server sent one, else the chunks. */
+  /** DUPLICATE_MESSAGE details: the server already had this message (its key). */
+  get duplicate() {
+    return this.error?.code === DUPLICATE_MESSAGE ? this.error.details ?? {} : null;
+  }
+  /** `done.content` when the server sent one, else the chunks (for a message the server
+   * already had, the earlier answer's archived text). */
   get text() {
     if (this.done?.content != null) return this.done.content;
+    if (this.duplicate) return this.duplicate.reply ?? "";
     return this.frames
       .filter((f) => f.type === "chunk")
       .map((f) => f.content)
@@ -276,8 +302,9 @@ export class Reply {
  * (TURN_IN_PROGRESS, INVALID_MESSAGE, ...) gives one `error` frame with `ref_seq`.
  */
 export class Turn {
-  constructor(messageSeq) {
+  constructor(messageSeq, clientId = null) {
     this.messageSeq = messageSeq;
+    this.clientId = clientId; // the message's key: send it again with this one
     this.turnId = null;
     this.frames = [];
     this._ended = false;
@@ -288,7 +315,9 @@ export class Turn {
 
   _put(frame) {
     this.frames.push(frame);
-    if (endsTurn(frame) || (frame.type === "error" && frame.ref_seq === this.messageSeq)) {
+    const refused =
+      frame.type === "error" && frame.ref_seq === this.messageSeq && !runningDuplicate(frame);
+    if (endsTurn(frame) || refused) {
       this._ended = true;
       this._finished.resolve(new Reply(this.turnId, [...this.frames]));
     }
@@ -628,6 +657,9 @@ export class SessionClient extends EventTarget {
     this._toolTasks = new Map(); // call id -> AbortController of a running registered tool
     // Routing: messages still waiting for their turn (oldest first) and open turns.
     this._pendingMessages = [];
+    // Seqs of our messages the server answered (a turn started, or a refusal), until
+    // acknowledged: the others are sent again, with their key, after a restart.
+    this._answered = new Set();
     this._turnForMessage = new Map();
     this._openTurns = new Map();
     this._callOwner = new Map();
@@ -737,10 +769,11 @@ export class SessionClient extends EventTarget {
   // -- sending --------------------------------------------------------------------------------
 
   /** Send a message; the returned `Turn` receives the frames that answer it. */
-  startTurn(content, { parts = null, metadata = null } = {}) {
+  startTurn(content, { parts = null, metadata = null, clientId = null } = {}) {
     this._checkOpen();
-    const seq = this._queueMessage(content, parts, metadata);
-    const turn = new Turn(seq);
+    const key = clientId || newMessageKey();
+    const seq = this._queueMessage(content, parts, metadata, key);
+    const turn = new Turn(seq, key);
     this._turnForMessage.set(seq, turn);
     return turn;
   }
@@ -751,9 +784,9 @@ export class SessionClient extends EventTarget {
   }
 
   /** Send a message (it starts a turn); its frames arrive as `message` events. Returns seq. */
-  sendMessage(content, { parts = null, metadata = null } = {}) {
+  sendMessage(content, { parts = null, metadata = null, clientId = null } = {}) {
     this._checkOpen();
-    return this._queueMessage(content, parts, metadata);
+    return this._queueMessage(content, parts, metadata, clientId || newMessageKey());
   }
 
   ackToolCall(callId) {
@@ -783,9 +816,10 @@ export class SessionClient extends EventTarget {
     return this._send({ type: "interrupt" });
   }
 
-  _queueMessage(content, parts, metadata) {
+  _queueMessage(content, parts, metadata, clientId) {
     if (!content && !parts?.length) throw new Error("a message needs content or parts");
-    const message = { type: "message" };
+    // The key travels in the frame: resends, snapshots and continuations keep it.
+    const message = { type: "message", client_id: clientId };
     if (content) message.content = content;
     if (parts?.length) message.parts = parts;
     if (metadata) message.metadata = metadata;
@@ -822,20 +856,29 @@ export class SessionClient extends EventTarget {
 
   /**
    * The resume failed: the next hello continues the conversation in a new numbering.
-   * Old messages are never replayed (they may have taken effect on the server that went
-   * away): turns waiting on them end with a RESUME_FAILED error. Messages queued while
-   * no connection was up never reached a server: they move to the new numbering.
+   * Old messages are never replayed blindly (they may have taken effect on the server
+   * that went away): turns already answering them end with a RESUME_FAILED error.
+   * Messages queued while no connection was up never reached a server, and keyed ones
+   * nothing answered yet (a restored snapshot's too) are harmless to send again (the
+   * server answers a key it already has with DUPLICATE_MESSAGE): they move to the new
+   * numbering, keeping their keys.
    */
   _startContinuation() {
     const unsent = this._buffer
       .map((entry) => JSON.parse(entry.data))
-      .filter((frame) => frame.type === "message" && frame.seq > this._wireSeq);
+      .filter(
+        (frame) =>
+          frame.type === "message" &&
+          (frame.seq > this._wireSeq || (frame.client_id && !this._answered.has(frame.seq))),
+      );
     const kept = new Set(unsent.map((frame) => frame.seq));
     this._endLostTurns(kept);
     Object.assign(this, { _nextSeq: 1, _handled: 0, _peerAcked: 0, _buffer: [], _bufferBytes: 0 });
+    this._answered.clear();
     const renumbered = new Map();
     for (const { seq: old, ...frame } of unsent) renumbered.set(old, this._number(frame));
-    this._pendingMessages = this._pendingMessages.map((seq) => renumbered.get(seq));
+    // Each one sent again waits for its answer (a restored snapshot's too), in order.
+    this._pendingMessages = unsent.map((frame) => renumbered.get(frame.seq));
     const turns = new Map();
     for (const [old, turn] of this._turnForMessage) {
       turn.messageSeq = renumbered.get(old);
@@ -878,7 +921,9 @@ export class SessionClient extends EventTarget {
     if (seq <= this._peerAcked) return;
     this._peerAcked = seq;
     while (this._buffer.length && this._buffer[0].seq <= seq) {
-      this._bufferBytes -= byteLength(this._buffer.shift().data);
+      const entry = this._buffer.shift();
+      this._bufferBytes -= byteLength(entry.data);
+      this._answered.delete(entry.seq);
     }
     this._changed();
   }
@@ -1017,7 +1062,16 @@ export class SessionClient extends EventTarget {
 
   /** The Turn this frame belongs to, or null. */
   _route(frame) {
-    if (frame.type === "error" && frame.turn_id == null) return this._refusal(frame.ref_seq);
+    if (frame.type === "error" && frame.turn_id == null) {
+      const running = runningDuplicate(frame);
+      if (running && this._openTurns.has(running)) return this._openTurns.get(running);
+      const turn = this._refusal(frame.ref_seq);
+      if (running && turn) {
+        turn.turnId = running; // the earlier turn answers it: follow that one
+        this._openTurns.set(running, turn);
+      }
+      return turn;
+    }
     if (frame.type === "tool_result") {
       const owner = this._callOwner.get(frame.call_id) ?? null;
       this._callOwner.delete(frame.call_id);
@@ -1041,6 +1095,7 @@ export class SessionClient extends EventTarget {
     // turn answers the oldest message still waiting for an answer.
     const seq = this._pendingMessages.shift();
     if (seq === undefined) return null;
+    this._answered.add(seq);
     const turn = this._turnForMessage.get(seq) ?? null;
     this._turnForMessage.delete(seq);
     if (turn) turn.turnId = turnId;
@@ -1051,6 +1106,7 @@ export class SessionClient extends EventTarget {
     const index = this._pendingMessages.indexOf(refSeq);
     if (refSeq == null || index < 0) return null;
     this._pendingMessages.splice(index, 1);
+    this._answered.add(refSeq);
     const turn = this._turnForMessage.get(refSeq) ?? null;
     this._turnForMessage.delete(refSeq);
     return turn;

@@ -105,10 +105,17 @@ class Pong(_Frame, frozen=True, tag="pong"):
 
 
 class Message(_Frame, frozen=True, tag="message"):
+    """`client_id`: the client's idempotency key for this message (at most 128
+    characters, unique per principal, as on RPC `v1.message.send`). A key the archive
+    already holds is not archived or answered again: the reply is a numbered `error`
+    `DUPLICATE_MESSAGE` with `ref_seq`, whose `details` name the earlier message
+    (`session_id`, `message_id`, `turn_id`, `turn_state`, the `reply` text so far)."""
+
     seq: int
     content: str | None = None
     parts: tuple[ContentPart, ...] | None = None
     metadata: dict[str, str] | None = None
+    client_id: str | None = None
 
 
 class ToolCallAck(_Frame, frozen=True, tag="tool_call_ack"):
