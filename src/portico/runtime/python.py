@@ -36,6 +36,8 @@ from portico.runtime.base import (
     TurnInput,
     TurnStream,
     Usage,
+    consent_grants,
+    contract_metadata,
 )
 
 
@@ -73,12 +75,15 @@ def _agent_turn(turn: TurnInput, call_tool: ToolCaller) -> Turn:
             for message in await turn.history()
         )
 
+    # What the gRPC contract's `metadata` and `consent_grants` carry, so a handler sees
+    # the same turn in process and behind `runtime: grpc`.
+    metadata = contract_metadata(turn)
     return Turn(
         session_id=turn.session_id,
         text=message_text(turn.message),
         parts=turn.message.parts,
-        # What the gRPC contract's `metadata` carries: the reserved keys included.
-        metadata={**turn.message.metadata, **turn.directives},
+        metadata=metadata,
+        consent_grants=consent_grants(metadata),
         history=history,
         call_tool=call_tool,
     )
