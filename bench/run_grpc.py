@@ -10,7 +10,8 @@ Two Portico servers, interleaved in every repeat so background noise hits them a
 `portico agent serve grpc_agent:handler`, bench/grpc_agent.py: the same 50 chunks, in its
 own process). Each gets bench/run.py's `stream` workload (/ws, 1 client process) and its
 `latency` workload at the first rate (first-chunk p50/p99). The gRPC server's CPU is the
-facade's; the agent's process is reported beside it.
+facade's; the agent's process is reported beside it. Each repeat also measures the floor of
+the hop: the same stream shape over bare grpc.aio, no Portico (bench/grpc_floor.py).
 
 Targets (figures, not tests): /ws stream throughput through `runtime: grpc` at least 0.5x
 the scripted runtime's; the first-chunk p99 the gRPC hop adds at 200 msg/s at most 1 ms.
@@ -19,6 +20,7 @@ the scripted runtime's; the first-chunk p99 the gRPC hop adds at 200 msg/s at mo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -132,6 +134,9 @@ def run(plan: Plan, workdir: Path) -> Samples:
                     f"frames/s, server CPU {sample['server_cpu']:.0f}%, agent CPU "
                     f"{sample['agent_cpu']:.0f}%, errors {sample['errors']:.0f}"
                 )
+            floor = measure_floor(plan)
+            results.setdefault(("floor", "grpc"), []).append(floor)
+            log(f"grpc-bench floor   rep {rep + 1}: {floor['messages_per_s']:8.0f} msg/s")
             for kind in order:
                 sample = measure_latency(servers[kind], plan, rate)
                 results.setdefault(("latency", kind), []).append(sample)
@@ -144,6 +149,18 @@ def run(plan: Plan, workdir: Path) -> Samples:
         stop_all(list(servers.values()))
         agent.stop()
     return results
+
+
+def measure_floor(plan: Plan) -> dict[str, float]:
+    """bench/grpc_floor.py: the same stream shape over bare grpc.aio, no Portico."""
+    found = subprocess.run(
+        [sys.executable, str(BENCH / "grpc_floor.py"), "--seconds", str(plan.seconds)],
+        capture_output=True,
+        text=True,
+        timeout=plan.seconds + 60,
+        check=True,
+    )
+    return {key: float(value) for key, value in json.loads(found.stdout).items()}
 
 
 def _agent_cpu(before: CpuSnapshot, agent: Agent) -> float:
@@ -170,8 +187,9 @@ def report(results: Samples, plan: Plan, commit: str, background: float, took: f
     lat_s, lat_g = results[("latency", "scripted")], results[("latency", "grpc")]
     ratio = median(stream_g, "frames_per_s") / median(stream_s, "frames_per_s")
     hop = median(lat_g, "first_p99_ms") - median(lat_s, "first_p99_ms")
+    floor = results[("floor", "grpc")]
     rate = plan.rates[0]
-    errors = sum(s["errors"] for rows in results.values() for s in rows)
+    errors = sum(s.get("errors", 0.0) for rows in results.values() for s in rows)
     lines = [
         "## Bring your own agent: `runtime: grpc` (bench/run_grpc.py)",
         "",
@@ -188,6 +206,8 @@ def report(results: Samples, plan: Plan, commit: str, background: float, took: f
         "|---|---|---|---|",
         f"| /ws stream, frames/s | {spread(stream_s, 'frames_per_s', 0)} | "
         f"{spread(stream_g, 'frames_per_s', 0)} | {ratio:.2f} |",
+        f"| bare grpc.aio, same shape (bench/grpc_floor.py), messages/s | - | "
+        f"{spread(floor, 'messages_per_s', 0)} | |",
         f"| stream: Portico CPU % | {spread(stream_s, 'server_cpu', 0)} | "
         f"{spread(stream_g, 'server_cpu', 0)} | |",
         f"| stream: agent process CPU % | - | {spread(stream_g, 'agent_cpu', 0)} | |",

@@ -255,6 +255,22 @@ async def test_ws_errors_pass_through_or_are_masked_once(
     assert terminals(await client.ask("stream"))[0]["content"] == STREAMED
 
 
+async def test_ws_a_failed_turn_is_in_the_history_with_the_text_it_streamed(
+    http: aiohttp.ClientSession, placement: Placement
+) -> None:
+    client = await omnia(http, placement)
+    await client.ask("fail PROVIDER_UNAVAILABLE")
+    await client.ask("crash")
+    frames = await client.ask("report")
+    # In process the history is the archive's; the gRPC agent keeps its own the same way.
+    assert json.loads("".join(chunks(frames)))["history"] == [
+        ["user", "fail PROVIDER_UNAVAILABLE"],
+        ["assistant", "partial "],
+        ["user", "crash"],
+        ["assistant", "partial "],
+    ]
+
+
 # -- /v1/session -----------------------------------------------------------------------------
 
 
