@@ -183,6 +183,20 @@ async def test_ws_client_tool_nack_error_and_timeout_reach_the_handler_as_reject
     assert done["content"] == f"rejected:{TIMED_OUT}"
 
 
+async def test_ws_a_nack_or_error_without_a_reason_is_a_rejection_without_one(
+    http: aiohttp.ClientSession, placement: Placement
+) -> None:
+    client = await omnia(http, placement)
+    call = await ws_tool_call(client, "tool")
+    nack = {"call_id": call["id"], "reason": ""}
+    await client.send({"type": "tool_call_nack", "tool_call_nack": nack})
+    assert terminals(await client.turn())[0]["content"] == "rejected:"
+    call = await ws_tool_call(client, "tool")
+    await client.send({"type": "tool_call_ack", "tool_call_ack": {"call_id": call["id"]}})
+    await client.send({"type": "tool_result", "tool_result": {"call_id": call["id"], "error": ""}})
+    assert terminals(await client.turn())[0]["content"] == "rejected:"
+
+
 async def test_ws_media_streams_in_numbered_pieces(
     http: aiohttp.ClientSession, placement: Placement
 ) -> None:

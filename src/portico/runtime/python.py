@@ -115,9 +115,9 @@ def _tool_call(pending: PendingTool) -> ToolCall:
 
 
 def _answer(outcome: ToolOutcome | None) -> ToolAnswer:
-    if outcome is None:
-        return ToolRejected("no answer")
-    if outcome.status == "completed":
+    if outcome is not None and outcome.status == "completed":
         return ToolResult(outcome.result)
-    # The contract has no client "error" answer: a failed call is a rejection too.
-    return ToolRejected(outcome.error or outcome.status)
+    # The contract has no client "error" answer: a failed call is a rejection too. The
+    # reason is the client's (or the broker's) as the facade sends it over gRPC
+    # (`rejection_reason`, or the `{"error": ...}` text): empty when it gave none.
+    return ToolRejected("" if outcome is None else outcome.error or "")
