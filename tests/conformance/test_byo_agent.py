@@ -197,6 +197,19 @@ async def test_ws_a_nack_or_error_without_a_reason_is_a_rejection_without_one(
     assert terminals(await client.turn())[0]["content"] == "rejected:"
 
 
+async def test_ws_a_result_that_reads_as_a_client_error_is_a_rejection_in_both_places(
+    http: aiohttp.ClientSession, placement: Placement
+) -> None:
+    # Over gRPC the facade encodes a client's error as this very result (the contract has
+    # no error answer), so the SDK cannot tell them apart; in process it must not either.
+    client = await omnia(http, placement)
+    call = await ws_tool_call(client, "tool")
+    await client.send({"type": "tool_call_ack", "tool_call_ack": {"call_id": call["id"]}})
+    result = {"call_id": call["id"], "result": {"error": "out of range"}}
+    await client.send({"type": "tool_result", "tool_result": result})
+    assert terminals(await client.turn())[0]["content"] == "rejected:out of range"
+
+
 async def test_ws_media_streams_in_numbered_pieces(
     http: aiohttp.ClientSession, placement: Placement
 ) -> None:

@@ -40,6 +40,7 @@ from portico.agent.api import (
     ToolRejected,
     ToolResult,
     Turn,
+    client_error_of,
     media_pieces,
 )
 from portico.agent.api import Usage as AgentUsage
@@ -430,11 +431,3 @@ async def serve_agent(
     stopped = asyncio.ensure_future(server.stop(options.grace))
     service.drain()
     await stopped
-
-
-def client_error_of(value: Any) -> str | None:
-    """The error text of a client tool that failed, as the contract's facade encodes it
-    (`result_json` `{"error": "<message>"}`, `is_rejected` false, docs/runtime-grpc.md);
-    the handler gets it as a rejection, exactly as in process."""
-    error = value.get("error") if isinstance(value, dict) and len(value) == 1 else None
-    return error if isinstance(error, str) else None

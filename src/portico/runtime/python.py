@@ -19,6 +19,7 @@ from portico.agent.api import (
     ToolRejected,
     ToolResult,
     Turn,
+    client_error_of,
     media_pieces,
 )
 from portico.agent.api import Usage as AgentUsage
@@ -116,7 +117,8 @@ def _tool_call(pending: PendingTool) -> ToolCall:
 
 def _answer(outcome: ToolOutcome | None) -> ToolAnswer:
     if outcome is not None and outcome.status == "completed":
-        return ToolResult(outcome.result)
+        error = client_error_of(outcome.result)  # as the SDK reads it over gRPC
+        return ToolResult(outcome.result) if error is None else ToolRejected(error)
     # The contract has no client "error" answer: a failed call is a rejection too. The
     # reason is the client's (or the broker's) as the facade sends it over gRPC
     # (`rejection_reason`, or the `{"error": ...}` text): empty when it gave none.
