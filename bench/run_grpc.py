@@ -266,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1 repeat, short windows")
     parser.add_argument("--repeat", type=int, help="measurements per figure (default 3)")
     parser.add_argument("--seconds", type=float, help="stream and latency window, seconds")
+    parser.add_argument("--clients", type=int, help="stream: concurrent clients (default 100)")
     parser.add_argument("--out", type=Path, help="also write the section here")
     args = parser.parse_args(argv)
     plan = replace(QUICK if args.quick else Plan(), log_level="WARNING")
@@ -273,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = replace(plan, repeat=args.repeat)
     if args.seconds is not None:
         plan = replace(plan, seconds=args.seconds, latency_seconds=args.seconds)
+    if args.clients is not None:
+        plan = replace(plan, clients=args.clients)
     raise_fd_limit()
     background, clock = background_cpu(), time.monotonic()
     with tempfile.TemporaryDirectory(prefix="portico-bench-grpc-") as workdir:
