@@ -163,21 +163,26 @@ async def test_ws_client_tool_call_and_its_result_reach_the_handler(
     assert done["content"] == 'result:{"city": "Oslo"}'
 
 
+async def ws_refused(client: OmniaClient, how: str, reason: str) -> str:
+    """A tool turn whose call the client nacks or fails with `reason`; the reply."""
+    call = await ws_tool_call(client, "tool")
+    if how == "nack":
+        nack = {"call_id": call["id"], "reason": reason}
+        await client.send({"type": "tool_call_nack", "tool_call_nack": nack})
+    else:
+        await client.send({"type": "tool_call_ack", "tool_call_ack": {"call_id": call["id"]}})
+        error = {"call_id": call["id"], "error": reason}
+        await client.send({"type": "tool_result", "tool_result": error})
+    content: str = terminals(await client.turn())[0]["content"]
+    return content
+
+
 async def test_ws_client_tool_nack_error_and_timeout_reach_the_handler_as_rejections(
     http: aiohttp.ClientSession, placement: Placement
 ) -> None:
     client = await omnia(http, placement)
-    call = await ws_tool_call(client, "tool")
-    nack = {"call_id": call["id"], "reason": "the user said no"}
-    await client.send({"type": "tool_call_nack", "tool_call_nack": nack})
-    assert terminals(await client.turn())[0]["content"] == "rejected:the user said no"
-
-    call = await ws_tool_call(client, "tool")
-    await client.send({"type": "tool_call_ack", "tool_call_ack": {"call_id": call["id"]}})
-    error = {"call_id": call["id"], "error": "no GPS"}
-    await client.send({"type": "tool_result", "tool_result": error})
-    assert terminals(await client.turn())[0]["content"] == "rejected:no GPS"
-
+    assert await ws_refused(client, "nack", "the user said no") == "rejected:the user said no"
+    assert await ws_refused(client, "error", "no GPS") == "rejected:no GPS"
     await ws_tool_call(client, "tool")  # never acked: the broker's ack timeout answers
     (done,) = terminals(await client.turn())
     assert done["content"] == f"rejected:{TIMED_OUT}"
@@ -187,14 +192,8 @@ async def test_ws_a_nack_or_error_without_a_reason_is_a_rejection_without_one(
     http: aiohttp.ClientSession, placement: Placement
 ) -> None:
     client = await omnia(http, placement)
-    call = await ws_tool_call(client, "tool")
-    nack = {"call_id": call["id"], "reason": ""}
-    await client.send({"type": "tool_call_nack", "tool_call_nack": nack})
-    assert terminals(await client.turn())[0]["content"] == "rejected:"
-    call = await ws_tool_call(client, "tool")
-    await client.send({"type": "tool_call_ack", "tool_call_ack": {"call_id": call["id"]}})
-    await client.send({"type": "tool_result", "tool_result": {"call_id": call["id"], "error": ""}})
-    assert terminals(await client.turn())[0]["content"] == "rejected:"
+    assert await ws_refused(client, "nack", "") == "rejected:"
+    assert await ws_refused(client, "error", "") == "rejected:"
 
 
 async def test_ws_a_result_that_reads_as_a_client_error_is_a_rejection_in_both_places(
