@@ -398,9 +398,9 @@ class GrpcRuntime:
         timeout = settings.first_token_timeout if first_token else settings.stream_idle_timeout
         inbox = conversation.inbox
         try:
-            # A message already read is taken at once: `wait_for` costs a task per call,
-            # and not yielding to the loop between chunks read together lets the client
-            # socket write them in one batch (bench/run_grpc.py measured both).
+            # Per chunk, so kept cheap: a message already read is taken at once (`wait_for`
+            # costs a task per call), and not yielding to the loop between chunks read
+            # together lets the client socket write them in one batch.
             message = (
                 inbox.get_nowait()
                 if inbox.qsize()
