@@ -383,6 +383,30 @@ async def test_rpc_turns_carry_the_reply_usage_and_error_codes(
     assert turn["error"] == {"code": "INTERNAL_ERROR", "message": "internal error"}
 
 
+async def test_rpc_the_reply_carries_its_parts_and_the_handler_its_metadata(
+    http: aiohttp.ClientSession, placement: Placement
+) -> None:
+    probe = await rpc(http, placement)
+    session_id = await rpc_send(probe, "parts", f"c-{placement.name}-parts")
+    assert (await probe.wait_turn_end(session_id))["status"] == "completed"
+    (reply,) = rpc_replies(probe, session_id)
+    assert reply["content_data"] == "see the picture"
+    assert reply["parts"] == [
+        {"type": "text", "text": "a caption"},
+        {"type": "image", "media": {"url": byo_agent.IMAGE_URL, "mime_type": "image/png"}},
+    ]
+    params = {
+        "content_data": "report",
+        "client_id": f"c-{placement.name}-report",
+        "metadata": {"ticket": "T-2"},
+        "agent_prompt": "be brief",
+    }
+    session_id = (await probe.call("v1.message.send", params))["session_id"]
+    assert (await probe.wait_turn_end(session_id))["status"] == "completed"
+    seen = json.loads(rpc_replies(probe, session_id)[-1]["content_data"])
+    assert seen["metadata"] == {"ticket": "T-2", "portico.agent_prompt": "be brief"}
+
+
 async def rpc_tool_turn(probe: RpcProbe, client_id: str) -> tuple[str, dict[str, Any]]:
     session_id = await rpc_send(probe, "tool", client_id)
 
