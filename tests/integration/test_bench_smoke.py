@@ -105,3 +105,20 @@ def test_quick_run_reports_every_workload_for_every_server(tmp_path: Path) -> No
     assert len(rpc_targets) == 2
     assert all(targets[t] not in ("not measured", "n/a") for t in rpc_targets), targets
     assert "PORTICO_RATE_LIMIT_MESSAGES" in report  # the lifted limits are disclosed
+
+
+def test_the_grpc_workload_runs_both_runtimes_and_reports_its_rows(tmp_path: Path) -> None:
+    """bench/run_grpc.py: the scripted runtime and an SDK agent behind runtime: grpc."""
+    out = tmp_path / "grpc.md"
+    command = [sys.executable, str(BENCH / "run_grpc.py"), "--quick", "--out", str(out)]
+    command += ["--clients", "2", "--seconds", "0.3", "--repeat", "1"]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=100, check=False)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    report = out.read_text()
+    assert report.strip() == finished.stdout.strip()
+    heading = "Bring your own agent: `runtime: grpc` (bench/run_grpc.py)"
+    rows = {row[0]: row[1:] for row in table_rows(report, heading)}
+    for name in ("/ws stream, frames/s", "first chunk p99 at 200/s, ms"):
+        scripted, grpc, _ = rows[name]
+        assert min(float(scripted), float(grpc)) > 0, rows
+    assert "Errors: 0." in report

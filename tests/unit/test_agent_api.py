@@ -4,10 +4,12 @@ onto the Runtime port, the loader's checks, and the gRPC agent's bounded memory.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from portico.agent import Reply, ToolRejected, ToolResult, Turn
@@ -123,6 +125,24 @@ async def test_the_turn_sees_text_parts_metadata_directives_and_history() -> Non
         '"metadata": {"mock_scenario": "x", "scenario": "turn"}, "parts": ["image"], '
         '"session_id": "s1", "text": "hello"}'
     )
+
+
+async def test_the_turn_sees_consent_grants_and_portico_keys_as_over_grpc() -> None:
+    metadata = {**of("turn"), "omnia.consent_grants": "location, camera"}
+    turn = msgspec.structs.replace(
+        turn_input("hi", metadata=metadata),
+        directives={"agent_prompt": "be brief"},
+        context={"page": "cart"},
+    )
+    (chunk, _) = await drive(runtime(), turn)
+    assert isinstance(chunk, Chunk)
+    seen = json.loads(chunk.text)
+    assert seen["consent_grants"] == ["location", "camera"]
+    assert seen["metadata"] == {
+        **metadata,
+        "portico.agent_prompt": "be brief",
+        "portico.context": '{"page":"cart"}',
+    }
 
 
 async def test_closing_the_stream_cancels_the_handler() -> None:

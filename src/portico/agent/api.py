@@ -161,3 +161,12 @@ def media_pieces(media: Media) -> list[tuple[int, bool, bytes]]:
         (index, index == last, media.data[start : start + MEDIA_CHUNK_BYTES])
         for index, start in enumerate(starts)
     ]
+
+
+def client_error_of(value: Any) -> str | None:
+    """The error text of a client tool that failed, as the contract's facade encodes it
+    (`result_json` `{"error": "<message>"}`, `is_rejected` false, docs/runtime-grpc.md).
+    Both hosts give the handler such a result as a rejection, so a handler cannot tell
+    where it runs from a tool's answer."""
+    error = value.get("error") if isinstance(value, dict) and len(value) == 1 else None
+    return error if isinstance(error, str) else None

@@ -40,6 +40,7 @@ from portico.agent.api import (
     ToolRejected,
     ToolResult,
     Turn,
+    client_error_of,
     media_pieces,
 )
 from portico.agent.api import Usage as AgentUsage
@@ -219,10 +220,14 @@ class _Stream:
         try:
             await self._answer(reply, self._build_turn(message, session_id, text, parts, earlier))
         finally:
+            # Remembered as Portico archives a reply (what an in-process handler's
+            # history reads): with the text streamed so far even when the turn failed,
+            # and not at all when it produced neither text nor parts.
             user = HistoryMessage(role="user", content=text, parts=parts)
-            if reply.finished:
+            content = "".join(reply.texts)
+            if content or reply.parts:
                 assistant = HistoryMessage(
-                    role="assistant", content="".join(reply.texts), parts=tuple(reply.parts)
+                    role="assistant", content=content, parts=tuple(reply.parts)
                 )
                 self._memory.append(session_id, user, assistant)
             else:
@@ -265,7 +270,6 @@ class _Stream:
         if isinstance(output, PendingTool):
             return [self._tool_call(output)]
         if isinstance(output, Finished):
-            reply.finished = True
             return [pb.ServerMessage(done=reply.done())]
         if isinstance(output, Failed):
             return [_error(output.code, output.message)]
@@ -326,7 +330,6 @@ class _Reply:
         self.input_tokens = 0
         self.output_tokens = 0
         self.cost_usd = 0.0
-        self.finished = False
 
     def add_usage(self, usage: AgentUsage) -> None:
         self.input_tokens += usage.input_tokens
@@ -428,11 +431,3 @@ async def serve_agent(
     stopped = asyncio.ensure_future(server.stop(options.grace))
     service.drain()
     await stopped
-
-
-def client_error_of(value: Any) -> str | None:
-    """The error text of a client tool that failed, as the contract's facade encodes it
-    (`result_json` `{"error": "<message>"}`, `is_rejected` false, docs/runtime-grpc.md);
-    the handler gets it as a rejection, exactly as in process."""
-    error = value.get("error") if isinstance(value, dict) and len(value) == 1 else None
-    return error if isinstance(error, str) else None

@@ -20,6 +20,12 @@ from portico.errors import MediaNotEnabled
 # The directive carrying RPC `message.send`'s `agent_prompt`: an instruction from the
 # client application for this one message.
 AGENT_PROMPT = "agent_prompt"
+# Reserved metadata keys Portico adds to what an agent's handler or a contract runtime
+# gets as a message's metadata (the `omnia.*` ones the client sent are kept as they are).
+AGENT_PROMPT_KEY = "portico.agent_prompt"
+CONTEXT_KEY = "portico.context"
+# A client names the consent categories its user granted in this reserved key.
+CONSENT_GRANTS_KEY = "omnia.consent_grants"
 
 
 class Chunk(msgspec.Struct, frozen=True):
@@ -193,3 +199,21 @@ class HealthReporter(Protocol):
     def health_required(self) -> bool: ...
 
     async def health(self) -> RuntimeHealth: ...
+
+
+def contract_metadata(turn: TurnInput) -> dict[str, str]:
+    """The message's metadata as the runtime contract carries it (reserved keys too, the
+    agent prompt and the application context under Portico's keys): one shape for a
+    handler in process and behind `runtime: grpc`."""
+    metadata = {**turn.message.metadata, **turn.directives}
+    if AGENT_PROMPT in metadata:
+        metadata[AGENT_PROMPT_KEY] = metadata.pop(AGENT_PROMPT)
+    if turn.context:
+        metadata[CONTEXT_KEY] = msgspec.json.encode(turn.context).decode()
+    return metadata
+
+
+def consent_grants(metadata: dict[str, str]) -> tuple[str, ...]:
+    """The consent categories of the comma-separated reserved key, in order."""
+    grants = metadata.get(CONSENT_GRANTS_KEY, "")
+    return tuple(grant.strip() for grant in grants.split(",") if grant.strip())

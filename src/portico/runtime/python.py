@@ -19,6 +19,7 @@ from portico.agent.api import (
     ToolRejected,
     ToolResult,
     Turn,
+    client_error_of,
     media_pieces,
 )
 from portico.agent.api import Usage as AgentUsage
@@ -36,6 +37,8 @@ from portico.runtime.base import (
     TurnInput,
     TurnStream,
     Usage,
+    consent_grants,
+    contract_metadata,
 )
 
 
@@ -73,12 +76,15 @@ def _agent_turn(turn: TurnInput, call_tool: ToolCaller) -> Turn:
             for message in await turn.history()
         )
 
+    # What the gRPC contract's `metadata` and `consent_grants` carry, so a handler sees
+    # the same turn in process and behind `runtime: grpc`.
+    metadata = contract_metadata(turn)
     return Turn(
         session_id=turn.session_id,
         text=message_text(turn.message),
         parts=turn.message.parts,
-        # What the gRPC contract's `metadata` carries: the reserved keys included.
-        metadata={**turn.message.metadata, **turn.directives},
+        metadata=metadata,
+        consent_grants=consent_grants(metadata),
         history=history,
         call_tool=call_tool,
     )
@@ -110,9 +116,10 @@ def _tool_call(pending: PendingTool) -> ToolCall:
 
 
 def _answer(outcome: ToolOutcome | None) -> ToolAnswer:
-    if outcome is None:
-        return ToolRejected("no answer")
-    if outcome.status == "completed":
-        return ToolResult(outcome.result)
-    # The contract has no client "error" answer: a failed call is a rejection too.
-    return ToolRejected(outcome.error or outcome.status)
+    if outcome is not None and outcome.status == "completed":
+        error = client_error_of(outcome.result)  # as the SDK reads it over gRPC
+        return ToolResult(outcome.result) if error is None else ToolRejected(error)
+    # The contract has no client "error" answer: a failed call is a rejection too. The
+    # reason is the client's (or the broker's) as the facade sends it over gRPC
+    # (`rejection_reason`, or the `{"error": ...}` text): empty when it gave none.
+    return ToolRejected("" if outcome is None else outcome.error or "")

@@ -18,7 +18,6 @@ from portico.core.model import ContentPart, MediaContent
 from portico.core.validation import check_parts
 from portico.errors import InternalError, InvalidMessage
 from portico.runtime.base import (
-    AGENT_PROMPT,
     Chunk,
     Done,
     Failure,
@@ -28,15 +27,11 @@ from portico.runtime.base import (
     ToolOutcome,
     TurnInput,
     Usage,
+    consent_grants,
+    contract_metadata,
 )
 
 INTERNAL = InternalError.code
-# Reserved metadata keys Portico adds to a `ClientMessage` (the `omnia.*` ones the
-# client sent are forwarded as they are).
-AGENT_PROMPT_KEY = "portico.agent_prompt"
-CONTEXT_KEY = "portico.context"
-# A client names the consent categories its user granted in this reserved key.
-CONSENT_GRANTS_KEY = "omnia.consent_grants"
 _encode = msgspec.json.Encoder().encode
 
 
@@ -199,18 +194,13 @@ def _part(part: pb.ContentPart, index: int) -> ContentPart:
 def client_message(turn: TurnInput) -> pb.ClientMessage:
     """The `ClientMessage` that opens a turn: text, parts, metadata (reserved keys too)."""
     message = turn.message
-    metadata = {**message.metadata, **turn.directives}
-    if AGENT_PROMPT in metadata:
-        metadata[AGENT_PROMPT_KEY] = metadata.pop(AGENT_PROMPT)
-    if turn.context:
-        metadata[CONTEXT_KEY] = _encode(turn.context).decode()
-    grants = metadata.get(CONSENT_GRANTS_KEY, "")
+    metadata = contract_metadata(turn)
     return pb.ClientMessage(
         session_id=turn.session_id,
         content=message.content,
         metadata=metadata,
         parts=[_contract_part(part) for part in message.parts],
-        consent_grants=[grant.strip() for grant in grants.split(",") if grant.strip()],
+        consent_grants=consent_grants(metadata),
     )
 
 

@@ -396,8 +396,16 @@ class GrpcRuntime:
         is a failure reading."""
         settings = self._settings
         timeout = settings.first_token_timeout if first_token else settings.stream_idle_timeout
+        inbox = conversation.inbox
         try:
-            message = await asyncio.wait_for(conversation.inbox.get(), timeout)
+            # Per chunk, so kept cheap: a message already read is taken at once (`wait_for`
+            # costs a task per call), and not yielding to the loop between chunks read
+            # together lets the client socket write them in one batch.
+            message = (
+                inbox.get_nowait()
+                if inbox.qsize()
+                else await asyncio.wait_for(inbox.get(), timeout)
+            )
         except TimeoutError:
             kind = "first message" if first_token else "next message"
             return reader.fail(f"no {kind} from the runtime within {timeout:g}s")
