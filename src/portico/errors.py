@@ -48,6 +48,10 @@ class InvalidMessage(PorticoError):
     http_status = 400
 
 
+class MemoryFull(InvalidMessage):
+    """The memory key holds `memory_max_entries` entries: forget one to save another."""
+
+
 class BinaryFrameError(InvalidMessage):
     """A binary frame that cannot be decoded; ``message`` names the defect.
 
