@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 import msgspec
 
-
 log = logging.getLogger("portico.trace")
 DISCLOSURE_DISPLAYED = "ai.disclosure.displayed"
 MESSAGE_METADATA = "message.metadata"

@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from portico.core.memory import AgentMemory
 from portico.core.model import ContentPart, MediaContent, Message
 from portico.errors import MediaNotEnabled
 
@@ -122,6 +123,8 @@ class TurnInput(msgspec.Struct, frozen=True, kw_only=True):
     # Set when the user's message is still being archived as the turn starts (its
     # `global_offset` is 0 until then): the engine waits for it before the turn ends.
     archived: asyncio.Future[Message] | None = None
+    # The agent memory of the session's owner, agent and the connection's facet.
+    memory: AgentMemory | None = None
 
     async def history(self) -> tuple[Message, ...]:
         """The session's messages before this turn's (the most recent few), oldest first."""
