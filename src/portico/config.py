@@ -146,6 +146,8 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     retry_backoff_max: Seconds = 8.0  # longest delay, also caps a provider's Retry-After
     max_stream_event_bytes: Bytes = 4 * 1024 * 1024  # one server-sent event
     tools: tuple[ToolSettings, ...] = ()
+    # Offer the model the agent-memory tools (memory_save, memory_search, memory_forget).
+    memory_tools: bool = False
     mcp_servers: dict[McpServerName, McpServerSettings] = msgspec.field(default_factory=dict)
     # Compact the session after a turn whose input tokens passed this; None: never.
     compact_after_tokens: Count | None = None

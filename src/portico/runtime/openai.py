@@ -32,6 +32,7 @@ from portico.runtime.base import (
     Usage,
 )
 from portico.runtime.chat_messages import ChatMapper, ChatMessage, tool_content, transcript
+from portico.runtime.memory_tools import memory_tools
 from portico.runtime.provider import Provider, ProviderError
 from portico.runtime.server_tools import (
     Tool,
@@ -158,7 +159,8 @@ class OpenAIRuntime:
             await self._session.close()
 
     async def run(self, turn: TurnInput) -> TurnStream:
-        tools = await self._toolbox.for_turn(turn.client_tools)
+        memory = memory_tools(turn.memory) if self._settings.memory_tools else []
+        tools = await self._toolbox.for_turn(turn.client_tools, memory)
         messages = await self._opening(turn)
         last = ""  # the latest chunk's text: the next request's text must not run into it
         for round_number in itertools.count():

@@ -81,6 +81,7 @@ def _agent_turn(turn: TurnInput, call_tool: ToolCaller) -> Turn:
         metadata={**turn.message.metadata, **turn.directives},
         history=history,
         call_tool=call_tool,
+        memory=turn.memory,
     )
 
 
