@@ -151,7 +151,8 @@ async def test_python_handler_memory_is_scoped_by_facet_and_principal(
     http: aiohttp.ClientSession, server: ServerProcess
 ) -> None:
     saved = await ask(http, server, "?agent=plugin&memory_facet=acme", "save plugin fact")
-    assert saved["type"] == "done" and saved["content"].startswith("mem")
+    assert saved["type"] == "done"
+    assert saved["content"].startswith("mem")
 
     async def search(facet: str, token: str = ALICE) -> list[str]:
         done = await ask(http, server, f"?agent=plugin&memory_facet={facet}", "search fact", token)
