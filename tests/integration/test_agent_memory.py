@@ -16,6 +16,7 @@ from support.agent_process import TESTS
 from support.fake_openai import ENV, FAST, KEY_ENV, FakeOpenAI, text, tool_calls
 from support.omnia import OmniaClient
 from support.server import ServerProcess
+from support.session import SessionProbe
 
 ALICE, BOB = "alice-token", "bob-token"
 MAX_ENTRIES = 3
@@ -50,6 +51,11 @@ def server(tmp_path_factory: pytest.TempPathFactory, fake: FakeOpenAI) -> Iterat
                     "model": model,
                     "plain": {**model, "memory_tools": False},
                     "plugin": {"runtime": "python", "plugin": "support.memory_agent:handler"},
+                    "pinned": {
+                        "runtime": "python",
+                        "plugin": "support.memory_agent:handler",
+                        "memory_facet": "acme",
+                    },
                 },
             }
         )
@@ -164,3 +170,18 @@ async def test_python_handler_memory_is_scoped_by_facet_and_principal(
     assert await search("acme", BOB) == []
     # Memory written by the model runtime's agent is another agent's: not seen here.
     assert "acme renewal" not in json.dumps(await search("acme"))
+
+
+async def test_an_agents_fixed_facet_scopes_every_protocols_turns(
+    http: aiohttp.ClientSession, server: ServerProcess
+) -> None:
+    saved = await ask(http, server, "?agent=pinned", "save pinned fact")
+    assert saved["type"] == "done"
+    probe = await SessionProbe.connect(http, f"ws://127.0.0.1:{server.port}/v1/session")
+    assert (await probe.hello(credential=ALICE, agent="pinned"))["type"] == "ready"
+    await probe.message("search pinned")
+    done = (await probe.turn())[-1]
+    assert json.loads(done["content"]) == ["pinned fact"]
+    # The facet-less memory of an agent without a fixed facet is another key.
+    found = await ask(http, server, "?agent=plugin", "search pinned")
+    assert json.loads(found["content"]) == []

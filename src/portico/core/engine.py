@@ -532,7 +532,12 @@ class Engine:
             context=message.context,
             memory=AgentMemory(
                 self.store,
-                MemoryKey(principal=session.owner, agent=session.agent, facet=message.memory_facet),
+                MemoryKey(
+                    principal=session.owner,
+                    agent=session.agent,
+                    # /ws resolved it at the upgrade; other protocols name none.
+                    facet=message.memory_facet or self.fixed_facet(session.agent) or NO_FACET,
+                ),
                 self._memory_limits,
                 self._clock,
             ),
