@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import yaml
 
-from support.omnia import OmniaClient
+from support.omnia import OmniaClient, scenario
 from support.rpc import RpcProbe
 from support.server import SCRIPT, ServerProcess
 from support.session import SessionProbe
@@ -198,3 +198,23 @@ async def test_a_failed_turn_is_on_the_trace_as_an_error(
     items = await wait_for_trace(alice, session_id, {"error"})
     error = next(item for item in items if item["type"] == "error")
     assert error["data"]["code"] == turn[-1]["error"]["code"]
+
+
+async def test_client_tool_outcomes_are_on_the_trace_without_arguments(
+    http: aiohttp.ClientSession, server: ServerProcess
+) -> None:
+    client = await open_ws(http, server)
+    session_id = (await client.connected())["session_id"]
+    await client.send({"type": "message", "content": "where am I", **scenario("tool")})
+    call = await client.recv()
+    assert call["type"] == "tool_call", call
+    call_id = call["tool_call"]["id"]
+    await client.send({"type": "tool_call_ack", "tool_call_ack": {"call_id": call_id}})
+    result = {"call_id": call_id, "result": {"city": "Oslo"}}
+    await client.send({"type": "tool_result", "tool_result": result})
+    assert (await client.turn())[-1]["type"] == "done"
+
+    alice = await RpcProbe.open(http, f"ws://127.0.0.1:{server.port}/v1/rpc", token=ALICE)
+    items = await wait_for_trace(alice, session_id, {"tool.outcome"})
+    outcome = next(item for item in items if item["type"] == "tool.outcome")
+    assert outcome["data"] == {"tool": "get_location", "status": "completed"}

@@ -4,6 +4,7 @@ principal and per memory facet (spec/identity.md, Memory facets)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -15,6 +16,7 @@ import yaml
 from support.agent_process import TESTS
 from support.fake_openai import ENV, FAST, KEY_ENV, FakeOpenAI, text, tool_calls
 from support.omnia import OmniaClient
+from support.rpc import RpcProbe
 from support.server import ServerProcess
 from support.session import SessionProbe
 
@@ -137,10 +139,20 @@ async def test_a_full_facet_refuses_to_the_model(
 ) -> None:
     for n in range(MAX_ENTRIES):
         await model_calls(http, server, fake, ("memory_save", {"content": f"n{n}"}), facet="full")
-    refused = await model_calls(
-        http, server, fake, ("memory_save", {"content": "more"}), facet="full"
-    )
-    assert "full" in json.dumps(refused)
+    fake.reset()
+    fake.push(tool_calls(("memory_save", {"content": "more"})), text("ok"))
+    done = await ask(http, server, "?agent=model&memory_facet=full", "go")
+    assert "full" in json.dumps(tool_result(fake))
+    # The refusal is on the session's trace as the tool's outcome (no arguments).
+    rpc = await RpcProbe.open(http, f"ws://127.0.0.1:{server.port}/v1/rpc", token=ALICE)
+    async with asyncio.timeout(10.0):
+        while True:
+            trace = await rpc.call("v1.session.trace", {"session_id": done["session_id"]})
+            outcomes = [item["data"] for item in trace["items"] if item["type"] == "tool.outcome"]
+            if outcomes:
+                break
+            await asyncio.sleep(0.05)
+    assert outcomes == [{"tool": "memory_save", "status": "error"}]
 
 
 async def test_an_agent_without_memory_tools_offers_none(

@@ -541,6 +541,7 @@ class Engine:
                 self._memory_limits,
                 self._clock,
             ),
+            tool_outcome=functools.partial(self.traces.tool_outcome, session.id, session.owner),
         )
 
     def _archive_behind(

@@ -58,6 +58,11 @@ class SessionTraces:
         if not task.cancelled() and task.exception() is not None:
             log.error("recording a trace event failed", exc_info=task.exception())
 
+    def tool_outcome(self, session_id: str, owner: str, tool: str, status: str) -> None:
+        """A tool call ended (client-side, or server-side in a runtime): its name and
+        status only, never its arguments or result."""
+        self.record(session_id, owner, TOOL_OUTCOME, tool=tool, status=status)
+
     def credential_refreshed(self, session_id: str, owner: str, *, protocol: str) -> None:
         """For the token-refresh work: call when a connection's credential is replaced
         (nothing of the token is recorded)."""

@@ -24,7 +24,7 @@ from portico.core.model import ContentPart, Message, MessageStatus, PartType, Tu
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import Telemetry
 from portico.core.tools import ToolBroker
-from portico.core.trace import ERROR, TOOL_OUTCOME, SessionTraces
+from portico.core.trace import ERROR, SessionTraces
 from portico.errors import (
     GENERIC_INTERNAL_MESSAGE,
     InternalError,
@@ -263,10 +263,8 @@ class TurnRunner:
         outcome = await self._tools.call(
             self._input.owner, session_id, turn_id, event, self.emit, self._next_offset
         )
-        if self._traces is not None:  # the outcome's status, never its arguments or result
-            self._traces.record(
-                session_id, self._input.owner, TOOL_OUTCOME, tool=event.name, status=outcome.status
-            )
+        if self._traces is not None:
+            self._traces.tool_outcome(session_id, self._input.owner, event.name, outcome.status)
         return outcome
 
     def _on_chunk(self, event: Chunk) -> None:

@@ -9,7 +9,7 @@ runtime reads like straight-line code: ``outcome = yield ToolCall(...)``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -125,6 +125,9 @@ class TurnInput(msgspec.Struct, frozen=True, kw_only=True):
     archived: asyncio.Future[Message] | None = None
     # The agent memory of the session's owner, agent and the connection's facet.
     memory: AgentMemory | None = None
+    # Call with (tool name, status) when a server-side tool the runtime ran ends: the
+    # session trace records it (client tools are recorded by the engine).
+    tool_outcome: Callable[[str, str], None] | None = None
 
     async def history(self) -> tuple[Message, ...]:
         """The session's messages before this turn's (the most recent few), oldest first."""

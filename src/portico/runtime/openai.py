@@ -191,7 +191,9 @@ class OpenAIRuntime:
                     content = tool_content("error", None, str(exc))  # nothing runs
                 else:
                     if tool.server is not None:
-                        content = await _run_server_tool(tool, arguments)
+                        status, content = await _run_server_tool(tool, arguments)
+                        if turn.tool_outcome is not None:
+                            turn.tool_outcome(tool.name, status)
                     else:
                         outcome = yield tool.client_call(arguments)
                         content = _outcome_content(outcome)
@@ -294,13 +296,14 @@ def _checked(tools: dict[str, Tool], call: ModelCall) -> tuple[Tool, dict[str, A
     return tool, tool.check(call.arguments)
 
 
-async def _run_server_tool(tool: Tool, arguments: dict[str, Any]) -> str:
+async def _run_server_tool(tool: Tool, arguments: dict[str, Any]) -> tuple[str, str]:
+    """The call's status and what the model is told."""
     assert tool.server is not None
     try:
         result = await tool.server.run(arguments)
     except ToolError as exc:
-        return tool_content("error", None, str(exc))
-    return tool_content("completed", result, None)
+        return "error", tool_content("error", None, str(exc))
+    return "completed", tool_content("completed", result, None)
 
 
 def _outcome_content(outcome: ToolOutcome | None) -> str:
