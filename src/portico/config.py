@@ -37,6 +37,8 @@ RuntimeName = Literal["demo", "echo", "scripted", "openai", "grpc", "python"]
 StoreName = Literal["sqlite", "memory", "postgres"]
 # What chat-completions endpoints accept as a function name.
 ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+# A memory facet (spec/identity.md): the same rule as core/memory.py FACET_PATTERN.
+MemoryFacet = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/\-]{0,127}$")]
 
 
 def _no_parameters() -> dict[str, Any]:
@@ -113,6 +115,11 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Sandbox names a session may declare (Omnia `declare.sandboxes`).
     sandboxes: tuple[str, ...] = ()
     description: str = ""
+    # The facet every connection's memory uses: `/ws` without `memory_facet` gets it,
+    # naming another is refused (403). None: the client chooses (spec/identity.md).
+    memory_facet: MemoryFacet | None = None
+    # Sent as `connected.ai_disclosure` and in `/v1/session` `ready`; None: absent.
+    requires_ai_disclosure: bool | None = None
     # The `python` runtime: the agent handler, `module:attr` or a `portico.agents` entry
     # point's name (docs/agents.md).
     plugin: str | None = None
@@ -139,6 +146,8 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     retry_backoff_max: Seconds = 8.0  # longest delay, also caps a provider's Retry-After
     max_stream_event_bytes: Bytes = 4 * 1024 * 1024  # one server-sent event
     tools: tuple[ToolSettings, ...] = ()
+    # Offer the model the agent-memory tools (memory_save, memory_search, memory_forget).
+    memory_tools: bool = False
     mcp_servers: dict[McpServerName, McpServerSettings] = msgspec.field(default_factory=dict)
     # Compact the session after a turn whose input tokens passed this; None: never.
     compact_after_tokens: Count | None = None
@@ -279,6 +288,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     resend_buffer_bytes: Bytes = 8 * 1024 * 1024
     ack_delay: Seconds = 0.1  # acknowledge within this long of handling a message...
     ack_every: Count = 16  # ...or after this many unacknowledged messages
+
+    # Agent memory (docs/memory.md), per key (principal, agent, memory facet).
+    memory_max_entries: Count = 1000  # a save past this is refused until one is forgotten
+    memory_max_entry_bytes: Bytes = 4096  # UTF-8 bytes of one entry
+    memory_search_limit: Count = 20  # entries one search returns at most
+    # Session traces: events one read returns at most (the oldest).
+    trace_max_events: Count = 1000
 
     # /v1/rpc (issue: RPC).
     update_retention: Seconds = 604800.0

@@ -48,6 +48,17 @@ class InvalidMessage(PorticoError):
     http_status = 400
 
 
+class FacetRefused(PorticoError):
+    """The agent fixes its memory facet and the connection named another (`/ws`: 403)."""
+
+    code = "FORBIDDEN"
+    http_status = 403
+
+
+class MemoryFull(InvalidMessage):
+    """The memory key holds `memory_max_entries` entries: forget one to save another."""
+
+
 class BinaryFrameError(InvalidMessage):
     """A binary frame that cannot be decoded; ``message`` names the defect.
 

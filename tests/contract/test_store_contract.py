@@ -18,6 +18,7 @@ import asyncpg
 import msgspec
 import pytest
 
+from portico.core.memory import MemoryEntry, MemoryKey
 from portico.core.model import (
     ENTITY_KINDS,
     ContentPart,
@@ -31,6 +32,7 @@ from portico.core.model import (
     UpdateLog,
 )
 from portico.core.states import TERMINAL_TURN_STATES, ToolCallState, TurnState
+from portico.core.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
 from portico.store import postgres as postgres_backend
 from portico.store import rows
@@ -1679,3 +1681,113 @@ async def test_postgres_unreachable_database_is_a_store_error() -> None:
         await store.open()
     with pytest.raises(StoreError):
         await store.get_session("s1")
+
+
+# -- agent memory -------------------------------------------------------------------
+
+
+def memory(
+    memory_id: str, content: str, *, at: float, principal: str = "alice", facet: str = "acme"
+) -> MemoryEntry:
+    return MemoryEntry(
+        id=memory_id,
+        principal=principal,
+        agent="default",
+        facet=facet,
+        content=content,
+        created_at=at,
+    )
+
+
+ACME = MemoryKey(principal="alice", agent="default", facet="acme")
+
+
+async def test_memory_search_finds_the_keys_entries_newest_first(store: Store) -> None:
+    assert await store.save_memory(memory("m1", "Prefers TEA", at=1.0), max_entries=10)
+    assert await store.save_memory(memory("m2", "likes green tea", at=2.0), max_entries=10)
+    assert await store.save_memory(memory("m3", "drinks coffee", at=3.0), max_entries=10)
+
+    found = await store.search_memory(ACME, "tea", limit=10)
+    assert [entry.id for entry in found] == ["m2", "m1"]  # ASCII case ignored
+    assert found[1] == memory("m1", "Prefers TEA", at=1.0)
+    everything = await store.search_memory(ACME, "", limit=2)
+    assert [entry.id for entry in everything] == ["m3", "m2"]
+
+
+async def test_memory_keys_never_see_each_other(store: Store) -> None:
+    await store.save_memory(memory("m1", "acme secret", at=1.0), max_entries=10)
+    await store.save_memory(memory("m2", "globex secret", at=1.0, facet="globex"), max_entries=10)
+    await store.save_memory(memory("m3", "bob secret", at=1.0, principal="bob"), max_entries=10)
+    other_agent = MemoryKey(principal="alice", agent="other", facet="acme")
+
+    assert [e.id for e in await store.search_memory(ACME, "secret", limit=10)] == ["m1"]
+    globex = MemoryKey(principal="alice", agent="default", facet="globex")
+    assert [e.id for e in await store.search_memory(globex, "secret", limit=10)] == ["m2"]
+    assert await store.search_memory(other_agent, "secret", limit=10) == []
+    # Forgetting through another key deletes nothing.
+    assert not await store.forget_memory(globex, "m1")
+    assert [e.id for e in await store.search_memory(ACME, "", limit=10)] == ["m1"]
+
+
+async def test_memory_full_key_refuses_and_forget_makes_room(store: Store) -> None:
+    assert await store.save_memory(memory("m1", "one", at=1.0), max_entries=2)
+    assert await store.save_memory(memory("m2", "two", at=2.0), max_entries=2)
+    assert not await store.save_memory(memory("m3", "three", at=3.0), max_entries=2)
+    # Another facet has room of its own.
+    assert await store.save_memory(memory("m4", "four", at=3.0, facet="x"), max_entries=2)
+
+    assert await store.forget_memory(ACME, "m1")
+    assert not await store.forget_memory(ACME, "m1")
+    assert await store.save_memory(memory("m3", "three", at=3.0), max_entries=2)
+    assert [e.id for e in await store.search_memory(ACME, "", limit=10)] == ["m3", "m2"]
+
+
+async def test_memory_concurrent_saves_keep_the_bound(store: Store) -> None:
+    saved = await asyncio.gather(
+        *(store.save_memory(memory(f"m{n}", f"entry {n}", at=n), max_entries=3) for n in range(8))
+    )
+    assert sum(saved) == 3
+    assert len(await store.search_memory(ACME, "", limit=10)) == 3
+
+
+# -- session traces -------------------------------------------------------------------
+
+
+def trace_event(
+    kind: str, *, at: float, owner: str = "alice", session_id: str = "s1"
+) -> TraceEvent:
+    return TraceEvent(
+        session_id=session_id, owner=owner, kind=kind, at=at, data={"n": at, "who": ["x", 1]}
+    )
+
+
+async def test_trace_lists_the_owners_events_in_order(store: Store) -> None:
+    # The session need not be stored: /ws acknowledges the disclosure before it is.
+    await store.append_trace(trace_event("ai.disclosure.displayed", at=5.0))
+    await store.append_trace(trace_event("message.metadata", at=1.0))
+    await store.append_trace(trace_event("error", at=2.0, owner="bob"))
+    await store.append_trace(trace_event("error", at=3.0, session_id="s2"))
+
+    events = await store.list_trace("s1", "alice", limit=10)
+    assert events == [
+        trace_event("ai.disclosure.displayed", at=5.0),
+        trace_event("message.metadata", at=1.0),
+    ]
+    assert await store.list_trace("s1", "alice", limit=1) == events[:1]
+    assert [e.owner for e in await store.list_trace("s1", "bob", limit=10)] == ["bob"]
+    assert await store.list_trace("s1", "carol", limit=10) == []
+
+
+async def test_sqlite_memory_and_trace_survive_reopen(tmp_path: Path) -> None:
+    first = SqliteStore(tmp_path / "archive.db")
+    await first.open()
+    await first.save_memory(memory("m1", "kept", at=1.0), max_entries=10)
+    await first.append_trace(trace_event("error", at=1.0))
+    await first.close()
+    second = SqliteStore(tmp_path / "archive.db")
+    await second.open()
+    try:
+        assert [e.id for e in await second.search_memory(ACME, "kept", limit=10)] == ["m1"]
+        assert await second.list_trace("s1", "alice", limit=10) == [trace_event("error", at=1.0)]
+    finally:
+        await second.close()

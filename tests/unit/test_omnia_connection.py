@@ -411,7 +411,7 @@ def test_upload_request_resolves_its_session() -> None:
 
 @pytest.mark.parametrize(
     "frame",
-    [{"type": "hangup"}, {"type": "disclosure_ack"}, {"type": "credential_refresh", "token": "t"}],
+    [{"type": "hangup"}, {"type": "credential_refresh", "token": "t"}],
 )
 def test_frames_without_a_reply_produce_nothing(frame: dict[str, Any]) -> None:
     conn = opened()

@@ -17,10 +17,11 @@ knows neither place. Nothing here needs the `grpc` extra.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
+from portico.core.memory import MemoryEntry
 from portico.core.model import ContentPart, Role
 
 # A part of the user's message or of the reply: `Part(type="text", text="...")`, or
@@ -84,6 +85,19 @@ class ToolRequest(msgspec.Struct, frozen=True, kw_only=True):
     categories: tuple[str, ...] = ()
 
 
+class Memory(Protocol):
+    """The agent memory of this turn's user, agent and memory facet (docs/memory.md).
+
+    `save` raises `portico.errors.InvalidMessage` for empty or oversized content and
+    `portico.errors.MemoryFull` when the facet holds `memory_max_entries`."""
+
+    async def save(self, content: str) -> MemoryEntry: ...
+
+    async def search(self, query: str = "", *, limit: int | None = None) -> list[MemoryEntry]: ...
+
+    async def forget(self, memory_id: str) -> bool: ...
+
+
 # How a turn reaches its adapter: the adapter sends the request out and returns the answer.
 ToolCaller = Callable[[ToolRequest], Awaitable[ToolAnswer]]
 HistoryLoader = Callable[[], Awaitable[tuple[HistoryMessage, ...]]]
@@ -110,6 +124,7 @@ class Turn:
         consent_grants: tuple[str, ...] = (),
         history: HistoryLoader = _no_history,
         call_tool: ToolCaller = _no_tools,
+        memory: Memory | None = None,
     ) -> None:
         self.session_id = session_id
         self.text = text  # the user's message
@@ -119,6 +134,9 @@ class Turn:
         self.consent_grants = consent_grants  # consent categories the user granted
         self._history = history
         self._call_tool = call_tool
+        # In the server's process (`runtime: python`): the archive's agent memory. None
+        # behind `portico agent serve`: the runtime contract carries no memory.
+        self.memory = memory
 
     async def history(self) -> tuple[HistoryMessage, ...]:
         """The conversation's earlier messages, oldest first (a bounded recent window).

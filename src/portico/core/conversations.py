@@ -19,6 +19,7 @@ import msgspec
 from portico.core.engine import Engine, UserMessage
 from portico.core.model import ContentPart, Message, Session, ToolCallRecord, Turn, new_id
 from portico.core.tools import ClientToolBroker
+from portico.core.trace import TraceEvent
 from portico.core.validation import check_parts, split_metadata
 from portico.errors import (
     ClientIdConflict,
@@ -103,6 +104,11 @@ class Conversations:
         if session is None or not self._mine(session, principal):
             raise SessionNotFound(session_id)
         return session
+
+    async def trace(self, principal: str, session_id: str, *, limit: int) -> list[TraceEvent]:
+        """The trace of the principal's session (a foreign one is `SessionNotFound`)."""
+        await self.session(principal, session_id)
+        return await self._store.list_trace(session_id, principal, limit=limit)
 
     async def list_sessions(self, principal: str, *, cursor: str, limit: int) -> Page[Session]:
         found = await self._store.list_sessions(

@@ -20,12 +20,14 @@ from portico.config import AgentSettings, ClientToolSettings
 from portico.core.compaction import SUMMARY_THROUGH, compose_summary, since_latest_summary
 from portico.core.duplicates import earlier_send, running_duplicate
 from portico.core.events import Listener
+from portico.core.memory import NO_FACET, AgentMemory, MemoryKey, MemoryLimits
 from portico.core.model import ContentPart, Message, Session, Turn, new_id
 from portico.core.periodic import every
 from portico.core.reservations import SessionReservations
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.core.tools import NoClientTools, ToolBroker
+from portico.core.trace import MESSAGE_METADATA, SessionTraces
 from portico.core.turns import StreamedSoFar, TurnRunner
 from portico.errors import (
     DuplicateMessage,
@@ -81,6 +83,8 @@ class UserMessage(msgspec.Struct, frozen=True, kw_only=True):
     unique_client_id: bool = False
     client_tools: tuple[ClientTool, ...] = ()
     context: dict[str, Any] = msgspec.field(default_factory=dict)
+    # Scopes the turn's agent memory (with the session's owner and agent).
+    memory_facet: str = NO_FACET
 
 
 def check_declaration(declare: dict[str, Any], agent: AgentSettings) -> None:
@@ -150,6 +154,7 @@ class Engine:
         replica_id: str = "",
         replica_lease: float = REPLICA_LEASE,
         reservations: SessionReservations | None = None,
+        memory_limits: MemoryLimits | None = None,
     ) -> None:
         """`replica_id` names this process among the replicas sharing the archive (empty:
         a fresh one); `replica_lease`: seconds without renewal after which a replica
@@ -158,6 +163,8 @@ class Engine:
         self.reservations = reservations or SessionReservations()
         self._telemetry = telemetry or NoTelemetry()
         self.store = store
+        self.traces = SessionTraces(store, clock)
+        self._memory_limits = memory_limits or MemoryLimits()
         self._runtimes = dict(runtimes)
         self._agents = dict(agents)
         self._context_ttl = context_ttl
@@ -208,6 +215,16 @@ class Engine:
 
     def has_agent(self, name: str) -> bool:
         return name in self._agents and name in self._runtimes
+
+    def ai_disclosure(self, agent: str) -> bool | None:
+        """The agent's `requires_ai_disclosure`; None when it declares nothing."""
+        settings = self._agents.get(agent)
+        return None if settings is None else settings.requires_ai_disclosure
+
+    def fixed_facet(self, agent: str) -> str | None:
+        """The memory facet the agent fixes for every connection, if any."""
+        settings = self._agents.get(agent)
+        return None if settings is None else settings.memory_facet
 
     def is_busy(self, session_id: str) -> bool:
         return session_id in self._running
@@ -520,6 +537,14 @@ class Engine:
     def _turn_input(
         self, session: Session, message: UserMessage, stored: Message, reader: HistoryReader
     ) -> TurnInput:
+        if message.metadata:  # what the client forwarded with the message, for its owner
+            self.traces.record(
+                session.id,
+                session.owner,
+                MESSAGE_METADATA,
+                message_id=stored.id,
+                metadata=message.metadata,
+            )
         return TurnInput(
             session_id=session.id,
             turn_id=stored.turn_id,
@@ -532,6 +557,18 @@ class Engine:
             media=self._media,
             client_tools=_with_agent_tools(self._agents.get(session.agent), message.client_tools),
             context=message.context,
+            memory=AgentMemory(
+                self.store,
+                MemoryKey(
+                    principal=session.owner,
+                    agent=session.agent,
+                    # /ws resolved it at the upgrade; other protocols name none.
+                    facet=message.memory_facet or self.fixed_facet(session.agent) or NO_FACET,
+                ),
+                self._memory_limits,
+                self._clock,
+            ),
+            tool_outcome=functools.partial(self.traces.tool_outcome, session.id, session.owner),
         )
 
     def _archive_behind(
@@ -585,6 +622,7 @@ class Engine:
             listeners=functools.partial(self._listeners_of, session.id, session.owner),
             clock=self._clock,
             telemetry=self._telemetry,
+            traces=self.traces,
         )
         self._running[session.id] = runner
         task = detached(self._run_turn(session, runner), name=f"turn-{turn.id}")

@@ -24,6 +24,7 @@ from portico.core.model import ContentPart, Message, MessageStatus, PartType, Tu
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import Telemetry
 from portico.core.tools import ToolBroker
+from portico.core.trace import ERROR, SessionTraces
 from portico.errors import (
     GENERIC_INTERNAL_MESSAGE,
     InternalError,
@@ -77,8 +78,10 @@ class TurnRunner:
         telemetry: Telemetry,
         reply: Message | None = None,
         reply_written: asyncio.Future[Any] | None = None,
+        traces: SessionTraces | None = None,
     ) -> None:
         self.turn = turn
+        self._traces = traces
         self._telemetry = telemetry
         self._created = time.perf_counter()
         self._first_chunk: float | None = None
@@ -262,9 +265,12 @@ class TurnRunner:
             return None
         if self._tools.archives_calls:
             await self._close_reply()  # the call's messages come after what was said
-        return await self._tools.call(
+        outcome = await self._tools.call(
             self._input.owner, session_id, turn_id, event, self.emit, self._next_offset
         )
+        if self._traces is not None:
+            self._traces.tool_outcome(session_id, self._input.owner, event.name, outcome.status)
+        return outcome
 
     def _on_chunk(self, event: Chunk) -> None:
         self._text.append(event.text)
@@ -355,6 +361,14 @@ class TurnRunner:
             self.turn = msgspec.structs.replace(
                 self.turn, error_code=event.code, error_message=event.message
             )
+            if self._traces is not None:
+                self._traces.record(
+                    self.turn.session_id,
+                    self._input.owner,
+                    ERROR,
+                    turn_id=self.turn.id,
+                    code=event.code,
+                )
         self._advance(trigger)
         try:
             # The reply and the turn's end: one write, one commit, one update.

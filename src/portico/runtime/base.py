@@ -9,11 +9,12 @@ runtime reads like straight-line code: ``outcome = yield ToolCall(...)``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from portico.core.memory import AgentMemory
 from portico.core.model import ContentPart, MediaContent, Message
 from portico.errors import MediaNotEnabled
 
@@ -128,6 +129,11 @@ class TurnInput(msgspec.Struct, frozen=True, kw_only=True):
     # Set when the user's message is still being archived as the turn starts (its
     # `global_offset` is 0 until then): the engine waits for it before the turn ends.
     archived: asyncio.Future[Message] | None = None
+    # The agent memory of the session's owner, agent and the connection's facet.
+    memory: AgentMemory | None = None
+    # Call with (tool name, status) when a server-side tool the runtime ran ends: the
+    # session trace records it (client tools are recorded by the engine).
+    tool_outcome: Callable[[str, str], None] | None = None
 
     async def history(self) -> tuple[Message, ...]:
         """The session's messages before this turn's (the most recent few), oldest first."""

@@ -32,6 +32,7 @@ from portico.runtime.base import (
     Usage,
 )
 from portico.runtime.chat_messages import ChatMapper, ChatMessage, tool_content, transcript
+from portico.runtime.memory_tools import memory_tools
 from portico.runtime.provider import Provider, ProviderError
 from portico.runtime.server_tools import (
     Tool,
@@ -158,7 +159,8 @@ class OpenAIRuntime:
             await self._session.close()
 
     async def run(self, turn: TurnInput) -> TurnStream:
-        tools = await self._toolbox.for_turn(turn.client_tools)
+        memory = memory_tools(turn.memory) if self._settings.memory_tools else []
+        tools = await self._toolbox.for_turn(turn.client_tools, memory)
         messages = await self._opening(turn)
         last = ""  # the latest chunk's text: the next request's text must not run into it
         for round_number in itertools.count():
@@ -189,7 +191,9 @@ class OpenAIRuntime:
                     content = tool_content("error", None, str(exc))  # nothing runs
                 else:
                     if tool.server is not None:
-                        content = await _run_server_tool(tool, arguments)
+                        status, content = await _run_server_tool(tool, arguments)
+                        if turn.tool_outcome is not None:
+                            turn.tool_outcome(tool.name, status)
                     else:
                         outcome = yield tool.client_call(arguments)
                         content = _outcome_content(outcome)
@@ -292,13 +296,14 @@ def _checked(tools: dict[str, Tool], call: ModelCall) -> tuple[Tool, dict[str, A
     return tool, tool.check(call.arguments)
 
 
-async def _run_server_tool(tool: Tool, arguments: dict[str, Any]) -> str:
+async def _run_server_tool(tool: Tool, arguments: dict[str, Any]) -> tuple[str, str]:
+    """The call's status and what the model is told."""
     assert tool.server is not None
     try:
         result = await tool.server.run(arguments)
     except ToolError as exc:
-        return tool_content("error", None, str(exc))
-    return tool_content("completed", result, None)
+        return "error", tool_content("error", None, str(exc))
+    return "completed", tool_content("completed", result, None)
 
 
 def _outcome_content(outcome: ToolOutcome | None) -> str:

@@ -87,6 +87,7 @@ def _agent_turn(turn: TurnInput, call_tool: ToolCaller) -> Turn:
         consent_grants=consent_grants(metadata),
         history=history,
         call_tool=call_tool,
+        memory=turn.memory,
     )
 
 

@@ -151,10 +151,14 @@ class Toolbox:
         self._sources = sources
         self._refused: set[str] = set()  # names already logged as taken
 
-    async def for_turn(self, offered: Sequence[ClientTool]) -> dict[str, Tool]:
-        """The configured tools, then the sources' in order, then the client's: a name
-        already taken is never replaced."""
+    async def for_turn(
+        self, offered: Sequence[ClientTool], turn_tools: Sequence[ServerTool] = ()
+    ) -> dict[str, Tool]:
+        """The configured tools, the turn's own server tools (agent memory), then the
+        sources' in order, then the client's: a name already taken is never replaced."""
         tools = dict(self._configured)
+        for own in turn_tools:
+            tools.setdefault(own.name, _tool(own))
         listings = await asyncio.gather(*(source.tools() for source in self._sources))
         for tool in itertools.chain.from_iterable(listings):
             if tool.name not in tools:

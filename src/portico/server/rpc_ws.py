@@ -39,6 +39,7 @@ from portico.protocols.rpc.entities import (
     message_wire,
     rtc_wire,
     session_wire,
+    trace_wire,
     turn_wire,
 )
 from portico.server.admission import check_admission
@@ -259,6 +260,11 @@ def method_handlers(services: Services, binding: str = "") -> dict[str, Handler]
         queued = await c.compact(principal, p.session_id, p.custom_instruction)
         return {"session_id": p.session_id, "queued": queued}
 
+    async def session_trace(principal: str, p: f.SessionRef) -> Any:
+        limit = services.settings.trace_max_events
+        events = await c.trace(principal, p.session_id, limit=limit)
+        return {"session_id": p.session_id, "items": [trace_wire(event) for event in events]}
+
     async def message_send(principal: str, p: f.MessageSend) -> Any:
         refuse_while_draining(services)
         if not p.client_id:
@@ -324,6 +330,7 @@ def method_handlers(services: Services, binding: str = "") -> dict[str, Handler]
         "v1.session.update": session_update,
         "v1.session.fork": session_fork,
         "v1.session.compact": session_compact,
+        "v1.session.trace": session_trace,
         "v1.message.send": message_send,
         "v1.message.list": message_list,
         "v1.message.get": message_get,

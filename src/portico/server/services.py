@@ -23,6 +23,7 @@ from portico.bus.updates import InProcessUpdates
 from portico.config import DEFAULT_AGENT, AgentSettings, Settings
 from portico.core.conversations import Conversations
 from portico.core.engine import Engine
+from portico.core.memory import MemoryLimits
 from portico.core.reservations import SessionReservations
 from portico.core.tools import ClientToolBroker
 from portico.errors import IdentityProviderUnavailable, Unauthenticated
@@ -82,6 +83,11 @@ class Services:
             replica_id=settings.replica_id,
             replica_lease=settings.replica_lease,
             reservations=self.reservations,
+            memory_limits=MemoryLimits(
+                max_entries=settings.memory_max_entries,
+                max_entry_bytes=settings.memory_max_entry_bytes,
+                search_limit=settings.memory_search_limit,
+            ),
         )
         self.updates = InProcessUpdates()
         self.store.set_update_listener(self.updates.publish)

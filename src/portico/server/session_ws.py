@@ -334,6 +334,7 @@ class SessionSocket(ServerSocket):
             audio=live.audio,
             heartbeat_ms=round(settings.heartbeat_interval * 1000),
             resume_window_ms=round(settings.resume_window * 1000),
+            ai_disclosure=self._services.engine.ai_disclosure(live.agent),
         )
         self._core.accept(live.channel, ready, hello.last_seq if hello.session_id else 0)
         log.info("session %s session=%s", _how(hello), live.id)

@@ -18,11 +18,13 @@ from portico.config import DEFAULT_AGENT
 from portico.core.engine import UserMessage
 from portico.core.events import TurnEvent
 from portico.core.model import new_id
+from portico.core.trace import DISCLOSURE_DISPLAYED
 from portico.errors import DeclareTooLarge, InternalError, PorticoError, RateLimited
 from portico.protocols.omnia.connection import (
     CLOSE_KEEPALIVE_TIMEOUT,
     CLOSE_SLOW_CONSUMER,
     ConnectionLimits,
+    DisclosureAcknowledged,
     Event,
     Keepalive,
     LimitHit,
@@ -30,6 +32,7 @@ from portico.protocols.omnia.connection import (
     OmniaConnection,
     ToolReply,
     UploadRequested,
+    memory_facet_of,
 )
 from portico.protocols.omnia.frames import (
     ToolCallAckFrame,
@@ -71,6 +74,7 @@ class OmniaSocket(ServerSocket):
         services: Services,
         identity: Identity,
         agent: str,
+        memory_facet: str,
     ) -> None:
         super().__init__(request, ws, services)
         # Upload URLs point at this server as the client reached it.
@@ -78,12 +82,15 @@ class OmniaSocket(ServerSocket):
         self._principal = identity.principal
         self._binding = identity.session_value
         self._agent = agent
+        self._memory_facet = memory_facet
         self._core = OmniaConnection(
             session_id=new_id("sess"),
             binary=request.query.get("binary", "false").lower() == "true",
             limits=connection_limits(services),
             now=self._loop.time(),
             wall=time.time(),
+            memory_facet=memory_facet,
+            ai_disclosure=services.engine.ai_disclosure(agent),
         )
         self._attached: set[str] = set()
         # The minted id is this principal's before its first message (core/reservations.py).
@@ -146,6 +153,10 @@ class OmniaSocket(ServerSocket):
                 await self._tool_reply(event)
             case UploadRequested():
                 await self._request_upload(event)
+            case DisclosureAcknowledged(session_id=session_id):
+                self._services.engine.traces.record(
+                    session_id, self._principal, DISCLOSURE_DISPLAYED, assertedBy="client"
+                )
             case LimitHit(limit=limit):
                 self._metrics.rate_limited.labels(limit).inc()
 
@@ -195,6 +206,7 @@ class OmniaSocket(ServerSocket):
             metadata=event.metadata,
             directives=event.directives,
             declare=await self._declaration(event),
+            memory_facet=self._memory_facet,
         )
         await self._services.engine.submit(message, self._on_turn_event)
         self._attached.add(event.session_id)
@@ -221,6 +233,7 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
     if not services.engine.has_agent(agent):
         raise web.HTTPNotFound(text=f"unknown agent {agent!r}")
     identity = await admit(request, services)
+    memory_facet = upgrade_memory_facet(request, services, agent)
     principal = identity.principal
     if not services.principals.take(principal):
         services.metrics.upgrades_refused.labels("principal").inc()
@@ -231,11 +244,23 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
         return await run_socket(
             request,
             services,
-            lambda ws: OmniaSocket(request, ws, services, identity, agent),
+            lambda ws: OmniaSocket(request, ws, services, identity, agent, memory_facet),
             protocols=selected_subprotocol(request.headers.get("Sec-WebSocket-Protocol")),
         )
     finally:
         services.principals.give(principal)
+
+
+def upgrade_memory_facet(request: web.Request, services: Services, agent: str) -> str:
+    """The connection's memory facet, or the upgrade's refusal (400 or 403)."""
+    try:
+        return memory_facet_of(
+            request.query.getall("memory_facet", []), services.engine.fixed_facet(agent)
+        )
+    except PorticoError as exc:
+        services.metrics.upgrades_refused.labels("memory_facet").inc()
+        refusal = web.HTTPForbidden if exc.http_status == 403 else web.HTTPBadRequest
+        raise refusal(text=exc.message) from None
 
 
 def selected_subprotocol(header: str | None) -> tuple[str, ...]:

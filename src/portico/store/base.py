@@ -38,7 +38,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Protocol, TypeVar
 
+from portico.core.memory import MemoryEntry, MemoryKey
 from portico.core.model import Message, Session, ToolCallRecord, Turn, Update, UpdateLog
+from portico.core.trace import TraceEvent
 from portico.errors import StoreError
 
 log = logging.getLogger("portico.store")
@@ -229,6 +231,29 @@ class Store(Protocol):
         that only one process opens (SQLite, memory) forgets every lease on open: the
         turns it holds at start-up are orphans of a stopped server.
         """
+
+    # -- agent memory (core/memory.py; no update is logged) ---------------------------
+
+    async def save_memory(self, entry: MemoryEntry, *, max_entries: int) -> bool:
+        """Store `entry` under its key unless the key already holds `max_entries`
+        entries: False then, and nothing is written."""
+
+    async def search_memory(self, key: MemoryKey, query: str, *, limit: int) -> list[MemoryEntry]:
+        """The key's entries whose content contains `query` (ASCII letters compared
+        case-insensitively; empty: every entry), newest first (ties: greater id first)."""
+
+    async def forget_memory(self, key: MemoryKey, memory_id: str) -> bool:
+        """Delete the key's entry with this id; False when the key holds none."""
+
+    # -- session traces (core/trace.py; no update is logged) --------------------------
+
+    async def append_trace(self, event: TraceEvent) -> None:
+        """Append an event to its session's trace (the session need not be stored yet:
+        a /ws client may acknowledge the disclosure before its first message)."""
+
+    async def list_trace(self, session_id: str, owner: str, *, limit: int) -> list[TraceEvent]:
+        """The session's events recorded for `owner`, in the order appended; at most
+        `limit`, the oldest."""
 
     # -- the update log -------------------------------------------------------------
 

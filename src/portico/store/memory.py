@@ -7,6 +7,7 @@ from typing import Literal, TypeVar
 
 import msgspec
 
+from portico.core.memory import MemoryEntry, MemoryKey, ascii_lower
 from portico.core.model import (
     ENTITY_KINDS,
     Entity,
@@ -20,6 +21,7 @@ from portico.core.model import (
     new_id,
 )
 from portico.core.states import TERMINAL_TURN_STATES
+from portico.core.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
 from portico.store import rows
 from portico.store.base import UpdateListener, current_collector, is_orphaned, publish
@@ -44,6 +46,8 @@ class MemoryStore:
         self._heads: dict[str, int] = {}
         self._listener: UpdateListener | None = None
         self._replicas: dict[str, float] = {}  # replica id -> when it last renewed its lease
+        self._memories: dict[MemoryKey, list[MemoryEntry]] = {}  # oldest first
+        self._traces: dict[str, list[TraceEvent]] = {}  # session id -> its events
 
     async def open(self) -> None:
         return None
@@ -271,6 +275,36 @@ class MemoryStore:
         self, session_id: str, *, limit: int, cursor: str = ""
     ) -> list[ToolCallRecord]:
         return _newest_page(self._tool_calls, session_id, limit, cursor)
+
+    # -- agent memory -------------------------------------------------------------
+
+    async def save_memory(self, entry: MemoryEntry, *, max_entries: int) -> bool:
+        entries = self._memories.setdefault(entry.key, [])
+        if len(entries) >= max_entries:
+            return False
+        entries.append(entry)
+        return True
+
+    async def search_memory(self, key: MemoryKey, query: str, *, limit: int) -> list[MemoryEntry]:
+        needle = ascii_lower(query)
+        found = [e for e in self._memories.get(key, []) if needle in ascii_lower(e.content)]
+        found.sort(key=lambda entry: (entry.created_at, entry.id), reverse=True)
+        return found[:limit]
+
+    async def forget_memory(self, key: MemoryKey, memory_id: str) -> bool:
+        entries = self._memories.get(key, [])
+        kept = [entry for entry in entries if entry.id != memory_id]
+        self._memories[key] = kept
+        return len(kept) < len(entries)
+
+    # -- session traces -----------------------------------------------------------
+
+    async def append_trace(self, event: TraceEvent) -> None:
+        self._traces.setdefault(event.session_id, []).append(event)
+
+    async def list_trace(self, session_id: str, owner: str, *, limit: int) -> list[TraceEvent]:
+        mine = [event for event in self._traces.get(session_id, []) if event.owner == owner]
+        return mine[:limit]
 
     # -- replicas -----------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import msgspec
 from asyncpg.pool import PoolConnectionProxy
 from asyncpg.transaction import Transaction
 
+from portico.core.memory import MemoryEntry, MemoryKey
 from portico.core.model import (
     Entity,
     Message,
@@ -33,6 +34,7 @@ from portico.core.model import (
     UpdateLog,
 )
 from portico.core.states import TurnState
+from portico.core.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
 from portico.store import rows
 from portico.store.base import (
@@ -170,6 +172,28 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE sessions ADD COLUMN binding text COLLATE "C" NOT NULL DEFAULT '';
     """,
+    # Agent memory (core/memory.py) and session traces (core/trace.py). A trace may
+    # start before its session is stored, so it references no session row.
+    """
+    CREATE TABLE memories (
+        id text COLLATE "C" PRIMARY KEY,
+        principal text COLLATE "C" NOT NULL,
+        agent text COLLATE "C" NOT NULL,
+        facet text COLLATE "C" NOT NULL,
+        content text COLLATE "C" NOT NULL,
+        created_at double precision NOT NULL
+    );
+    CREATE INDEX memories_key ON memories (principal, agent, facet, created_at);
+    CREATE TABLE traces (
+        seq bigserial PRIMARY KEY,
+        session_id text COLLATE "C" NOT NULL,
+        owner text COLLATE "C" NOT NULL,
+        kind text NOT NULL,
+        at double precision NOT NULL,
+        data json NOT NULL
+    );
+    CREATE INDEX traces_session ON traces (session_id, seq);
+    """,
 )
 
 _MIGRATIONS_TABLE = (
@@ -229,6 +253,32 @@ _INSERT_MESSAGE = f"INSERT INTO messages ({M}) VALUES ({_placeholders(len(rows.M
 _UPDATE_MESSAGE = (
     "UPDATE messages SET content = $2, parts = $3, status = $4, metadata = $5, updated_at = $6 "
     f"WHERE id = $1 RETURNING {M}"
+)
+# Savers of one memory key queue on this lock, so the count each checks is final.
+_LOCK_MEMORY_KEY = (
+    "SELECT pg_advisory_xact_lock(hashtextextended($1 || chr(31) || $2 || chr(31) || $3, 0))"
+)
+_COUNT_MEMORIES = "SELECT COUNT(*) FROM memories WHERE principal = $1 AND agent = $2 AND facet = $3"
+_INSERT_MEMORY = (
+    f"INSERT INTO memories ({_columns(rows.MEMORY_COLUMNS)}) "
+    f"VALUES ({_placeholders(len(rows.MEMORY_COLUMNS))})"
+)
+# lower() under "C" folds ASCII letters only, as SQLite's does.
+_SEARCH_MEMORY = (
+    f"SELECT {_columns(rows.MEMORY_COLUMNS)} FROM memories "
+    "WHERE principal = $1 AND agent = $2 AND facet = $3 "
+    "AND strpos(lower(content), lower($4)) > 0 ORDER BY created_at DESC, id DESC LIMIT $5"
+)
+_FORGET_MEMORY = (
+    "DELETE FROM memories WHERE principal = $1 AND agent = $2 AND facet = $3 AND id = $4"
+)
+_INSERT_TRACE = (
+    f"INSERT INTO traces ({_columns(rows.TRACE_COLUMNS)}) "
+    f"VALUES ({_placeholders(len(rows.TRACE_COLUMNS))})"
+)
+_SELECT_TRACE = (
+    f"SELECT {_columns(rows.TRACE_COLUMNS)} FROM traces "
+    "WHERE session_id = $1 AND owner = $2 ORDER BY seq LIMIT $3"
 )
 _UPSERT_TURN = _upsert_sql("turns", rows.TURN_COLUMNS)
 _UPSERT_TOOL_CALL = _upsert_sql("tool_calls", rows.TOOL_CALL_COLUMNS)
@@ -810,6 +860,45 @@ class PostgresStore:
         sql = _page_sql("tool_calls", CC, bool(cursor))
         found = await self._fetch(sql, *_page_args(session_id, limit, cursor))
         return [rows.tool_call_from_data(dict(row)) for row in found]
+
+    # -- agent memory -------------------------------------------------------------
+
+    async def save_memory(self, entry: MemoryEntry, *, max_entries: int) -> bool:
+        key = msgspec.structs.astuple(entry.key)
+
+        async def insert(conn: Connection, out: list[Update]) -> bool:
+            await conn.execute(_LOCK_MEMORY_KEY, *key)
+            if await conn.fetchval(_COUNT_MEMORIES, *key) >= max_entries:
+                return False
+            await conn.execute(_INSERT_MEMORY, *rows.memory_row(entry))
+            return True
+
+        return await self._write(insert)
+
+    async def search_memory(self, key: MemoryKey, query: str, *, limit: int) -> list[MemoryEntry]:
+        args = (*msgspec.structs.astuple(key), query, limit)
+        return [rows.memory_from_row(dict(row)) for row in await self._fetch(_SEARCH_MEMORY, *args)]
+
+    async def forget_memory(self, key: MemoryKey, memory_id: str) -> bool:
+        async def delete(conn: Connection, out: list[Update]) -> bool:
+            status: str = await conn.execute(
+                _FORGET_MEMORY, *msgspec.structs.astuple(key), memory_id
+            )
+            return status != "DELETE 0"
+
+        return await self._write(delete)
+
+    # -- session traces -----------------------------------------------------------
+
+    async def append_trace(self, event: TraceEvent) -> None:
+        async def insert(conn: Connection, out: list[Update]) -> None:
+            await conn.execute(_INSERT_TRACE, *rows.trace_row(event))
+
+        await self._write(insert)
+
+    async def list_trace(self, session_id: str, owner: str, *, limit: int) -> list[TraceEvent]:
+        found = await self._fetch(_SELECT_TRACE, session_id, owner, limit)
+        return [rows.trace_from_row(dict(row)) for row in found]
 
     # -- replicas ---------------------------------------------------------------
 

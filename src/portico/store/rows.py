@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from portico.core.memory import MemoryEntry
 from portico.core.model import (
     ENTITY_KINDS,
     ContentPart,
@@ -30,16 +31,20 @@ from portico.core.model import (
     new_id,
 )
 from portico.core.states import ToolCallState, TurnState
+from portico.core.trace import TraceEvent
 
 SESSION_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Session))
 MESSAGE_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Message))
 TURN_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Turn))
 TOOL_CALL_COLUMNS = tuple(field.name for field in msgspec.structs.fields(ToolCallRecord))
+MEMORY_COLUMNS = tuple(field.name for field in msgspec.structs.fields(MemoryEntry))
+TRACE_COLUMNS = tuple(field.name for field in msgspec.structs.fields(TraceEvent))
 UPDATE_COLUMNS = ("owner", "log_offset", "id", "items", "data_list", "created_at")
 
 json_encode = msgspec.json.encode
 _parts_decoder = msgspec.json.Decoder(tuple[ContentPart, ...])
 _metadata_decoder = msgspec.json.Decoder(dict[str, str])
+_trace_data_decoder = msgspec.json.Decoder(dict[str, Any])
 _declare_decoder = msgspec.json.Decoder(dict[str, Any] | None)
 _any_decoder = msgspec.json.Decoder()
 _JSON_TOOL_COLUMNS = ("arguments", "categories", "result")
@@ -247,3 +252,21 @@ def update_log(epoch: str, last: int | None, first: int | None) -> UpdateLog:
     return UpdateLog(
         epoch=epoch, last_offset=last, first_offset=last + 1 if first is None else first
     )
+
+
+def memory_row(entry: MemoryEntry) -> tuple[Any, ...]:
+    return msgspec.structs.astuple(entry)
+
+
+def memory_from_row(data: dict[str, Any]) -> MemoryEntry:
+    return MemoryEntry(**data)
+
+
+def trace_row(event: TraceEvent) -> tuple[Any, ...]:
+    """The values of `TRACE_COLUMNS`: `data` as JSON."""
+    return (*msgspec.structs.astuple(event)[:-1], json_encode(event.data))
+
+
+def trace_from_row(data: dict[str, Any]) -> TraceEvent:
+    data["data"] = _trace_data_decoder.decode(data["data"])
+    return TraceEvent(**data)

@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
 
 import msgspec
+from msgspec.structs import astuple
 
+from portico.core.memory import MemoryEntry, MemoryKey
 from portico.core.model import (
     Entity,
     Message,
@@ -37,6 +39,7 @@ from portico.core.model import (
     UpdateItem,
     UpdateLog,
 )
+from portico.core.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
 from portico.store import rows
 from portico.store.base import (
@@ -225,6 +228,28 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE sessions ADD COLUMN binding TEXT NOT NULL DEFAULT '';
     """,
+    # Agent memory (core/memory.py) and session traces (core/trace.py). A trace may
+    # start before its session is stored, so it references no session row.
+    """
+    CREATE TABLE memories (
+        id TEXT PRIMARY KEY,
+        principal TEXT NOT NULL,
+        agent TEXT NOT NULL,
+        facet TEXT NOT NULL,
+        content TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX memories_key ON memories (principal, agent, facet, created_at);
+    CREATE TABLE traces (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        session_id TEXT NOT NULL,
+        owner TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        at REAL NOT NULL,
+        data TEXT NOT NULL
+    );
+    CREATE INDEX traces_session ON traces (session_id, seq);
+    """,
 )
 
 
@@ -285,6 +310,28 @@ _KEEP_HEADS = (
     "WHERE created_at < ?) p WHERE true "
     "ON CONFLICT (owner) DO UPDATE SET last_offset = excluded.last_offset"
 )
+
+
+_COUNT_MEMORIES = "SELECT COUNT(*) FROM memories WHERE principal = ? AND agent = ? AND facet = ?"
+_INSERT_MEMORY = _insert_sql("memories", rows.MEMORY_COLUMNS)
+_SEARCH_MEMORY = (
+    "SELECT * FROM memories WHERE principal = ? AND agent = ? AND facet = ? "
+    "AND instr(lower(content), lower(?)) > 0 ORDER BY created_at DESC, id DESC LIMIT ?"
+)
+_FORGET_MEMORY = "DELETE FROM memories WHERE principal = ? AND agent = ? AND facet = ? AND id = ?"
+_INSERT_TRACE = _insert_sql("traces", rows.TRACE_COLUMNS)
+_SELECT_TRACE = (
+    f"SELECT {', '.join(rows.TRACE_COLUMNS)} FROM traces "
+    "WHERE session_id = ? AND owner = ? ORDER BY seq LIMIT ?"
+)
+
+
+def _save_memory(conn: Archive, out: list[Update], entry: MemoryEntry, max_entries: int) -> bool:
+    held: int = conn.execute(_COUNT_MEMORIES, astuple(entry.key)).fetchone()[0]
+    if held >= max_entries:
+        return False
+    conn.execute(_INSERT_MEMORY, rows.memory_row(entry))
+    return True
 
 
 def _migrate(conn: Archive) -> None:
@@ -1160,6 +1207,41 @@ class SqliteStore:
                 include_own=include_own,
             )
         )
+
+    # -- agent memory -------------------------------------------------------------
+
+    async def save_memory(self, entry: MemoryEntry, *, max_entries: int) -> bool:
+        return await self._write(
+            functools.partial(_save_memory, entry=entry, max_entries=max_entries)
+        )
+
+    async def search_memory(self, key: MemoryKey, query: str, *, limit: int) -> list[MemoryEntry]:
+        def select(conn: Archive) -> list[MemoryEntry]:
+            found = conn.execute(_SEARCH_MEMORY, (*astuple(key), query, limit)).fetchall()
+            return [rows.memory_from_row(_row_dict(row)) for row in found]
+
+        return await self._read(select)
+
+    async def forget_memory(self, key: MemoryKey, memory_id: str) -> bool:
+        def delete(conn: Archive, out: list[Update]) -> bool:
+            return conn.execute(_FORGET_MEMORY, (*astuple(key), memory_id)).rowcount > 0
+
+        return await self._write(delete)
+
+    # -- session traces -----------------------------------------------------------
+
+    async def append_trace(self, event: TraceEvent) -> None:
+        def insert(conn: Archive, out: list[Update]) -> None:
+            conn.execute(_INSERT_TRACE, rows.trace_row(event))
+
+        await self._write(insert)
+
+    async def list_trace(self, session_id: str, owner: str, *, limit: int) -> list[TraceEvent]:
+        def select(conn: Archive) -> list[TraceEvent]:
+            found = conn.execute(_SELECT_TRACE, (session_id, owner, limit)).fetchall()
+            return [rows.trace_from_row(_row_dict(row)) for row in found]
+
+        return await self._read(select)
 
     # -- the update log ---------------------------------------------------------
 

@@ -664,6 +664,7 @@ async function select(sessionId) {
   view.sessionId = sessionId;
   clearAttachments();
   hideNotice();
+  hideDetails();
   renderHeader();
   renderSidebar();
   renderBusy();
@@ -1066,10 +1067,52 @@ function renderHeader() {
     mode.title =
       "Continued over RPC: messages go through v1.message.send and replies stream as live chunks.";
   }
+  $("details-toggle").hidden = !view.sessionId;
   $("file").disabled = Boolean(view.sessionId) && !lives.has(view.sessionId);
   $("file").parentElement.title = $("file").disabled
     ? "Attachments need a live session: start a new conversation"
     : "Attach files";
+}
+
+// -- conversation details: the session's trace (v1.session.trace) ------------------------------
+
+async function showDetails() {
+  const sessionId = view.sessionId;
+  if (!sessionId) return;
+  const trace = $("trace");
+  $("details").hidden = false;
+  $("details-toggle").setAttribute("aria-expanded", "true");
+  $("details-session").textContent = sessionId;
+  trace.dataset.state = "loading";
+  try {
+    const { result } = await rpc.call("v1.session.trace", { session_id: sessionId });
+    if (view.sessionId !== sessionId) return; // another conversation was opened meanwhile
+    trace.replaceChildren(...result.items.map(traceEvent));
+    $("trace-empty").hidden = result.items.length > 0;
+    trace.dataset.state = "loaded";
+  } catch (error) {
+    if (view.sessionId !== sessionId) return;
+    trace.dataset.state = "failed";
+    showNotice(`Could not read the conversation's trace: ${error.message}`);
+  }
+}
+
+function hideDetails() {
+  $("details").hidden = true;
+  $("details-toggle").setAttribute("aria-expanded", "false");
+  $("trace").replaceChildren();
+  $("trace").dataset.state = "idle";
+}
+
+function traceEvent(event) {
+  const at = event.at ? new Date(event.at) : null;
+  return h(
+    "li",
+    { class: "trace-event", dataset: { type: event.type } },
+    h("time", { datetime: event.at ?? "", text: at ? at.toLocaleTimeString() : "" }),
+    h("code", { class: "trace-type", text: event.type }),
+    h("pre", { class: "trace-data", text: JSON.stringify(event.data, null, 1) }),
+  );
 }
 
 function renderSidebar() {
@@ -1594,6 +1637,10 @@ window.addEventListener("drop", (event) => {
   $("drop").hidden = true;
   addAttachments([...(event.dataTransfer?.files ?? [])]);
 });
+$("details-toggle").addEventListener("click", () =>
+  $("details").hidden ? showDetails() : hideDetails(),
+);
+$("details-close").addEventListener("click", hideDetails);
 window.addEventListener("popstate", () => select(hashSession()));
 window.addEventListener("hashchange", () => {
   const id = hashSession();

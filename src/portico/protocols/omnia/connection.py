@@ -27,6 +27,7 @@ from portico.core.events import (
     TurnToolCallTimedOut,
 )
 from portico.core.limits import TokenBucket
+from portico.core.memory import NO_FACET, valid_facet
 from portico.core.model import ContentPart
 from portico.core.validation import (
     base64_decoded_size,
@@ -36,6 +37,7 @@ from portico.core.validation import (
 )
 from portico.errors import (
     BinaryFrameError,
+    FacetRefused,
     InvalidMessage,
     MediaNotEnabled,
     PorticoError,
@@ -81,13 +83,19 @@ class UploadRequested(msgspec.Struct, frozen=True):
     request: f.UploadRequest
 
 
+class DisclosureAcknowledged(msgspec.Struct, frozen=True):
+    """`disclosure_ack`: the client says it showed the AI disclosure (no reply)."""
+
+    session_id: str
+
+
 class LimitHit(msgspec.Struct, frozen=True):
     """Input was shed by a rate limit (the client already has its RATE_LIMITED)."""
 
     limit: str  # "messages" or "media_bytes"
 
 
-Event = MessageReceived | ToolReply | UploadRequested | LimitHit
+Event = MessageReceived | ToolReply | UploadRequested | DisclosureAcknowledged | LimitHit
 
 
 class ConnectionLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,9 +121,34 @@ class _MediaRateExceeded(RateLimited):
         super().__init__("media byte rate exceeded")
 
 
+def memory_facet_of(values: list[str], fixed: str | None) -> str:
+    """The connection's memory facet from the upgrade's `memory_facet` values and the
+    agent's fixed facet: `InvalidMessage` (400) for a malformed, empty or repeated
+    parameter, `FacetRefused` (403) for one other than the agent's."""
+    if len(values) > 1:
+        raise InvalidMessage("memory_facet is given more than once")
+    if values and not valid_facet(values[0]):
+        raise InvalidMessage(
+            "memory_facet must be 1 to 128 ASCII letters, digits and . _ : / -, "
+            "starting with a letter or digit"
+        )
+    named = values[0] if values else None
+    if fixed is not None and named is not None and named != fixed:
+        raise FacetRefused("this agent's memory facet is fixed; another is refused")
+    return named or fixed or NO_FACET
+
+
 class OmniaConnection:
     def __init__(
-        self, *, session_id: str, binary: bool, limits: ConnectionLimits, now: float, wall: float
+        self,
+        *,
+        session_id: str,
+        binary: bool,
+        limits: ConnectionLimits,
+        now: float,
+        wall: float,
+        memory_facet: str = NO_FACET,
+        ai_disclosure: bool | None = None,
     ) -> None:
         """`wall` is the wall-clock time (Unix seconds) at `now`."""
         self.session_id = session_id
@@ -141,7 +174,9 @@ class OmniaConnection:
                         binary_frames=binary,
                         max_payload_size=limits.max_payload_size,
                         protocol_version=PROTOCOL_VERSION,
-                    )
+                    ),
+                    memory_facet=memory_facet or None,
+                    ai_disclosure=ai_disclosure,
                 ),
                 timestamp=self._stamps.at(now),
             )
@@ -241,8 +276,10 @@ class OmniaConnection:
             case f.UploadRequestFrame():
                 session_id, _ = self._resolve_session(frame.session_id)
                 return [UploadRequested(session_id, frame.upload_request)]
-        # hangup and disclosure_ack concern realtime audio and AI disclosure, which
-        # this server does not run; credential_refresh has no reply by spec.
+            case f.DisclosureAckFrame():
+                return [DisclosureAcknowledged(self.session_id)]
+        # hangup concerns realtime audio, which this server does not run;
+        # credential_refresh has no reply by spec.
         return []
 
     def _resolve_session(self, session_id: str | None) -> tuple[str, bool]:

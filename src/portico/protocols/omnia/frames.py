@@ -100,6 +100,7 @@ class ConnectedInfo(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkn
     capabilities: Capabilities
     resumed: bool | None = None
     ai_disclosure: bool | None = None
+    memory_facet: str | None = None
 
 
 # Omnia's facade and AsyncAPI document put one on every server message; its

@@ -16,6 +16,7 @@ from portico.core.model import (
     Turn,
     Update,
 )
+from portico.core.trace import TraceEvent
 from portico.protocols.rpc.frames import UpdateItemWire, UpdateWire
 
 # Content types whose `content_data` is a JSON value, archived as JSON text.
@@ -107,6 +108,18 @@ class WireRtc(msgspec.Struct, frozen=True):
 
 
 WireEntity = WireSession | WireMessage | WireTurn | WireRtc
+
+
+class WireTraceEvent(msgspec.Struct, frozen=True):
+    """One event of a session's trace (`v1.session.trace`)."""
+
+    type: str
+    at: str | None
+    data: dict[str, Any]
+
+
+def trace_wire(event: TraceEvent) -> WireTraceEvent:
+    return WireTraceEvent(type=event.kind, at=rfc3339(event.at), data=event.data)
 
 
 def session_wire(session: Session) -> WireSession:

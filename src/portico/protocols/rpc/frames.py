@@ -166,6 +166,8 @@ METHODS: dict[str, Method] = {
     "v1.session.update": Method(SessionUpdate, action=True),
     "v1.session.fork": Method(SessionFork, action=True, max_limit=1000, min_limit=0),
     "v1.session.compact": Method(SessionCompact, action=True),
+    # Portico addition (docs/rpc.md): the session's trace, oldest event first.
+    "v1.session.trace": Method(SessionRef, action=False),
     "v1.message.send": Method(MessageSend, action=True),
     "v1.message.list": Method(MessageList, action=False, max_limit=200),
     "v1.message.get": Method(MessageRef, action=False),

@@ -87,6 +87,8 @@ class Ready(_Frame, frozen=True, tag="ready"):
     heartbeat_ms: int
     resume_window_ms: int
     audio: AudioChoice | None = None
+    # The agent's `requires_ai_disclosure` (spec/identity.md); absent when unset.
+    ai_disclosure: bool | None = None
 
 
 class Ack(_Frame, frozen=True, tag="ack"):
