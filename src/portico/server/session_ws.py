@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -47,6 +48,7 @@ from portico.protocols.session.channel import Channel, Numbered
 from portico.protocols.session.connection import (
     CLOSE_NORMAL,
     CLOSE_REPLACED,
+    CredentialOffered,
     HelloReceived,
     Received,
     Role,
@@ -57,7 +59,7 @@ from portico.protocols.session.media import MediaItems, choose_audio
 from portico.runtime.base import ClientTool
 from portico.server.admission import check_admission
 from portico.server.services import SERVICES, Services
-from portico.server.sockets import ServerSocket, run_socket
+from portico.server.sockets import ServerSocket, log_refresh, run_socket
 
 log = logging.getLogger("portico.session")
 PROTOCOL = "session"
@@ -75,6 +77,7 @@ def timing(services: Services) -> Timing:
         heartbeat_interval=settings.heartbeat_interval,
         idle_timeout=settings.session_idle_timeout,
         max_send_queue_bytes=settings.max_send_queue_bytes,
+        credential_margin=settings.credential_expiry_margin,
     )
 
 
@@ -182,6 +185,8 @@ class LiveSession:
         frame = session_frame(event)
         if frame is not None:
             self._number(frame)
+        if isinstance(event, TurnCompleted | TurnFailed) and self.socket is not None:
+            self.socket.turn_ended()
 
     def answer(self, frame: Numbered) -> None:
         """The session's answer to a client message it handled (an `error` with `ref_seq`).
@@ -293,6 +298,8 @@ class SessionSocket(ServerSocket):
                 await self._hello(event.hello)
             elif isinstance(event, Received):
                 await self._numbered(event.frame)
+            elif isinstance(event, CredentialOffered):
+                await self._refresh(event.token)
         self._after_core()
 
     async def on_binary(self, data: bytes, now: float) -> None:
@@ -302,7 +309,26 @@ class SessionSocket(ServerSocket):
 
     async def on_timer(self, now: float) -> None:
         self._core.on_timer(now)
+        self._check_expiry()
+
+    def turn_ended(self) -> None:
+        # The engine frees the session after its last event: check once it has.
+        self._loop.call_soon(self._check_expiry)
+
+    def _check_expiry(self) -> None:
+        live = self._live
+        running = live is not None and self._services.engine.is_busy(live.id)
+        self._core.check_credential(self._loop.time(), turn_running=running)
         self._after_core()
+
+    async def _refresh(self, token: str) -> None:
+        """An unnumbered `credential`: no reply either way."""
+        try:
+            identity = await self._services.auth.identify(token)
+        except Unauthenticated:
+            return
+        if self._core.refresh(identity, now=self._loop.time(), wall=time.time()):
+            log_refresh(PROTOCOL, self.describe(), identity)
 
     # -- handshake ----------------------------------------------------------------------
 
@@ -336,6 +362,7 @@ class SessionSocket(ServerSocket):
             resume_window_ms=round(settings.resume_window * 1000),
         )
         self._core.accept(live.channel, ready, hello.last_seq if hello.session_id else 0)
+        self._core.bind_credential(identity, now=self._loop.time(), wall=time.time())
         log.info("session %s session=%s", _how(hello), live.id)
 
     def _session_for(self, hello: f.Hello) -> Awaitable[LiveSession]:

@@ -18,6 +18,7 @@ from typing import ClassVar, Protocol
 
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
+from portico.auth.base import Identity
 from portico.protocols.outbox import BinaryData
 from portico.server.admission import CLOSE_HANDSHAKE_TIMEOUT, CLOSE_TRY_AGAIN_LATER
 from portico.server.services import Services
@@ -54,6 +55,16 @@ def close_frame(code: int, reason: str) -> bytes:
 def frame_type(frame: bytes) -> WSMsgType:
     """Queued frames are text unless a core marked them binary (`BinaryData`)."""
     return WSMsgType.BINARY if isinstance(frame, BinaryData) else WSMsgType.TEXT
+
+
+def log_refresh(protocol: str, described: str, identity: Identity) -> None:
+    """One INFO line per accepted credential refresh; never the token."""
+    log.info(
+        "credential refreshed protocol=%s %s expires_at=%d",
+        protocol,
+        described,
+        identity.expires_at or 0,
+    )
 
 
 class FramedCore(Protocol):

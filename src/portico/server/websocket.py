@@ -16,9 +16,16 @@ from portico.auth.base import (
 )
 from portico.config import DEFAULT_AGENT
 from portico.core.engine import UserMessage
-from portico.core.events import TurnEvent
+from portico.core.events import TurnCompleted, TurnEvent, TurnFailed
 from portico.core.model import new_id
-from portico.errors import DeclareTooLarge, InternalError, PorticoError, RateLimited
+from portico.errors import (
+    DeclareTooLarge,
+    InternalError,
+    PorticoError,
+    RateLimited,
+    Unauthenticated,
+)
+from portico.protocols.credential import CLOSE_CREDENTIAL_EXPIRED, CREDENTIAL_EXPIRED_REASON
 from portico.protocols.omnia.connection import (
     CLOSE_KEEPALIVE_TIMEOUT,
     CLOSE_SLOW_CONSUMER,
@@ -28,6 +35,7 @@ from portico.protocols.omnia.connection import (
     LimitHit,
     MessageReceived,
     OmniaConnection,
+    RefreshOffered,
     ToolReply,
     UploadRequested,
 )
@@ -39,7 +47,7 @@ from portico.protocols.omnia.frames import (
 )
 from portico.server.admission import admit
 from portico.server.services import SERVICES, Services
-from portico.server.sockets import ServerSocket, run_socket
+from portico.server.sockets import ServerSocket, log_refresh, run_socket
 
 log = logging.getLogger("portico.ws")
 PROTOCOL = "omnia"
@@ -56,6 +64,7 @@ def connection_limits(services: Services) -> ConnectionLimits:
         media_bytes_per_second=settings.media_rate_bytes,
         media_burst_bytes=settings.media_rate_burst,
         max_send_queue_bytes=settings.max_send_queue_bytes,
+        credential_margin=settings.credential_expiry_margin,
     )
 
 
@@ -84,6 +93,7 @@ class OmniaSocket(ServerSocket):
             limits=connection_limits(services),
             now=self._loop.time(),
             wall=time.time(),
+            identity=identity,
         )
         self._attached: set[str] = set()
         # The minted id is this principal's before its first message (core/reservations.py).
@@ -118,6 +128,13 @@ class OmniaSocket(ServerSocket):
             await self._ws.ping()
         elif action is Keepalive.CLOSE:
             self.start_close(CLOSE_KEEPALIVE_TIMEOUT, "keepalive timeout")
+        self._check_expiry()
+
+    def _check_expiry(self) -> None:
+        """Close 4401 once the credential's close point passed and no turn runs here."""
+        running = any(self._services.engine.is_busy(s) for s in self._attached)
+        if self._core.expiry_due(self._now(), turn_running=running):
+            self.start_close(CLOSE_CREDENTIAL_EXPIRED, CREDENTIAL_EXPIRED_REASON)
 
     def _now(self) -> float:
         return self._loop.time()
@@ -148,6 +165,17 @@ class OmniaSocket(ServerSocket):
                 await self._request_upload(event)
             case LimitHit(limit=limit):
                 self._metrics.rate_limited.labels(limit).inc()
+            case RefreshOffered(token=token):
+                await self._refresh(token)
+
+    async def _refresh(self, token: str) -> None:
+        """`credential_refresh`: no reply either way, nothing reaches the runtime."""
+        try:
+            identity = await self._services.auth.identify(token)
+        except Unauthenticated:
+            return
+        if self._core.refresh(identity, now=self._now(), wall=time.time()):
+            log_refresh(PROTOCOL, self.describe(), identity)
 
     async def _request_upload(self, event: UploadRequested) -> None:
         request = event.request
@@ -213,6 +241,9 @@ class OmniaSocket(ServerSocket):
         if not self._closed:
             self._core.send_turn_event(event, self._loop.time())
             self.wake()
+            if isinstance(event, TurnCompleted | TurnFailed):
+                # The engine frees the session after its last event: check once it has.
+                self._loop.call_soon(self._check_expiry)
 
 
 async def omnia_handler(request: web.Request) -> web.StreamResponse:

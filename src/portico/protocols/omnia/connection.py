@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from portico.auth.base import Identity
 from portico.core.events import (
     TurnChunk,
     TurnCompleted,
@@ -36,11 +37,13 @@ from portico.core.validation import (
 )
 from portico.errors import (
     BinaryFrameError,
+    CredentialExpired,
     InvalidMessage,
     MediaNotEnabled,
     PorticoError,
     RateLimited,
 )
+from portico.protocols.credential import CredentialClock
 from portico.protocols.omnia import frames as f
 from portico.protocols.omnia.binary import decode_frame
 from portico.protocols.outbox import Outbox
@@ -87,7 +90,13 @@ class LimitHit(msgspec.Struct, frozen=True):
     limit: str  # "messages" or "media_bytes"
 
 
-Event = MessageReceived | ToolReply | UploadRequested | LimitHit
+class RefreshOffered(msgspec.Struct, frozen=True):
+    """A `credential_refresh`: the adapter verifies the token and calls `refresh`."""
+
+    token: str
+
+
+Event = MessageReceived | ToolReply | UploadRequested | LimitHit | RefreshOffered
 
 
 class ConnectionLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,6 +110,7 @@ class ConnectionLimits(msgspec.Struct, frozen=True, kw_only=True):
     media_bytes_per_second: int = 2 * 1024 * 1024
     media_burst_bytes: int = 16 * 1024 * 1024  # one maximal frame of media at once
     max_send_queue_bytes: int = 4 * 1024 * 1024  # backlog bound; past it close 4008
+    credential_margin: float = 30.0  # close 4401 this long before the token's exp
 
 
 class Keepalive(Enum):
@@ -115,10 +125,21 @@ class _MediaRateExceeded(RateLimited):
 
 class OmniaConnection:
     def __init__(
-        self, *, session_id: str, binary: bool, limits: ConnectionLimits, now: float, wall: float
+        self,
+        *,
+        session_id: str,
+        binary: bool,
+        limits: ConnectionLimits,
+        now: float,
+        wall: float,
+        identity: Identity | None = None,
     ) -> None:
-        """`wall` is the wall-clock time (Unix seconds) at `now`."""
+        """`wall` is the wall-clock time (Unix seconds) at `now`; `identity` the
+        connection's verified credential (its `expires_at` is the deadline)."""
         self.session_id = session_id
+        self.credential = CredentialClock(
+            identity or Identity(principal=""), margin=limits.credential_margin, now=now, wall=wall
+        )
         self._stamps = Timestamps(now=now, wall=wall)
         self._limits = limits
         self._last_received = now
@@ -197,6 +218,12 @@ class OmniaConnection:
             # msgspec refuses pathological nesting this way, even inside ignored fields.
             self.send_error(InvalidMessage("Failed to parse message: nested too deeply"), now=now)
             return []
+        if isinstance(frame, f.CredentialRefreshFrame):
+            return [RefreshOffered(frame.token)]
+        if self.credential.expired(now):
+            session_id = getattr(frame, "session_id", None) or None
+            self.send_error(CredentialExpired(), session_id, now=now)
+            return []
         try:
             return self._dispatch(frame)
         except _MediaRateExceeded as exc:
@@ -242,8 +269,20 @@ class OmniaConnection:
                 session_id, _ = self._resolve_session(frame.session_id)
                 return [UploadRequested(session_id, frame.upload_request)]
         # hangup and disclosure_ack concern realtime audio and AI disclosure, which
-        # this server does not run; credential_refresh has no reply by spec.
+        # this server does not run.
         return []
+
+    # -- credential ---------------------------------------------------------------
+
+    def refresh(self, identity: Identity, *, now: float, wall: float) -> bool:
+        """A verified `credential_refresh` token: taken, or ignored; never a reply."""
+        if self.credential.expired(now):
+            return False  # too late: the connection is closing for its expired credential
+        return self.credential.refresh(identity, now=now, wall=wall)
+
+    def expiry_due(self, now: float, *, turn_running: bool) -> bool:
+        """Whether to close with 4401 "credential expired" now."""
+        return self.credential.close_due(now, turn_running=turn_running)
 
     def _resolve_session(self, session_id: str | None) -> tuple[str, bool]:
         if not session_id or session_id == self.session_id:
@@ -290,7 +329,11 @@ class OmniaConnection:
         return None
 
     def next_deadline(self) -> float:
-        return min(self._next_ping, self._last_received + self._limits.pong_timeout)
+        return min(
+            self._next_ping,
+            self._last_received + self._limits.pong_timeout,
+            self.credential.next_deadline(),
+        )
 
 
 def turn_event_frame(event: TurnEvent, timestamp: str) -> f.ServerFrame:

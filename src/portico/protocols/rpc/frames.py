@@ -46,6 +46,7 @@ class ClientFrame(msgspec.Struct, frozen=True):
     token: Any = None
     offset: Any = None
     epoch: Any = None
+    credential: Any = None  # `{"type": "credential", "credential": "<token>"}`: a refresh
 
 
 class Connect(msgspec.Struct, frozen=True, kw_only=True):
