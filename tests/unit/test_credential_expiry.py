@@ -327,3 +327,25 @@ def test_rpc_refresh_rules(offered: Identity, accepted: bool) -> None:
     conn.check_credential(45.0, turn_running=False)
     assert (conn.close_request is None) is accepted
     assert rpc_out(conn) == []
+
+
+def test_rpc_rtc_answers_after_the_deadline_still_go_through() -> None:
+    """They end a running turn, which the 4401 waits for."""
+    conn = rpc_connection(token(60.0))
+    request = '{"id":"r1","method":"v1.rtc.get","params":{"rtc_id":"rtc-1"}}'
+    [event] = conn.receive_text(request, 61.0)
+    assert isinstance(event, rpc.RequestReceived)
+
+
+def test_ws_tool_replies_after_the_deadline_still_go_through() -> None:
+    conn = omnia(token(60.0))
+    frame = '{"type":"tool_result","tool_result":{"call_id":"c1","result":1}}'
+    assert len(conn.receive_text(frame, 61.0)) == 1
+    assert conn.data_to_send() == []
+
+
+def test_session_tool_results_after_the_deadline_are_handled() -> None:
+    conn = session(token(60.0))
+    frame = sf.encode(sf.ClientToolResult(seq=1, call_id="c1", result=1))
+    assert isinstance(conn.receive_text(frame, 61.0)[0], Received)
+    assert conn.close_request is None

@@ -220,8 +220,11 @@ class OmniaConnection:
             return []
         if isinstance(frame, f.CredentialRefreshFrame):
             return [RefreshOffered(frame.token)]
-        if self.credential.expired(now):
-            session_id = getattr(frame, "session_id", None) or None
+        if isinstance(frame, f.MessageFrame | f.UploadRequestFrame) and self.credential.expired(
+            now
+        ):
+            # New work after the deadline is refused; tool replies still end a running turn.
+            session_id = frame.session_id or None
             self.send_error(CredentialExpired(), session_id, now=now)
             return []
         try:

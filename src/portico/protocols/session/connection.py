@@ -322,8 +322,13 @@ class SessionConnection:
         seq = getattr(frame, "seq", None)
         if not isinstance(seq, int) or seq < 1:
             raise ProtocolViolation(f"{type(frame).__name__} needs a seq of 1 or more")
-        if self.credential is not None and self.credential.expired(now):
-            # Not handled: the client resumes with a fresh token and resends it.
+        if (
+            isinstance(frame, f.Message)
+            and self.credential is not None
+            and self.credential.expired(now)
+        ):
+            # Not handled: the client resumes with a fresh token and resends it. Tool
+            # replies are still taken: they end a running turn.
             self.fail(SessionCredentialExpired())
             return []
         assert self.channel is not None
