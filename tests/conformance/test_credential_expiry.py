@@ -21,6 +21,7 @@ import aiohttp
 import jwt
 import pytest
 
+from portico.client import ConnectionStatus, ReconnectPolicy, RpcClient, SessionClient
 from support.jwks import AUDIENCE, Issuer
 from support.rpc import RpcClosed, RpcProbe
 from support.server import ServerProcess
@@ -368,3 +369,111 @@ async def test_rpc_credentials_that_break_a_rule_are_ignored(
     assert code == 4401
     assert time.time() < exp_of(first)
     assert frames == []
+
+
+# -- the Python SDK -----------------------------------------------------------------------
+
+
+class Provider:
+    """The app's token callback: a fresh short-lived token each call, after `stale`
+    calls that hand back the first token again (an app whose token was not renewed)."""
+
+    def __init__(self, tokens: Tokens, *, stale: int = 0) -> None:
+        self.tokens = tokens
+        self.stale = stale
+        self.issued: list[str] = []
+
+    async def __call__(self) -> str:
+        if self.issued and len(self.issued) <= self.stale:
+            self.issued.append(self.issued[0])
+        else:
+            self.issued.append(self.tokens.token())
+        return self.issued[-1]
+
+
+async def until(condition: Any, what: str) -> None:
+    """Poll `condition()` until it holds, within BOUND."""
+    async with asyncio.timeout(BOUND):
+        while not condition():  # noqa: ASYNC110 (a clock or another task's state)
+            await asyncio.sleep(0.05)
+
+
+def refreshed_in_log(server: ServerProcess, protocol: str, principal: str) -> bool:
+    log = server.log_path.read_text()
+    return any(
+        "credential refreshed" in line and f"protocol={protocol}" in line and principal in line
+        for line in log.splitlines()
+    )
+
+
+async def test_sdk_session_client_refreshes_through_its_callback(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    provider = Provider(Tokens(issuer, "sdk-session-refresh"))
+    statuses: list[ConnectionStatus] = []
+    url = f"ws://127.0.0.1:{server.port}/v1/session"
+    async with SessionClient(url, credential_provider=provider, on_status=statuses.append) as c:
+        assert "one" in (await asyncio.wait_for(c.ask("echo one"), BOUND)).text
+        first_exp = exp_of(provider.issued[0])
+        await until(lambda: time.time() > first_exp + 0.5, "the first token's exp")
+        assert "two" in (await asyncio.wait_for(c.ask("echo two"), BOUND)).text
+        assert c.connections == 1
+    assert [s.state for s in statuses][:1] == ["open"]
+    assert "dropped" not in [s.state for s in statuses]
+    assert len(provider.issued) >= 2
+    assert refreshed_in_log(server, "session", "sdk-session-refresh")
+    assert all(token not in server.log_path.read_text() for token in provider.issued)
+
+
+async def test_sdk_session_client_resumes_after_a_4401_with_nothing_lost(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    """The callback has nothing newer at refresh time: the server closes 4401; a
+    message sent while disconnected is resent on the resumed session and answered."""
+    provider = Provider(Tokens(issuer, "sdk-session-4401"), stale=1)
+    statuses: list[ConnectionStatus] = []
+    url = f"ws://127.0.0.1:{server.port}/v1/session"
+    policy = ReconnectPolicy(initial=1.0, jitter=0.0)
+    async with SessionClient(
+        url, credential_provider=provider, on_status=statuses.append, reconnect=policy
+    ) as client:
+        session_id = client.session_id
+        await until(lambda: any(s.state == "dropped" for s in statuses), "the 4401")
+        dropped = next(s for s in statuses if s.state == "dropped")
+        assert dropped.close_code == 4401
+        turn = await client.start_turn("echo kept")  # while disconnected
+        reply = await asyncio.wait_for(turn.reply(), BOUND)
+        assert "kept" in reply.text
+        assert client.session_id == session_id
+        assert client.connections == 2
+        assert client.ready is not None
+        assert client.ready.resumed
+
+
+async def test_sdk_rpc_client_refreshes_through_its_callback(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    provider = Provider(Tokens(issuer, "sdk-rpc-refresh"))
+    url = f"ws://127.0.0.1:{server.port}/v1/rpc"
+    async with RpcClient(url, token_provider=provider, request_timeout=BOUND) as client:
+        first_exp = exp_of(provider.issued[0])
+        await until(lambda: time.time() > first_exp + 0.5, "the first token's exp")
+        await client.session_list()
+        assert client.connections == 1
+    assert refreshed_in_log(server, "rpc", "sdk-rpc-refresh")
+
+
+async def test_sdk_rpc_client_reconnects_after_a_4401_and_recovers_its_stream(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    provider = Provider(Tokens(issuer, "sdk-rpc-4401"), stale=1)
+    url = f"ws://127.0.0.1:{server.port}/v1/rpc"
+    async with RpcClient(url, token_provider=provider, request_timeout=BOUND) as client:
+        sent = await client.message_send("echo before")
+        await until(lambda: client.connections == 2, "the reconnect after the 4401")
+        assert client.recovered
+        again = await client.message_send("echo after", server_session_id=sent.result.session_id)
+        assert again.result.session_id == sent.result.session_id
+        page = await client.message_list(sent.result.session_id)
+        contents = [m.content_data for m in page.items]
+        assert any("before" in str(c) for c in contents)

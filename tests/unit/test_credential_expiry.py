@@ -6,6 +6,7 @@ Time goes in as `now` (monotonic) with the wall-clock time `WALL + now`; tokens 
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from portico.auth.base import Identity
+from portico.client.credentials import refresh_delay, token_expiry
 from portico.protocols.credential import CredentialClock
 from portico.protocols.omnia.connection import (
     ConnectionLimits,
@@ -349,3 +351,29 @@ def test_session_tool_results_after_the_deadline_are_handled() -> None:
     frame = sf.encode(sf.ClientToolResult(seq=1, call_id="c1", result=1))
     assert isinstance(conn.receive_text(frame, 61.0)[0], Received)
     assert conn.close_request is None
+
+
+# -- the SDK's refresh schedule -------------------------------------------------------------
+
+
+def unsigned_jwt(claims: dict[str, Any]) -> str:
+    def part(data: dict[str, Any]) -> str:
+        return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+
+    return f"{part({'alg': 'none'})}.{part(claims)}.sig"
+
+
+def test_sdk_reads_a_jwts_exp_and_nothing_else() -> None:
+    assert token_expiry(unsigned_jwt({"exp": 1_800_000_060})) == 1_800_000_060.0
+    assert token_expiry(unsigned_jwt({"sub": "a"})) is None
+    assert token_expiry("key-1") is None
+    assert token_expiry(None) is None
+    assert token_expiry("a.!!!.c") is None
+
+
+@pytest.mark.parametrize("lifetime", [4.0, 40.0, 60.0, 100.0, 3600.0])
+def test_sdk_refreshes_before_the_servers_close_point(lifetime: float) -> None:
+    delay = refresh_delay(WALL + lifetime, WALL)
+    server = CredentialClock(token(lifetime), margin=MARGIN, now=0.0, wall=WALL)
+    assert 0 < delay < server.close_at
+    assert delay >= lifetime - 60.0  # a long token is not refreshed needlessly early

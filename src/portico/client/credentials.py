@@ -48,7 +48,8 @@ def token_expiry(token: str | None) -> float | None:
 def refresh_delay(expires_at: float, now: float, *, lead: float = REFRESH_LEAD) -> float:
     """Seconds from `now` until a token expiring at `expires_at` should be replaced."""
     remaining = expires_at - now
-    return max(0.0, min(remaining - lead, remaining * REFRESH_FRACTION))
+    # Both terms come before the server's close point, max(exp - 30 s, half the life).
+    return max(0.0, remaining - lead, remaining * REFRESH_FRACTION)
 
 
 async def ask(provider: CredentialProvider) -> str | None:
