@@ -271,6 +271,13 @@ class PingFrame(msgspec.Struct, frozen=True, tag_field="type", tag="ping"):
     """Any time after `connected`; answered with `pong`, never rate-limited."""
 
 
+class CredentialFrame(msgspec.Struct, frozen=True, tag_field="type", tag="credential"):
+    """Any time after `connected`: a fresh token for this connection; no reply. Taken
+    only for the same principal (and session binding) and a later `exp` (docs/rpc.md)."""
+
+    credential: str
+
+
 class RequestFrame(msgspec.Struct, frozen=True):
     """`params` follows the method's own schema (`x-rpc-methods` in the document)."""
 
@@ -280,7 +287,7 @@ class RequestFrame(msgspec.Struct, frozen=True):
 
 
 # Requests, replies and failures carry no `type`: the documents list the frames as tuples.
-DOCUMENTED_CLIENT_FRAMES = (ConnectFrame, PingFrame, RequestFrame)
+DOCUMENTED_CLIENT_FRAMES = (ConnectFrame, PingFrame, CredentialFrame, RequestFrame)
 SERVER_FRAMES = (
     Connected,
     UpdateFrame,
