@@ -221,6 +221,9 @@ class _Socket:
     def replaced(self) -> None:
         return None
 
+    def turn_ended(self) -> None:
+        self.turns_ended = getattr(self, "turns_ended", 0) + 1
+
 
 def live_session(capabilities: tuple[str, ...] = ("audio", "resume")) -> LiveSession:
     return LiveSession(
