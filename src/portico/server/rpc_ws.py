@@ -45,7 +45,7 @@ from portico.protocols.rpc.entities import (
 )
 from portico.server.admission import check_admission
 from portico.server.services import SERVICES, Services
-from portico.server.sockets import ServerSocket, log_refresh, run_socket
+from portico.server.sockets import ServerSocket, run_socket
 from portico.store.base import Background, collecting_updates
 
 log = logging.getLogger("portico.rpc")
@@ -106,18 +106,9 @@ class RpcSocket(ServerSocket):
         principal's turns runs (their replies reach this connection)."""
         if self._closed or not self._principal:
             return
-        running = bool(self._services.engine.streaming_replies(self._principal))
+        running = self._services.engine.runs_a_turn_for(self._principal)
         self._core.check_credential(self._loop.time(), turn_running=running)
         self._after_core()
-
-    async def _refresh(self, token: str) -> None:
-        """A `credential` frame: no reply either way."""
-        try:
-            identity = await self._services.auth.identify(token)
-        except Unauthenticated:
-            return
-        if self._core.refresh(identity, now=self._loop.time(), wall=time.time()):
-            log_refresh(PROTOCOL, self.describe(), identity)
 
     def on_overflow(self) -> None:
         self.start_close(CLOSE_SLOW_CONSUMER, "slow consumer")
@@ -135,7 +126,7 @@ class RpcSocket(ServerSocket):
             elif isinstance(event, RequestReceived):
                 self._start(event.request)
             elif isinstance(event, CredentialOffered):
-                await self._refresh(event.token)
+                await self.refresh_credential(event.token, self._core.refresh)
         self._after_core()
 
     # -- connect and recovery -------------------------------------------------------------

@@ -59,7 +59,7 @@ from portico.protocols.session.media import MediaItems, choose_audio
 from portico.runtime.base import ClientTool
 from portico.server.admission import check_admission
 from portico.server.services import SERVICES, Services
-from portico.server.sockets import ServerSocket, log_refresh, run_socket
+from portico.server.sockets import ServerSocket, run_socket
 
 log = logging.getLogger("portico.session")
 PROTOCOL = "session"
@@ -299,7 +299,7 @@ class SessionSocket(ServerSocket):
             elif isinstance(event, Received):
                 await self._numbered(event.frame)
             elif isinstance(event, CredentialOffered):
-                await self._refresh(event.token)
+                await self.refresh_credential(event.token, self._core.refresh)
         self._after_core()
 
     async def on_binary(self, data: bytes, now: float) -> None:
@@ -320,15 +320,6 @@ class SessionSocket(ServerSocket):
         running = live is not None and self._services.engine.is_busy(live.id)
         self._core.check_credential(self._loop.time(), turn_running=running)
         self._after_core()
-
-    async def _refresh(self, token: str) -> None:
-        """An unnumbered `credential`: no reply either way."""
-        try:
-            identity = await self._services.auth.identify(token)
-        except Unauthenticated:
-            return
-        if self._core.refresh(identity, now=self._loop.time(), wall=time.time()):
-            log_refresh(PROTOCOL, self.describe(), identity)
 
     # -- handshake ----------------------------------------------------------------------
 

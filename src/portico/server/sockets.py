@@ -19,6 +19,7 @@ from typing import ClassVar, Protocol
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
 from portico.auth.base import Identity
+from portico.errors import Unauthenticated
 from portico.protocols.outbox import BinaryData
 from portico.server.admission import CLOSE_HANDSHAKE_TIMEOUT, CLOSE_TRY_AGAIN_LATER
 from portico.server.services import Services
@@ -55,16 +56,6 @@ def close_frame(code: int, reason: str) -> bytes:
 def frame_type(frame: bytes) -> WSMsgType:
     """Queued frames are text unless a core marked them binary (`BinaryData`)."""
     return WSMsgType.BINARY if isinstance(frame, BinaryData) else WSMsgType.TEXT
-
-
-def log_refresh(protocol: str, described: str, identity: Identity) -> None:
-    """One INFO line per accepted credential refresh; never the token."""
-    log.info(
-        "credential refreshed protocol=%s %s expires_at=%d",
-        protocol,
-        described,
-        identity.expires_at or 0,
-    )
 
 
 class FramedCore(Protocol):
@@ -213,6 +204,22 @@ class ServerSocket(ABC):
             return False
         self._held_principal = principal
         return True
+
+    async def refresh_credential(self, token: str, refresh: Callable[..., bool]) -> None:
+        """A refresh frame's token: verified, then offered to the core's `refresh`
+        (which applies the acceptance rules). No reply either way; one INFO line per
+        accepted refresh, never the token."""
+        try:
+            identity: Identity = await self._services.auth.identify(token)
+        except Unauthenticated:
+            return  # ignored, as any token the rules refuse
+        if refresh(identity, now=self._loop.time(), wall=time.time()):
+            log.info(
+                "credential refreshed protocol=%s %s expires_at=%d",
+                self.protocol,
+                self.describe(),
+                identity.expires_at or 0,
+            )
 
     async def _stop_background(self) -> None:
         if self._timer is not None:

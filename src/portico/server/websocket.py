@@ -23,7 +23,6 @@ from portico.errors import (
     InternalError,
     PorticoError,
     RateLimited,
-    Unauthenticated,
 )
 from portico.protocols.credential import CLOSE_CREDENTIAL_EXPIRED, CREDENTIAL_EXPIRED_REASON
 from portico.protocols.omnia.connection import (
@@ -47,7 +46,7 @@ from portico.protocols.omnia.frames import (
 )
 from portico.server.admission import admit
 from portico.server.services import SERVICES, Services
-from portico.server.sockets import ServerSocket, log_refresh, run_socket
+from portico.server.sockets import ServerSocket, run_socket
 
 log = logging.getLogger("portico.ws")
 PROTOCOL = "omnia"
@@ -166,16 +165,7 @@ class OmniaSocket(ServerSocket):
             case LimitHit(limit=limit):
                 self._metrics.rate_limited.labels(limit).inc()
             case RefreshOffered(token=token):
-                await self._refresh(token)
-
-    async def _refresh(self, token: str) -> None:
-        """`credential_refresh`: no reply either way, nothing reaches the runtime."""
-        try:
-            identity = await self._services.auth.identify(token)
-        except Unauthenticated:
-            return
-        if self._core.refresh(identity, now=self._now(), wall=time.time()):
-            log_refresh(PROTOCOL, self.describe(), identity)
+                await self.refresh_credential(token, self._core.refresh)
 
     async def _request_upload(self, event: UploadRequested) -> None:
         request = event.request
