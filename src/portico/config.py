@@ -221,6 +221,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     jwt_session_claim: str = ""  # a resume needs the same value; empty: no binding
     jwt_jwks_refresh_interval: Seconds = 60.0  # an unknown `kid` refetches at most this often
     jwt_jwks_timeout: Seconds = 5.0  # one discovery or JWKS fetch
+    # A connection closes 4401 this long before its token's `exp` (or at half the
+    # token's remaining life when that is shorter), once no turn runs on it.
+    credential_expiry_margin: Seconds = 30.0
 
     # Sessions.
     context_ttl: Seconds = 86400.0  # a session's context lives this long after its last activity

@@ -181,6 +181,17 @@ class Unauthenticated(PorticoError):
     http_status = 401
 
 
+class CredentialExpired(PorticoError):
+    """A message arrived after the connection's credential deadline: not processed.
+    The connection closes with 4401 "credential expired" (spec identity.md)."""
+
+    code = "CREDENTIAL_EXPIRED"
+    http_status = 401
+
+    def __init__(self) -> None:
+        super().__init__("the credential expired; reconnect with a fresh one")
+
+
 class IdentityProviderUnavailable(Unauthenticated):
     """The issuer's keys could not be fetched: the credential cannot be checked now.
     HTTP answers 503 (so a client retries rather than drops its token); the WebSocket
@@ -425,6 +436,22 @@ class Forbidden(RpcError):
 
 class RpcRateLimited(RpcError):
     code = "rate_limited"
+
+
+class SessionCredentialExpired(CredentialExpired):
+    """On `/v1/session` the message stays unhandled: the client resumes with a fresh
+    token and resends it."""
+
+    close_code = 4401
+
+
+class RpcCredentialExpired(RpcError):
+    """`CredentialExpired` in the RPC's lower-case codes."""
+
+    code = "credential_expired"
+
+    def __init__(self) -> None:
+        super().__init__(CredentialExpired().message)
 
 
 class RpcTooManyConnections(RpcRateLimited):

@@ -221,6 +221,9 @@ class _Socket:
     def replaced(self) -> None:
         return None
 
+    def turn_ended(self) -> None:
+        return None
+
 
 def live_session(capabilities: tuple[str, ...] = ("audio", "resume")) -> LiveSession:
     return LiveSession(

@@ -99,6 +99,7 @@ import aiohttp
 import msgspec
 from aiohttp import WSMsgType
 
+from portico.client.credentials import CredentialProvider, ask, keep_fresh
 from portico.client.session import ReconnectPolicy
 from portico.client.supervision import Retries, Supervision, open_socket, serve_socket
 from portico.core.model import ContentPart
@@ -548,6 +549,13 @@ class _Link:
         finally:
             self._waiting.pop(call_id, None)
 
+    async def refresh(self, token: str) -> None:
+        """A fresh token for this connection (`credential`); no reply comes."""
+        with contextlib.suppress(ConnectionError, aiohttp.ClientError):
+            await self.ws.send_frame(
+                _encode({"type": "credential", "credential": token}), WSMsgType.TEXT
+            )
+
     def resolve(self, frame: _ServerFrame) -> None:
         future = self._waiting.get(frame.id or "")
         if future is not None and not future.done():
@@ -595,7 +603,12 @@ class RpcClient:
 
     See the module docstring. Durations are in seconds. `offset` and `epoch` are a
     position persisted from an earlier client (`client.offset`, `client.epoch`);
-    without them the stream starts at the server's head.
+    without them the stream starts at the server's head. `token_provider`, when
+    given, is asked for the token of every connection and, for a JWT, again before
+    its `exp` (sent as a `credential` frame, so the connection stays up); a 4401
+    after a connection worked (the token expired anyway) reconnects once with a
+    fresh token and the stream recovers from its offset. Without it `token` is sent
+    and a 4401 is terminal.
     """
 
     def __init__(
@@ -603,6 +616,7 @@ class RpcClient:
         url: str,
         *,
         token: str | None = None,
+        token_provider: CredentialProvider | None = None,
         offset: int | None = None,
         epoch: str | None = None,
         reconnect: ReconnectPolicy | None = None,
@@ -625,6 +639,7 @@ class RpcClient:
         self.connections = 0  # connections that got `connected`
         self.recovered = False  # the latest `connected.recovered`
         self._token = token
+        self._token_provider = token_provider
         self._received = offset  # highest offset queued: sent in `connect`
         self._received_epoch = epoch
         self._policy = reconnect or ReconnectPolicy()
@@ -1018,12 +1033,15 @@ class RpcClient:
     async def _supervise(self) -> None:
         """Connect, and after every drop reconnect, until a terminal condition."""
         retries = Retries(self._policy, self._rng, RpcConnectionLostError)
+        auth_retried = False  # the previous connection was refused 4401 before opening
         try:
             while True:
                 outcome = await self._connect_once()
                 if outcome.opened:
                     retries.connected()
-                self._check_terminal(outcome)
+                    auth_retried = False
+                self._check_terminal(outcome, auth_retried)
+                auth_retried = outcome.close_code == CLOSE_UNAUTHENTICATED
                 delay = retries.next_delay()
                 log.info("rpc connection dropped code=%s retry_in=%.2f", outcome.close_code, delay)
                 await asyncio.sleep(delay)
@@ -1036,14 +1054,18 @@ class RpcClient:
             log.exception("rpc client failed")
             self._stop(RpcClientError(f"internal error: {exc!r}"))
 
-    def _check_terminal(self, outcome: _Outcome) -> None:
+    def _check_terminal(self, outcome: _Outcome, auth_retried: bool = False) -> None:
         """Raise when `outcome` ends the client; return when a reconnect should follow."""
         if self._closing:
             raise _Finished()
         error = outcome.error
-        if outcome.close_code == CLOSE_UNAUTHENTICATED or (
+        refused = outcome.close_code == CLOSE_UNAUTHENTICATED or (
             error is not None and error.code == "unauthenticated"
-        ):
+        )
+        # With a provider, an expired credential (4401 on a connection that worked) is
+        # retried once with a fresh token.
+        retry = self._token_provider is not None and not auth_retried and self.connections > 0
+        if refused and not retry:
             message = error.message if error is not None else "unauthenticated"
             raise RpcAuthenticationError(message, close_code=outcome.close_code)
         if self.connections == 0:
@@ -1092,9 +1114,14 @@ class RpcClient:
 
     async def _run_link(self, link: _Link) -> None:
         """Send `connect`, then read until the socket closes."""
+        try:
+            token = self._token if self._token_provider is None else await ask(self._token_provider)
+        except Exception as exc:  # the app's callback
+            log.warning("token callback failed: %s", type(exc).__name__)
+            return
         connect: dict[str, Any] = {"type": "connect"}
         for key, value in (
-            ("token", self._token),
+            ("token", token),
             ("offset", link.sent_offset),
             ("epoch", link.sent_epoch),
         ):
@@ -1104,6 +1131,17 @@ class RpcClient:
             await link.ws.send_frame(_encode(connect), WSMsgType.TEXT)
         except (ConnectionError, aiohttp.ClientError):
             return
+        refreshing = None
+        if self._token_provider is not None:
+            refreshing = asyncio.create_task(keep_fresh(token, self._token_provider, link.refresh))
+        try:
+            await self._read_link(link)
+        finally:
+            if refreshing is not None:
+                refreshing.cancel()
+                await asyncio.gather(refreshing, return_exceptions=True)
+
+    async def _read_link(self, link: _Link) -> None:
         while True:
             msg = await link.ws.receive()
             if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):

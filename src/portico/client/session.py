@@ -86,6 +86,7 @@ import aiohttp
 import msgspec
 from aiohttp import WSMsgType
 
+from portico.client.credentials import CredentialProvider, ask, keep_fresh
 from portico.client.supervision import (
     ReconnectPolicy,
     Retries,
@@ -114,7 +115,6 @@ log = logging.getLogger("portico.client")
 ServerMessage: TypeAlias = f.ServerNumbered
 ToolFunction: TypeAlias = Callable[..., Any]
 Consent: TypeAlias = Callable[[f.ToolCall], Awaitable[bool] | bool]
-CredentialProvider: TypeAlias = Callable[[], Awaitable[str | None] | str | None]
 
 MiB: Final = 1024 * 1024
 DECLINED_BY_USER: Final = "declined by the user"
@@ -405,6 +405,7 @@ class _Link:
         self.ready: asyncio.Future[f.Ready] = asyncio.get_running_loop().create_future()
         self.close_code: int | None = None
         self.error: f.ErrorInfo | None = None
+        self.credential: str | None = None  # the one its hello carried
         self._on_events = on_events
         self._on_binary = on_binary
         self._loop = asyncio.get_running_loop()
@@ -428,6 +429,14 @@ class _Link:
 
     def start_timers(self) -> None:
         self._tasks.append(asyncio.create_task(self._timer_loop()))
+
+    def keep_credential_fresh(self, credential: str | None, provider: CredentialProvider) -> None:
+        """Send a fresh token (`credential`) before this one's deadline closes the link."""
+        self._tasks.append(asyncio.create_task(keep_fresh(credential, provider, self._refresh)))
+
+    async def _refresh(self, token: str) -> None:
+        self.core.send_credential(token)
+        self._after_core()
 
     def write(self, data: bytes) -> None:
         """A numbered frame the channel encoded: live now if the handshake is done."""
@@ -514,8 +523,11 @@ class SessionClient:
     """A resumable session over `GET /v1/session`; see the module docstring.
 
     Every duration is in seconds. `credential_provider`, when given, is asked for
-    a credential before every connection, and a 4401 is retried once with a fresh
-    one; without it `credential` is sent and a 4401 is terminal.
+    a credential before every connection and, for a JWT, again before its `exp`
+    (the answer is sent as an unnumbered `credential`, so the connection stays up);
+    a 4401 (the credential expired anyway, or was refused) is retried once with a
+    fresh one and the session resumes with nothing lost. Without it `credential`
+    is sent and a 4401 is terminal.
     """
 
     def __init__(
@@ -1132,6 +1144,7 @@ class SessionClient:
         core = SessionConnection(role=Role.CLIENT, timing=self._timing, now=loop.time())
         core.start(self._hello(credential), self._channel)
         link = _Link(ws, core, self._on_events, self._on_binary)
+        link.credential = credential
         self._link = link
         running = asyncio.create_task(link.run())
 
@@ -1159,6 +1172,8 @@ class SessionClient:
         self._opened(link.ready.result())
         if not running.done():  # ready and the close can arrive in one read
             link.start_timers()
+            if self._credential_provider is not None:
+                link.keep_credential_fresh(link.credential, self._credential_provider)
         return True
 
     def _opened(self, ready: f.Ready) -> None:
@@ -1197,8 +1212,7 @@ class SessionClient:
     async def _current_credential(self) -> str | None:
         if self._credential_provider is None:
             return self._credential
-        value = self._credential_provider()
-        return await value if inspect.isawaitable(value) else value
+        return await ask(self._credential_provider)
 
     # -- stopping -----------------------------------------------------------------------------
 

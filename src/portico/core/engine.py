@@ -259,6 +259,11 @@ class Engine:
             if runner is not None and runner.owner == owner and runner.reply_archived
         ]
 
+    def runs_a_turn_for(self, owner: str) -> bool:
+        """Whether a turn runs in any of the owner's sessions (an RPC connection sees
+        them all, so its credential close waits for them)."""
+        return any(r is not None and r.owner == owner for r in self._running.values())
+
     def streamed_so_far(self, session_id: str) -> StreamedSoFar | None:
         """The session's reply being streamed by this process now, as far as it got."""
         runner = self._running.get(session_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
@@ -13,7 +14,7 @@ import msgspec
 from aiohttp import web
 
 from portico.core.conversations import ForkRequest, Page, SendRequest
-from portico.core.events import TurnChunk, TurnEvent
+from portico.core.events import TurnChunk, TurnCompleted, TurnEvent, TurnFailed
 from portico.core.model import Update
 from portico.errors import (
     InvalidRequest,
@@ -28,6 +29,7 @@ from portico.protocols.rpc import frames as f
 from portico.protocols.rpc.connection import (
     CLOSE_SLOW_CONSUMER,
     ConnectReceived,
+    CredentialOffered,
     Event,
     RequestReceived,
     RpcConnection,
@@ -69,6 +71,7 @@ class RpcSocket(ServerSocket):
             requests_per_second=settings.rate_limit_messages,
             request_burst=settings.rate_limit_burst,
             now=self._loop.time(),
+            credential_margin=settings.credential_expiry_margin,
         )
         self._principal = ""
         self._in_flight: set[asyncio.Task[None]] = set()
@@ -97,7 +100,16 @@ class RpcSocket(ServerSocket):
         await self._handle_all(self._core.receive_text(data, now))
 
     async def on_timer(self, now: float) -> None:
-        return None
+        self._check_expiry()
+
+    def _check_expiry(self) -> None:
+        """Close 4401 once the credential's close point passed and none of the
+        principal's turns runs (their replies reach this connection)."""
+        if self._closed or not self._principal:
+            return
+        running = self._services.engine.runs_a_turn_for(self._principal)
+        self._core.check_credential(self._loop.time(), turn_running=running)
+        self._after_core()
 
     def on_overflow(self) -> None:
         self.start_close(CLOSE_SLOW_CONSUMER, "slow consumer")
@@ -114,6 +126,8 @@ class RpcSocket(ServerSocket):
                 await self._connect(event.connect)
             elif isinstance(event, RequestReceived):
                 self._start(event.request)
+            elif isinstance(event, CredentialOffered):
+                await self.refresh_credential(event.token, self._core.refresh)
         self._after_core()
 
     # -- connect and recovery -------------------------------------------------------------
@@ -145,6 +159,7 @@ class RpcSocket(ServerSocket):
         self._core.accept(
             user_id=principal, epoch=head.epoch, offset=head.last_offset, recovered=recovered
         )
+        self._core.bind_credential(identity, now=self._loop.time(), wall=time.time())
         if recovered:
             assert connect.offset is not None
             await self._replay(connect.offset, head.last_offset)
@@ -206,6 +221,9 @@ class RpcSocket(ServerSocket):
             self._background.spawn(self._services.tools.delivered(delivered))
 
     def _on_turn_event(self, event: TurnEvent) -> None:
+        if not self._closed and isinstance(event, TurnCompleted | TurnFailed):
+            # The engine frees the session after its last event: check once it has.
+            self._loop.call_soon(self._check_expiry)
         if self._closed or not isinstance(event, TurnChunk):
             return  # everything but the chunks reaches RPC clients as updates
         live = f.Live(event.session_id, event.turn_id, event.message_id, event.index, event.text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -47,6 +48,7 @@ from portico.protocols.session.channel import Channel, Numbered
 from portico.protocols.session.connection import (
     CLOSE_NORMAL,
     CLOSE_REPLACED,
+    CredentialOffered,
     HelloReceived,
     Received,
     Role,
@@ -75,6 +77,7 @@ def timing(services: Services) -> Timing:
         heartbeat_interval=settings.heartbeat_interval,
         idle_timeout=settings.session_idle_timeout,
         max_send_queue_bytes=settings.max_send_queue_bytes,
+        credential_margin=settings.credential_expiry_margin,
     )
 
 
@@ -182,6 +185,8 @@ class LiveSession:
         frame = session_frame(event)
         if frame is not None:
             self._number(frame)
+        if isinstance(event, TurnCompleted | TurnFailed) and self.socket is not None:
+            self.socket.turn_ended()
 
     def answer(self, frame: Numbered) -> None:
         """The session's answer to a client message it handled (an `error` with `ref_seq`).
@@ -245,6 +250,9 @@ class SessionSocket(ServerSocket):
     def core(self) -> SessionConnection:
         return self._core
 
+    def traced_sessions(self) -> tuple[str, ...]:
+        return (self._live.id,) if self._live is not None else ()
+
     def describe(self) -> str:
         session = self._live.id if self._live else "-"
         return f"session={session} principal={self._principal or '-'}"
@@ -293,6 +301,8 @@ class SessionSocket(ServerSocket):
                 await self._hello(event.hello)
             elif isinstance(event, Received):
                 await self._numbered(event.frame)
+            elif isinstance(event, CredentialOffered):
+                await self.refresh_credential(event.token, self._core.refresh)
         self._after_core()
 
     async def on_binary(self, data: bytes, now: float) -> None:
@@ -302,6 +312,16 @@ class SessionSocket(ServerSocket):
 
     async def on_timer(self, now: float) -> None:
         self._core.on_timer(now)
+        self._check_expiry()
+
+    def turn_ended(self) -> None:
+        # The engine frees the session after its last event: check once it has.
+        self._loop.call_soon(self._check_expiry)
+
+    def _check_expiry(self) -> None:
+        live = self._live
+        running = live is not None and self._services.engine.is_busy(live.id)
+        self._core.check_credential(self._loop.time(), turn_running=running)
         self._after_core()
 
     # -- handshake ----------------------------------------------------------------------
@@ -337,6 +357,7 @@ class SessionSocket(ServerSocket):
             ai_disclosure=self._services.engine.ai_disclosure(live.agent),
         )
         self._core.accept(live.channel, ready, hello.last_seq if hello.session_id else 0)
+        self._core.bind_credential(identity, now=self._loop.time(), wall=time.time())
         log.info("session %s session=%s", _how(hello), live.id)
 
     def _session_for(self, hello: f.Hello) -> Awaitable[LiveSession]:

@@ -18,6 +18,8 @@ from typing import ClassVar, Protocol
 
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
+from portico.auth.base import Identity
+from portico.errors import Unauthenticated
 from portico.protocols.outbox import BinaryData
 from portico.server.admission import CLOSE_HANDSHAKE_TIMEOUT, CLOSE_TRY_AGAIN_LATER
 from portico.server.services import Services
@@ -202,6 +204,31 @@ class ServerSocket(ABC):
             return False
         self._held_principal = principal
         return True
+
+    async def refresh_credential(self, token: str, refresh: Callable[..., bool]) -> None:
+        """A refresh frame's token: verified, then offered to the core's `refresh`
+        (which applies the acceptance rules). No reply either way; one INFO line per
+        accepted refresh, never the token."""
+        try:
+            identity: Identity = await self._services.auth.identify(token)
+        except Unauthenticated:
+            return  # ignored, as any token the rules refuse
+        if refresh(identity, now=self._loop.time(), wall=time.time()):
+            log.info(
+                "credential refreshed protocol=%s %s expires_at=%d",
+                self.protocol,
+                self.describe(),
+                identity.expires_at or 0,
+            )
+            for session_id in self.traced_sessions():
+                self._services.engine.traces.credential_refreshed(
+                    session_id, identity.principal, protocol=self.protocol
+                )
+
+    def traced_sessions(self) -> tuple[str, ...]:
+        """The sessions whose trace records this connection's credential refreshes: an
+        RPC connection serves no one session, so its refreshes are only logged."""
+        return ()
 
     async def _stop_background(self) -> None:
         if self._timer is not None:

@@ -16,10 +16,16 @@ from portico.auth.base import (
 )
 from portico.config import DEFAULT_AGENT
 from portico.core.engine import UserMessage
-from portico.core.events import TurnEvent
+from portico.core.events import TurnCompleted, TurnEvent, TurnFailed
 from portico.core.model import new_id
 from portico.core.trace import DISCLOSURE_DISPLAYED
-from portico.errors import DeclareTooLarge, InternalError, PorticoError, RateLimited
+from portico.errors import (
+    DeclareTooLarge,
+    InternalError,
+    PorticoError,
+    RateLimited,
+)
+from portico.protocols.credential import CLOSE_CREDENTIAL_EXPIRED, CREDENTIAL_EXPIRED_REASON
 from portico.protocols.omnia.connection import (
     CLOSE_KEEPALIVE_TIMEOUT,
     CLOSE_SLOW_CONSUMER,
@@ -30,6 +36,7 @@ from portico.protocols.omnia.connection import (
     LimitHit,
     MessageReceived,
     OmniaConnection,
+    RefreshOffered,
     ToolReply,
     UploadRequested,
     memory_facet_of,
@@ -59,6 +66,7 @@ def connection_limits(services: Services) -> ConnectionLimits:
         media_bytes_per_second=settings.media_rate_bytes,
         media_burst_bytes=settings.media_rate_burst,
         max_send_queue_bytes=settings.max_send_queue_bytes,
+        credential_margin=settings.credential_expiry_margin,
     )
 
 
@@ -91,6 +99,7 @@ class OmniaSocket(ServerSocket):
             wall=time.time(),
             memory_facet=memory_facet,
             ai_disclosure=services.engine.ai_disclosure(agent),
+            identity=identity,
         )
         self._attached: set[str] = set()
         # The minted id is this principal's before its first message (core/reservations.py).
@@ -99,6 +108,9 @@ class OmniaSocket(ServerSocket):
     @property
     def core(self) -> OmniaConnection:
         return self._core
+
+    def traced_sessions(self) -> tuple[str, ...]:
+        return tuple(sorted({self._core.session_id, *self._attached}))
 
     def describe(self) -> str:
         return f"session={self._core.session_id} principal={self._principal} agent={self._agent}"
@@ -125,6 +137,13 @@ class OmniaSocket(ServerSocket):
             await self._ws.ping()
         elif action is Keepalive.CLOSE:
             self.start_close(CLOSE_KEEPALIVE_TIMEOUT, "keepalive timeout")
+        self._check_expiry()
+
+    def _check_expiry(self) -> None:
+        """Close 4401 once the credential's close point passed and no turn runs here."""
+        running = any(self._services.engine.is_busy(s) for s in self._attached)
+        if self._core.expiry_due(self._now(), turn_running=running):
+            self.start_close(CLOSE_CREDENTIAL_EXPIRED, CREDENTIAL_EXPIRED_REASON)
 
     def _now(self) -> float:
         return self._loop.time()
@@ -159,6 +178,8 @@ class OmniaSocket(ServerSocket):
                 )
             case LimitHit(limit=limit):
                 self._metrics.rate_limited.labels(limit).inc()
+            case RefreshOffered(token=token):
+                await self.refresh_credential(token, self._core.refresh)
 
     async def _request_upload(self, event: UploadRequested) -> None:
         request = event.request
@@ -225,6 +246,9 @@ class OmniaSocket(ServerSocket):
         if not self._closed:
             self._core.send_turn_event(event, self._loop.time())
             self.wake()
+            if isinstance(event, TurnCompleted | TurnFailed):
+                # The engine frees the session after its last event: check once it has.
+                self._loop.call_soon(self._check_expiry)
 
 
 async def omnia_handler(request: web.Request) -> web.StreamResponse:

@@ -40,6 +40,11 @@
  *   dispatched. Unregistered tools are yours: `ackToolCall`, `sendToolResult`, `nackToolCall`.
  *   `handleToolCall(info)` runs the registered flow for a call learned elsewhere (the archive
  *   after a page reload: the frame was handled by the page before it reloaded).
+ * - Short-lived tokens: with `credentialProvider`, a JWT is replaced before its `exp` by an
+ *   unnumbered `credential` frame with the callback's answer, so the server never closes
+ *   the connection 4401 "credential expired"; after a 4401 anyway the client resumes with a
+ *   fresh token and loses nothing (docs/auth.md, Expiry and refresh). `RpcClient` does the
+ *   same with `tokenProvider`.
  * - Terminal: `ResumeFailedError` (4404: the session is gone; messages are never replayed
  *   into a new one), `AuthenticationError` (4401 without a `credentialProvider`, or twice),
  *   `SessionReplacedError` (4409), `ConnectionLostError` (no connection for
@@ -132,11 +137,87 @@ export const BEARER_SUBPROTOCOL_PREFIX = "portico.bearer.";
  * selects; the token is never echoed. Without a token, nothing is offered.
  * The token must be made of HTTP token characters (a JWT or a base64url API key is).
  *
- *   const ws = openOmniaSocket("/ws?agent=default", { token });
+ *   const ws = openOmniaSocket("/ws?agent=default", { token, credentialProvider: getToken });
+ *
+ * With `credentialProvider` (() => token or Promise<token>), a JWT is replaced before its
+ * `exp` by a `credential_refresh` frame with the callback's answer (no reply comes), so
+ * the server does not close the socket 4401 "credential expired"; after a 4401 anyway,
+ * open a new socket with a fresh token and resume with its `session_id`.
  */
-export function openOmniaSocket(path, { token = null, protocol = "omnia" } = {}) {
+export function openOmniaSocket(
+  path,
+  { token = null, protocol = "omnia", credentialProvider = null } = {},
+) {
   const protocols = token ? [BEARER_SUBPROTOCOL_PREFIX + token, protocol] : [];
-  return new WebSocket(websocketUrl(path), protocols);
+  const ws = new WebSocket(websocketUrl(path), protocols);
+  if (token && credentialProvider) {
+    const stop = keepCredentialFresh(token, credentialProvider, (fresh) => {
+      if (ws.readyState === WebSocket.OPEN) {
+        ws.send(JSON.stringify({ type: "credential_refresh", token: fresh }));
+      }
+    });
+    ws.addEventListener("close", stop);
+  }
+  return ws;
+}
+
+// -- short-lived tokens (docs/auth.md, Expiry and refresh) --------------------------------
+
+// The server closes a connection 4401 "credential expired" 30 s before its token's `exp`
+// (half its remaining life when that is shorter). Given a token callback, the clients
+// ask it again before then and send the answer on the open connection.
+const REFRESH_LEAD = 60; // seconds before `exp`...
+const REFRESH_FRACTION = 0.4; // ...or this fraction of the remaining life, the later
+
+/** A JWT's `exp` (Unix seconds), read without verifying (the server verifies); or null. */
+export function tokenExpiry(token) {
+  const parts = typeof token === "string" ? token.split(".") : [];
+  if (parts.length !== 3) return null;
+  try {
+    const base64 = parts[1].replace(/-/g, "+").replace(/_/g, "/");
+    const claims = JSON.parse(atob(base64 + "=".repeat((4 - (base64.length % 4)) % 4)));
+    return typeof claims?.exp === "number" ? claims.exp : null;
+  } catch {
+    return null;
+  }
+}
+
+/** Seconds from now until a token expiring at `expiresAt` should be replaced. */
+export function refreshDelay(expiresAt, nowSeconds = Date.now() / 1000) {
+  const remaining = expiresAt - nowSeconds;
+  return Math.max(0, remaining - REFRESH_LEAD, remaining * REFRESH_FRACTION);
+}
+
+/**
+ * Until `stop()` is called: before `token` nears its `exp`, ask `provider` and pass the
+ * answer to `send`. Stops by itself when a token has no `exp` or the callback has nothing
+ * later (the 4401 and the reconnect with a fresh token then take over). Returns `stop`.
+ */
+export function keepCredentialFresh(token, provider, send) {
+  let timer = null;
+  let stopped = false;
+  const schedule = (current) => {
+    const expiresAt = tokenExpiry(current);
+    if (stopped || expiresAt == null) return;
+    timer = setTimeout(async () => {
+      let fresh;
+      try {
+        fresh = await provider();
+      } catch (error) {
+        console.warn("credential callback failed", describe(error));
+        return;
+      }
+      const freshExpiry = tokenExpiry(fresh);
+      if (stopped || freshExpiry == null || freshExpiry <= expiresAt) return;
+      send(fresh);
+      schedule(fresh);
+    }, refreshDelay(expiresAt) * 1000);
+  };
+  schedule(token);
+  return () => {
+    stopped = true;
+    clearTimeout(timer);
+  };
 }
 
 function deferred() {
@@ -575,8 +656,16 @@ class SessionLink {
     this._finish(null);
   }
 
+  /** Send a fresh token (`credential`, unnumbered) before this one's deadline. */
+  keepCredentialFresh(credential, provider) {
+    this.stopRefresh = keepCredentialFresh(credential, provider, (fresh) => {
+      if (this.state === "open") this._write({ type: "credential", credential: fresh });
+    });
+  }
+
   _finish(code) {
     clearTimeout(this.timer);
+    this.stopRefresh?.();
     this.state = "closed";
     this.ws.onopen = this.ws.onmessage = this.ws.onclose = null;
     if (this.closeCode == null) this.closeCode = code;
@@ -1209,6 +1298,7 @@ export class SessionClient extends EventTarget {
       clearTimeout(timer);
       opened = true;
       this._opened(ready);
+      if (this._credentialProvider) link.keepCredentialFresh(credential, this._credentialProvider);
     } catch {
       clearTimeout(timer);
     }
@@ -1775,13 +1865,23 @@ export class RpcClient extends EventTarget {
 
   async _supervise() {
     const retries = new Retries(this._policy, RpcConnectionLostError);
+    let authRetried = false; // the previous connection was refused 4401 before opening
     try {
       for (;;) {
         const outcome = await this._connectOnce();
-        if (outcome.opened) retries.connected();
+        if (outcome.opened) {
+          retries.connected();
+          authRetried = false;
+        }
         if (this._closing) throw new Finished();
         const error = outcome.error;
-        if (outcome.closeCode === CLOSE_UNAUTHENTICATED || error?.code === "unauthenticated") {
+        const refused =
+          outcome.closeCode === CLOSE_UNAUTHENTICATED || error?.code === "unauthenticated";
+        // With a provider, an expired token (4401 after a connection worked) is retried
+        // once with a fresh one.
+        const retry = this._tokenProvider && !authRetried && this.connections > 0;
+        authRetried = outcome.closeCode === CLOSE_UNAUTHENTICATED;
+        if (refused && !retry) {
           throw new RpcAuthenticationError(error?.message ?? "unauthenticated", {
             closeCode: outcome.closeCode,
           });
@@ -1838,7 +1938,16 @@ export class RpcClient extends EventTarget {
       // closed before `connected`
     }
     clearTimeout(timer);
+    let stopRefresh = null;
+    if (opened && this._tokenProvider) {
+      stopRefresh = keepCredentialFresh(token, this._tokenProvider, (fresh) => {
+        if (ws.readyState === WebSocket.OPEN) {
+          ws.send(JSON.stringify({ type: "credential", credential: fresh }));
+        }
+      });
+    }
     await link.closed.promise;
+    stopRefresh?.();
     this._link = null;
     return { opened, closeCode: link.closeCode, error: link.error };
   }

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from portico.auth.base import Identity
 from portico.core.events import (
     TurnChunk,
     TurnCompleted,
@@ -37,12 +38,14 @@ from portico.core.validation import (
 )
 from portico.errors import (
     BinaryFrameError,
+    CredentialExpired,
     FacetRefused,
     InvalidMessage,
     MediaNotEnabled,
     PorticoError,
     RateLimited,
 )
+from portico.protocols.credential import CredentialClock
 from portico.protocols.omnia import frames as f
 from portico.protocols.omnia.binary import decode_frame
 from portico.protocols.outbox import Outbox
@@ -95,7 +98,20 @@ class LimitHit(msgspec.Struct, frozen=True):
     limit: str  # "messages" or "media_bytes"
 
 
-Event = MessageReceived | ToolReply | UploadRequested | DisclosureAcknowledged | LimitHit
+class RefreshOffered(msgspec.Struct, frozen=True):
+    """A `credential_refresh`: the adapter verifies the token and calls `refresh`."""
+
+    token: str
+
+
+Event = (
+    MessageReceived
+    | ToolReply
+    | UploadRequested
+    | DisclosureAcknowledged
+    | LimitHit
+    | RefreshOffered
+)
 
 
 class ConnectionLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,6 +125,7 @@ class ConnectionLimits(msgspec.Struct, frozen=True, kw_only=True):
     media_bytes_per_second: int = 2 * 1024 * 1024
     media_burst_bytes: int = 16 * 1024 * 1024  # one maximal frame of media at once
     max_send_queue_bytes: int = 4 * 1024 * 1024  # backlog bound; past it close 4008
+    credential_margin: float = 30.0  # close 4401 this long before the token's exp
 
 
 class Keepalive(Enum):
@@ -149,9 +166,14 @@ class OmniaConnection:
         wall: float,
         memory_facet: str = NO_FACET,
         ai_disclosure: bool | None = None,
+        identity: Identity | None = None,
     ) -> None:
-        """`wall` is the wall-clock time (Unix seconds) at `now`."""
+        """`wall` is the wall-clock time (Unix seconds) at `now`; `identity` the
+        connection's verified credential (its `expires_at` is the deadline)."""
         self.session_id = session_id
+        self.credential = CredentialClock(
+            identity or Identity(principal=""), margin=limits.credential_margin, now=now, wall=wall
+        )
         self._stamps = Timestamps(now=now, wall=wall)
         self._limits = limits
         self._last_received = now
@@ -232,6 +254,15 @@ class OmniaConnection:
             # msgspec refuses pathological nesting this way, even inside ignored fields.
             self.send_error(InvalidMessage("Failed to parse message: nested too deeply"), now=now)
             return []
+        if isinstance(frame, f.CredentialRefreshFrame):
+            return [RefreshOffered(frame.token)]
+        if isinstance(frame, f.MessageFrame | f.UploadRequestFrame) and self.credential.expired(
+            now
+        ):
+            # New work after the deadline is refused; tool replies still end a running turn.
+            session_id = frame.session_id or None
+            self.send_error(CredentialExpired(), session_id, now=now)
+            return []
         try:
             return self._dispatch(frame)
         except _MediaRateExceeded as exc:
@@ -278,9 +309,20 @@ class OmniaConnection:
                 return [UploadRequested(session_id, frame.upload_request)]
             case f.DisclosureAckFrame():
                 return [DisclosureAcknowledged(self.session_id)]
-        # hangup concerns realtime audio, which this server does not run;
-        # credential_refresh has no reply by spec.
+        # hangup concerns realtime audio, which this server does not run.
         return []
+
+    # -- credential ---------------------------------------------------------------
+
+    def refresh(self, identity: Identity, *, now: float, wall: float) -> bool:
+        """A verified `credential_refresh` token: taken, or ignored; never a reply."""
+        if self.credential.expired(now):
+            return False  # too late: the connection is closing for its expired credential
+        return self.credential.refresh(identity, now=now, wall=wall)
+
+    def expiry_due(self, now: float, *, turn_running: bool) -> bool:
+        """Whether to close with 4401 "credential expired" now."""
+        return self.credential.close_due(now, turn_running=turn_running)
 
     def _resolve_session(self, session_id: str | None) -> tuple[str, bool]:
         if not session_id or session_id == self.session_id:
@@ -327,7 +369,11 @@ class OmniaConnection:
         return None
 
     def next_deadline(self) -> float:
-        return min(self._next_ping, self._last_received + self._limits.pong_timeout)
+        return min(
+            self._next_ping,
+            self._last_received + self._limits.pong_timeout,
+            self.credential.next_deadline(),
+        )
 
 
 def turn_event_frame(event: TurnEvent, timestamp: str) -> f.ServerFrame:

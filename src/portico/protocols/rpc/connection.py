@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from portico.auth.base import Identity
 from portico.core.limits import TokenBucket
 from portico.core.model import Message, ToolCallRecord, Update
 from portico.core.states import ToolCallState
@@ -31,9 +32,15 @@ from portico.errors import (
     InvalidRequest,
     MethodNotFound,
     PorticoError,
+    RpcCredentialExpired,
     RpcRateLimited,
     RpcUnauthenticated,
     as_rpc_error,
+)
+from portico.protocols.credential import (
+    CLOSE_CREDENTIAL_EXPIRED,
+    CREDENTIAL_EXPIRED_REASON,
+    CredentialClock,
 )
 from portico.protocols.outbox import Outbox
 from portico.protocols.rpc import frames as f
@@ -64,7 +71,13 @@ class RequestReceived(msgspec.Struct, frozen=True):
     request: f.Request
 
 
-Event = ConnectReceived | RequestReceived
+class CredentialOffered(msgspec.Struct, frozen=True):
+    """A `credential` frame: the adapter verifies the token, then calls `refresh`."""
+
+    token: str
+
+
+Event = ConnectReceived | RequestReceived | CredentialOffered
 _FINAL_STATUSES = frozenset({"completed", "failed"})
 
 
@@ -76,8 +89,11 @@ class RpcConnection:
         requests_per_second: float = math.inf,
         request_burst: int = 1,
         now: float = 0.0,
+        credential_margin: float = 30.0,
     ) -> None:
         self.state = State.AWAIT_CONNECT
+        self._credential_margin = credential_margin  # close 4401 this long before exp
+        self.credential: CredentialClock | None = None  # set once `connect` is accepted
         self._requests = TokenBucket(rate=requests_per_second, burst=request_burst, now=now)
         self.close_request: tuple[int, str] | None = None
         self._outbox = Outbox(max_send_queue_bytes)
@@ -98,7 +114,7 @@ class RpcConnection:
         return self._outbox.pop()
 
     def next_deadline(self) -> float:
-        return math.inf
+        return math.inf if self.credential is None else self.credential.next_deadline()
 
     def _write(self, frame: Any) -> None:
         if not self._outbox.put(_encode(frame)) and self.close_request is None:
@@ -125,6 +141,8 @@ class RpcConnection:
             return []
         if frame.type == "connect":
             return self._malformed("already connected")
+        if frame.type == "credential":
+            return self._credential_frame(frame)
         if frame.type is not None:
             return self._malformed(f"unknown frame type {frame.type!r}")
         if self.state is State.AWAIT_ACCEPT:
@@ -163,6 +181,9 @@ class RpcConnection:
         if not isinstance(frame.method, str):
             self.reply_error(frame.id, InvalidRequest("`method` must be a string", field="method"))
             return []
+        if self._expired_for(frame.method, now):
+            self.reply_error(frame.id, RpcCredentialExpired())
+            return []
         if not self._requests.allow(now):
             self.reply_error(frame.id, RpcRateLimited("too many requests; slow down"))
             return []
@@ -176,6 +197,40 @@ class RpcConnection:
             self.reply_error(frame.id, exc)
             return []
         return [RequestReceived(f.Request(id=frame.id, method=frame.method, params=params))]
+
+    def _expired_for(self, method: str, now: float) -> bool:
+        """After the deadline requests are refused, but for the Rtc answers that end a
+        running turn (the close waits for it)."""
+        if self.credential is None or not self.credential.expired(now):
+            return False
+        return not method.startswith("v1.rtc.")
+
+    def _credential_frame(self, frame: f.ClientFrame) -> list[Event]:
+        if not isinstance(frame.credential, str) or not frame.credential:
+            return self._malformed("`credential` must be a non-empty string")
+        return [CredentialOffered(frame.credential)]
+
+    # -- credential -----------------------------------------------------------------------
+
+    def bind_credential(self, identity: Identity, *, now: float, wall: float) -> None:
+        """The `connect` token's verified identity; its `exp` is the deadline."""
+        margin = self._credential_margin
+        self.credential = CredentialClock(identity, margin=margin, now=now, wall=wall)
+
+    def refresh(self, identity: Identity, *, now: float, wall: float) -> bool:
+        """A verified `credential` token: taken, or ignored (never a reply)."""
+        clock = self.credential
+        if clock is None or clock.expired(now) or self.state is State.CLOSED:
+            return False
+        return clock.refresh(identity, now=now, wall=wall)
+
+    def check_credential(self, now: float, *, turn_running: bool) -> None:
+        """Close 4401 once the credential's close point passed and no turn runs."""
+        clock = self.credential
+        if clock is None or self.state is State.CLOSED:
+            return
+        if clock.close_due(now, turn_running=turn_running):
+            self._close(CLOSE_CREDENTIAL_EXPIRED, CREDENTIAL_EXPIRED_REASON)
 
     # -- connect --------------------------------------------------------------------------
 

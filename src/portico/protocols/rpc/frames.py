@@ -46,6 +46,7 @@ class ClientFrame(msgspec.Struct, frozen=True):
     token: Any = None
     offset: Any = None
     epoch: Any = None
+    credential: Any = None  # `{"type": "credential", "credential": "<token>"}`: a refresh
 
 
 class Connect(msgspec.Struct, frozen=True, kw_only=True):
@@ -272,6 +273,13 @@ class PingFrame(msgspec.Struct, frozen=True, tag_field="type", tag="ping"):
     """Any time after `connected`; answered with `pong`, never rate-limited."""
 
 
+class CredentialFrame(msgspec.Struct, frozen=True, tag_field="type", tag="credential"):
+    """Any time after `connected`: a fresh token for this connection; no reply. Taken
+    only for the same principal (and session binding) and a later `exp` (docs/rpc.md)."""
+
+    credential: str
+
+
 class RequestFrame(msgspec.Struct, frozen=True):
     """`params` follows the method's own schema (`x-rpc-methods` in the document)."""
 
@@ -281,7 +289,7 @@ class RequestFrame(msgspec.Struct, frozen=True):
 
 
 # Requests, replies and failures carry no `type`: the documents list the frames as tuples.
-DOCUMENTED_CLIENT_FRAMES = (ConnectFrame, PingFrame, RequestFrame)
+DOCUMENTED_CLIENT_FRAMES = (ConnectFrame, PingFrame, CredentialFrame, RequestFrame)
 SERVER_FRAMES = (
     Connected,
     UpdateFrame,

@@ -18,7 +18,18 @@ from enum import Enum
 
 import msgspec
 
-from portico.errors import BufferOverflow, PorticoError, ProtocolViolation
+from portico.auth.base import Identity
+from portico.errors import (
+    BufferOverflow,
+    PorticoError,
+    ProtocolViolation,
+    SessionCredentialExpired,
+)
+from portico.protocols.credential import (
+    CLOSE_CREDENTIAL_EXPIRED,
+    CREDENTIAL_EXPIRED_REASON,
+    CredentialClock,
+)
 from portico.protocols.outbox import BinaryData, Outbox
 from portico.protocols.session import frames as f
 from portico.protocols.session.channel import Channel, Numbered
@@ -51,6 +62,7 @@ class Timing(msgspec.Struct, frozen=True, kw_only=True):
     dead_after: float = 2.5  # client: dead after this many silent intervals
     idle_timeout: float = 45.0  # server: close 4000 after this much silence
     max_send_queue_bytes: int = 4 * 1024 * 1024  # per connection; past it close 4408
+    credential_margin: float = 30.0  # server: close 4401 this long before the token's exp
 
 
 class HelloReceived(msgspec.Struct, frozen=True):
@@ -71,7 +83,13 @@ class PeerDead(msgspec.Struct, frozen=True):
     """Client role: nothing arrived for `dead_after` heartbeat intervals."""
 
 
-Event = HelloReceived | ReadyReceived | Received | PeerDead
+class CredentialOffered(msgspec.Struct, frozen=True):
+    """Server role: an unnumbered `credential`; the adapter verifies it, then `refresh`."""
+
+    token: str
+
+
+Event = HelloReceived | ReadyReceived | Received | PeerDead | CredentialOffered
 
 _DECODERS: dict[Role, msgspec.json.Decoder[f.ClientFrame | f.ServerFrame]] = {
     Role.SERVER: f.client_frame_decoder,  # type: ignore[dict-item]
@@ -105,6 +123,7 @@ class SessionConnection:
         self._unacked = 0  # handled peer messages not yet acknowledged
         self._ack_deadline: float | None = None
         self._hello: f.Hello | None = None  # client role: the hello this connection sent
+        self.credential: CredentialClock | None = None  # server role, once authenticated
 
     # -- output ---------------------------------------------------------------------------
 
@@ -153,6 +172,11 @@ class SessionConnection:
             raise ProtocolViolation("no session yet: the handshake has not completed")
         self.write_numbered(self.channel.send(frame))
 
+    def send_credential(self, token: str) -> None:
+        """Client: a fresh token for this connection, before the old one's deadline."""
+        if self.state is State.OPEN:
+            self._write_frame(f.Credential(credential=token))
+
     def _request_close(self, code: int, reason: str) -> None:
         if self.close_request is None:
             self.close_request = (code, reason)
@@ -182,6 +206,26 @@ class SessionConnection:
         self._write_frame(ready)
         self.state = State.OPEN
         self._resend(channel)
+
+    def bind_credential(self, identity: Identity, *, now: float, wall: float) -> None:
+        """Server: the hello's verified credential; its `exp` is the deadline."""
+        margin = self._timing.credential_margin
+        self.credential = CredentialClock(identity, margin=margin, now=now, wall=wall)
+
+    def refresh(self, identity: Identity, *, now: float, wall: float) -> bool:
+        """A verified `credential` token: taken, or ignored (never a reply)."""
+        clock = self.credential
+        if clock is None or clock.expired(now) or self.state is not State.OPEN:
+            return False
+        return clock.refresh(identity, now=now, wall=wall)
+
+    def check_credential(self, now: float, *, turn_running: bool) -> None:
+        """Close 4401 once the credential's close point passed and no turn runs."""
+        clock = self.credential
+        if clock is None or self.state is not State.OPEN:
+            return
+        if clock.close_due(now, turn_running=turn_running):
+            self._request_close(CLOSE_CREDENTIAL_EXPIRED, CREDENTIAL_EXPIRED_REASON)
 
     def _resend(self, channel: Channel) -> None:
         # The backlog is bounded by the resend buffer and shares its bytes; counting it
@@ -246,6 +290,8 @@ class SessionConnection:
                 return []
             case f.Pong():
                 return []
+            case f.Credential(credential=token) if self.role is Role.SERVER:
+                return [CredentialOffered(token)]
             case f.Ready():
                 raise ProtocolViolation("ready was already received on this connection")
             case f.Error(seq=None) as error:
@@ -276,6 +322,15 @@ class SessionConnection:
         seq = getattr(frame, "seq", None)
         if not isinstance(seq, int) or seq < 1:
             raise ProtocolViolation(f"{type(frame).__name__} needs a seq of 1 or more")
+        if (
+            isinstance(frame, f.Message)
+            and self.credential is not None
+            and self.credential.expired(now)
+        ):
+            # Not handled: the client resumes with a fresh token and resends it. Tool
+            # replies are still taken: they end a running turn.
+            self.fail(SessionCredentialExpired())
+            return []
         assert self.channel is not None
         fresh = self.channel.receive(seq)
         self._schedule_ack(now)
@@ -304,6 +359,8 @@ class SessionConnection:
             deadlines.append(self._ack_deadline)
         if self.role is Role.CLIENT and self.state is State.OPEN:
             deadlines.append(self._next_ping)
+        if self.credential is not None:
+            deadlines.append(self.credential.next_deadline())
         return min(deadlines)
 
     def receive_control(self, now: float) -> None:

@@ -215,6 +215,14 @@ class AudioEnd(_Frame, frozen=True, tag="audio_end"):
     lost: bool = False
 
 
+class Credential(_Frame, frozen=True, tag="credential"):
+    """Unnumbered: a fresh token for this connection (spec identity.md, Expiry and
+    refresh). No reply; ignored unless it is for the same principal (and session
+    binding) and expires later than the current one."""
+
+    credential: str
+
+
 class Error(_Frame, frozen=True, tag="error"):
     """Numbered when it answers a message or ends a turn; unnumbered before a close."""
 
@@ -226,6 +234,7 @@ class Error(_Frame, frozen=True, tag="error"):
 
 ClientFrame = (
     Hello
+    | Credential
     | Error  # only unnumbered: the client explains the close it is about to make
     | Ack
     | Ping

@@ -1,0 +1,72 @@
+"""A connection's credential deadline and its refresh rule, sans-I/O (spec identity.md).
+
+Shared by the three protocol cores. Time arrives as `now` (the adapter's monotonic
+clock); a token's `exp` is wall-clock, so it is placed on the monotonic clock once,
+when the token is accepted, with the wall-clock time at that `now`.
+
+- The deadline is the token's `exp`. The connection closes (4401) `margin` seconds
+  before it, or at half the token's remaining life (counted from when it was
+  accepted) when that is shorter, once no turn is running on it.
+- A message after the deadline is refused (`CREDENTIAL_EXPIRED`).
+- A refresh is accepted only for the same principal, the same session-binding value
+  and a later expiry; anything else, a repeat of the current token included, is
+  ignored.
+"""
+
+from __future__ import annotations
+
+import math
+
+from portico.auth.base import Identity
+
+CLOSE_CREDENTIAL_EXPIRED = 4401
+CREDENTIAL_EXPIRED_REASON = "credential expired"
+
+
+class CredentialClock:
+    def __init__(self, identity: Identity, *, margin: float, now: float, wall: float) -> None:
+        """`wall` is the wall-clock time (Unix seconds) at `now`."""
+        self._margin = margin
+        self.identity = identity
+        self.deadline = math.inf
+        self.close_at = math.inf
+        self._closing = False  # the close is due; it waits only for a running turn
+        self._place(identity, now=now, wall=wall)
+
+    def _place(self, identity: Identity, *, now: float, wall: float) -> None:
+        self.identity = identity
+        self._closing = False
+        if identity.expires_at is None:  # API keys, auth none: no deadline
+            self.deadline = self.close_at = math.inf
+            return
+        remaining = identity.expires_at - wall
+        self.deadline = now + remaining
+        self.close_at = self.deadline - min(self._margin, max(remaining, 0.0) / 2)
+
+    def expired(self, now: float) -> bool:
+        """A message arriving at `now` comes after the deadline."""
+        return now >= self.deadline
+
+    def close_due(self, now: float, *, turn_running: bool) -> bool:
+        """Whether to close with 4401 now: the close point passed and no turn runs."""
+        if now >= self.close_at:
+            self._closing = True
+        return self._closing and not turn_running
+
+    def next_deadline(self) -> float:
+        """When to ask `close_due` again; once the close is due, a turn's end asks."""
+        return math.inf if self._closing else self.close_at
+
+    def refresh(self, new: Identity, *, now: float, wall: float) -> bool:
+        """Take `new` when it may replace the current credential; False: ignored."""
+        current = self.identity
+        if (
+            new.principal != current.principal
+            or new.session_value != current.session_value
+            or new.expires_at is None
+            or current.expires_at is None
+            or new.expires_at <= current.expires_at
+        ):
+            return False
+        self._place(new, now=now, wall=wall)
+        return True
