@@ -134,7 +134,8 @@ def run(plan: Plan, workdir: Path) -> Samples:
                 results.setdefault(("stream", kind), []).append(sample)
                 log(
                     f"grpc-bench stream  rep {rep + 1} {kind:8}: {sample['turns_per_s']:6.0f} "
-                    f"turns/s, {sample['frames_per_s']:6.0f} frames/s, server CPU {sample['server_cpu']:.0f}%, agent CPU "
+                    f"turns/s, {sample['frames_per_s']:6.0f} frames/s, "
+                    f"server CPU {sample['server_cpu']:.0f}%, agent CPU "
                     f"{sample['agent_cpu']:.0f}%, errors {sample['errors']:.0f}"
                 )
             floor = measure_floor(plan)
