@@ -397,9 +397,9 @@ class GrpcRuntime:
         self, conversation: _Conversation, message: pb.ClientMessage, reader: TurnReader
     ) -> Reading | None:
         try:
-            await asyncio.wait_for(
-                conversation.call.write(message), self._settings.stream_idle_timeout
-            )
+            # `asyncio.timeout`, not `wait_for`: no task of its own per write.
+            async with asyncio.timeout(self._settings.stream_idle_timeout):
+                await conversation.call.write(message)
         except TimeoutError:
             return reader.fail("the runtime did not read the turn's message in time")
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
@@ -415,10 +415,12 @@ class GrpcRuntime:
         settings = self._settings
         timeout = settings.first_token_timeout if first_token else settings.stream_idle_timeout
         try:
-            # A message already read is taken at once (`wait_for` costs a task per call).
+            # A message already read is taken at once; else a deadline without a task of
+            # its own (`wait_for` wraps the `get` in one).
             message = conversation.ready()
             if message is None:
-                message = await asyncio.wait_for(conversation.inbox.get(), timeout)
+                async with asyncio.timeout(timeout):
+                    message = await conversation.inbox.get()
         except TimeoutError:
             kind = "first message" if first_token else "next message"
             return reader.fail(f"no {kind} from the runtime within {timeout:g}s")
