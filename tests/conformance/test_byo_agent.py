@@ -25,6 +25,7 @@ import yaml
 from support import byo_agent
 from support.agent_process import REPO, TESTS, AgentProcess
 from support.archive import open_archive
+from support.frames import frame_kinds, streamed_text
 from support.omnia import OmniaClient
 from support.rpc import RpcProbe
 from support.server import ServerProcess
@@ -112,10 +113,6 @@ async def rpc(http: aiohttp.ClientSession, placement: Placement) -> RpcProbe:
     return await RpcProbe.open(http, placement.url + "/v1/rpc")
 
 
-def chunks(frames: list[dict[str, Any]]) -> list[str]:
-    return [f["content"] for f in frames if f["type"] == "chunk"]
-
-
 def terminals(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [f for f in frames if f["type"] in ("done", "error")]
 
@@ -137,7 +134,8 @@ async def test_ws_streams_the_chunks_and_records_the_usage(
 ) -> None:
     client = await omnia(http, placement)
     frames = await client.ask("stream")
-    assert chunks(frames) == list(byo_agent.WORDS)
+    assert streamed_text(frames) == "".join(byo_agent.WORDS)
+    assert frame_kinds(frames) == ["chunk", "done"]
     (done,) = terminals(frames)
     assert (done["type"], done["content"]) == ("done", STREAMED)
     async with open_archive(placement.server.archive_path) as store:
@@ -246,7 +244,7 @@ async def test_ws_the_handler_gets_text_parts_metadata_consent_and_history(
     image = {"url": "https://example.com/a.png", "mime_type": "image/png"}
     parts = [{"type": "text", "text": "report"}, {"type": "image", "media": image}]
     frames = await client.ask("report", metadata=metadata, parts=parts)
-    seen = json.loads("".join(chunks(frames)))
+    seen = json.loads(streamed_text(frames))
     assert seen == {
         "session_id": frames[-1]["session_id"],
         "text": "report",
@@ -270,7 +268,7 @@ async def test_ws_errors_pass_through_or_are_masked_once(
 ) -> None:
     client = await omnia(http, placement)
     frames = await client.ask(text)
-    assert chunks(frames) == ["partial "]
+    assert streamed_text(frames) == "partial "
     (error,) = terminals(frames)
     assert (error["type"], error["error"]["code"], error["error"]["message"]) == (
         "error",
@@ -289,7 +287,7 @@ async def test_ws_a_failed_turn_is_in_the_history_with_the_text_it_streamed(
     await client.ask("crash")
     frames = await client.ask("report")
     # In process the history is the archive's; the gRPC agent keeps its own the same way.
-    assert json.loads("".join(chunks(frames)))["history"] == [
+    assert json.loads(streamed_text(frames))["history"] == [
         ["user", "fail PROVIDER_UNAVAILABLE"],
         ["assistant", "partial "],
         ["user", "crash"],
@@ -306,7 +304,8 @@ async def test_session_streams_and_answers_tools_with_result_nack_and_error(
     probe = await session(http, placement)
     await probe.message("stream")
     frames = await probe.turn()
-    assert chunks(frames) == list(byo_agent.WORDS)
+    assert streamed_text(frames) == "".join(byo_agent.WORDS)
+    assert frame_kinds(frames) == ["chunk", "done"]
     assert (frames[-1]["type"], frames[-1]["content"]) == ("done", STREAMED)
     answers = [
         ("tool_result", {"result": "Rome"}, 'result:"Rome"'),
@@ -475,7 +474,7 @@ async def test_has_conversation_of_the_sdk_agent_decides_ws_resumes(
     other = await omnia(http, killable)
     # The agent answered a turn of it: RESUMABLE, and its memory is the history.
     frames = await other.ask("report", session_id=session_id)
-    assert json.loads("".join(chunks(frames)))["history"] == [
+    assert json.loads(streamed_text(frames))["history"] == [
         ["user", "stream"],
         ["assistant", STREAMED],
     ]
@@ -517,7 +516,8 @@ async def test_killing_the_agent_mid_turn_ends_each_protocols_turn_once_and_a_re
     agent.start()
     await probe.message("stream")
     after = await probe.turn()  # nothing more of the cut turn came before it
-    assert [f["type"] for f in after] == ["chunk"] * len(byo_agent.WORDS) + ["done"]
+    assert frame_kinds(after) == ["chunk", "done"]
+    assert streamed_text(after) == "".join(byo_agent.WORDS)
     assert after[-1]["content"] == STREAMED
     # /v1/rpc
     rpc_probe = await rpc(http, killable)

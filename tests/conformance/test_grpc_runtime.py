@@ -22,6 +22,7 @@ import yaml
 from conftest import Connect, _connector
 
 from support.archive import open_archive
+from support.frames import frame_kinds, streamed_text
 from support.grpc_runtime import RuntimeProcess
 from support.omnia import OmniaClient, scenario
 from support.rpc import RpcProbe
@@ -135,7 +136,8 @@ async def test_chunks_stream_and_usage_is_recorded(
     client = await connect()
     session_id = (await client.connected())["session_id"]
     frames = await client.ask("hi", **scenario("stream"))
-    assert [f["content"] for f in frames if f["type"] == "chunk"] == ["Hello", " from", " gRPC"]
+    assert streamed_text(frames) == "Hello from gRPC"
+    assert frame_kinds(frames) == ["chunk", "done"]
     assert frames[-1] == {"type": "done", "session_id": session_id, "content": REPLY}
     async with open_archive(grpc_server.archive_path) as store:
         (turn,) = await store.list_turns(session_id)
@@ -406,7 +408,8 @@ async def test_session_protocol_streams_and_forwards_tool_answers(
     assert (await probe.hello(capabilities=["tools"]))["type"] == "ready"
     await probe.message("hi", **scenario("stream"))
     frames = await probe.turn()
-    assert [f["content"] for f in frames if f["type"] == "chunk"] == ["Hello", " from", " gRPC"]
+    assert streamed_text(frames) == "Hello from gRPC"
+    assert frame_kinds(frames) == ["chunk", "done"]
     assert frames[-1]["content"] == REPLY
     await probe.message("where", **scenario("tool"))
     call = await probe.recv_numbered()

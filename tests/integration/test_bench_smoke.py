@@ -118,7 +118,8 @@ def test_the_grpc_workload_runs_both_runtimes_and_reports_its_rows(tmp_path: Pat
     assert report.strip() == finished.stdout.strip()
     heading = "Bring your own agent: `runtime: grpc` (bench/run_grpc.py)"
     rows = {row[0]: row[1:] for row in table_rows(report, heading)}
-    for name in ("/ws stream, frames/s", "first chunk p99 at 200/s, ms"):
+    turns = "/ws stream, turns/s (50 chunks' text each)"
+    for name in (turns, "/ws stream, frames/s", "first chunk p99 at 200/s, ms"):
         scripted, grpc, _ = rows[name]
         assert min(float(scripted), float(grpc)) > 0, rows
     assert "Errors: 0." in report

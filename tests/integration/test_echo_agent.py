@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from support.agent_process import REPO, AgentProcess
+from support.frames import frame_kinds, streamed_text
 from support.omnia import OmniaClient
 from support.server import ServerProcess
 from support.session import SessionProbe
@@ -68,17 +69,13 @@ async def session(http: aiohttp.ClientSession, server: ServerProcess) -> Session
     return probe
 
 
-def contents(frames: list[dict[str, object]]) -> list[object]:
-    return [frame.get("content") for frame in frames if frame["type"] == "chunk"]
-
-
 async def test_ws_streams_the_words_and_counts_the_conversation(
     http: aiohttp.ClientSession, portico: ServerProcess
 ) -> None:
     client = await omnia(http, portico)
     first = await client.ask("hello there")
-    assert contents(first) == ["You said:", " hello", " there", " (message 1 of this conversation)"]
-    assert [frame["type"] for frame in first[4:]] == ["done"]
+    assert streamed_text(first) == "You said: hello there (message 1 of this conversation)"
+    assert frame_kinds(first) == ["chunk", "done"]
     assert first[-1]["content"] == "You said: hello there (message 1 of this conversation)"
     second = await client.ask("again")  # the history reaches the handler
     assert second[-1]["content"] == "You said: again (message 2 of this conversation)"

@@ -10,13 +10,15 @@ request carries the future the adapter resolves with the client's answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable
 
 import msgspec
 
 from portico.agent.api import Handler, Media, Reply, ToolAnswer, ToolCaller, ToolRequest, Turn
 from portico.agent.api import Usage as AgentUsage
+from portico.core.coalesce import merge_adjacent_text
 from portico.core.model import ContentPart
 from portico.errors import GENERIC_INTERNAL_MESSAGE, AgentError, InternalError
 
@@ -59,6 +61,17 @@ async def run_handler(
     """The turn's outputs in order, ending with exactly one `Finished` or `Failed`.
 
     Closing the stream early (the turn was stopped) cancels the handler."""
+    async with contextlib.aclosing(run_handler_ready(handler, build_turn)) as batches:
+        async for batch in batches:
+            for output in batch:
+                yield output
+
+
+async def run_handler_ready(
+    handler: Handler, build_turn: Callable[[ToolCaller], Turn]
+) -> AsyncGenerator[tuple[TurnOutput, ...], None]:
+    """`run_handler`'s outputs, each time all that is ready: it waits for the first of a
+    batch only, then takes what the handler queued meanwhile, without waiting more."""
     queue: asyncio.Queue[TurnOutput] = asyncio.Queue(QUEUE_DEPTH)
 
     async def call_tool(request: ToolRequest) -> ToolAnswer:
@@ -69,14 +82,26 @@ async def run_handler(
     task = asyncio.create_task(_produce(handler, build_turn(call_tool), queue))
     try:
         while True:
-            output = await queue.get()
-            yield output
-            if isinstance(output, Finished | Failed):
+            batch = [await queue.get()]
+            while not isinstance(batch[-1], Finished | Failed) and queue.qsize():
+                batch.append(queue.get_nowait())
+            yield tuple(batch)
+            if isinstance(batch[-1], Finished | Failed):
                 return
     finally:
         if not task.done():
             task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def merge_ready_text(outputs: Iterable[TurnOutput]) -> list[TurnOutput]:
+    """Consecutive text outputs as one: never across anything else (a tool call, media,
+    a part, usage, the terminal output), which keeps its place between them."""
+    return merge_adjacent_text(outputs, _text_of, str)
+
+
+def _text_of(output: TurnOutput) -> str | None:
+    return output if isinstance(output, str) else None
 
 
 async def _produce(handler: Handler, turn: Turn, queue: asyncio.Queue[TurnOutput]) -> None:

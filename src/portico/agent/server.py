@@ -45,7 +45,14 @@ from portico.agent.api import (
 )
 from portico.agent.api import Usage as AgentUsage
 from portico.agent.options import AgentOptions
-from portico.agent.pump import Failed, Finished, PendingTool, TurnOutput, run_handler
+from portico.agent.pump import (
+    Failed,
+    Finished,
+    PendingTool,
+    TurnOutput,
+    merge_ready_text,
+    run_handler_ready,
+)
 from portico.contract import runtime_pb2 as pb
 from portico.contract import runtime_pb2_grpc as pb_grpc
 from portico.core.model import ContentPart, new_id, text_of_parts
@@ -258,10 +265,13 @@ class _Stream:
         return build
 
     async def _answer(self, reply: _Reply, build: Callable[[ToolCaller], Turn]) -> None:
-        async with contextlib.aclosing(run_handler(self._handler, build)) as outputs:
-            async for output in outputs:
-                for message in self._on_output(reply, output):
-                    await self._write(message)
+        # What the handler yielded while the previous write was in flight is ready
+        # at once: its consecutive text leaves as one `chunk` (docs/agents.md).
+        async with contextlib.aclosing(run_handler_ready(self._handler, build)) as batches:
+            async for batch in batches:
+                for output in merge_ready_text(batch):
+                    for message in self._on_output(reply, output):
+                        await self._write(message)
 
     def _on_output(self, reply: _Reply, output: TurnOutput) -> list[pb.ServerMessage]:
         if isinstance(output, str):

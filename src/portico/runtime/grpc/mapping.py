@@ -9,11 +9,13 @@ events they mean. Whatever it is fed, it produces exactly one terminal event
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 
 from portico.contract import runtime_pb2 as pb
+from portico.core.coalesce import merge_adjacent_text
 from portico.core.model import ContentPart, MediaContent
 from portico.core.validation import check_parts
 from portico.errors import InternalError, InvalidMessage
@@ -83,6 +85,18 @@ class TurnReader:
         except Malformed as exc:
             return self.fail(f"malformed {kind}: {exc}")
         return self.fail("a message with no known member (empty or from a newer contract)")
+
+    def receive_ready(self, messages: Sequence[pb.ServerMessage]) -> Reading:
+        """`receive` of messages read together, their consecutive text as one `Chunk`
+        (chunk boundaries carry no meaning): never across any other event."""
+        events: list[RuntimeEvent] = []
+        notes: list[str] = []
+        for message in messages:
+            reading = self.receive(message)
+            events.extend(reading.events)
+            if reading.note:
+                notes.append(reading.note)
+        return Reading(tuple(merge_adjacent_text(events, _chunk_text, Chunk)), "; ".join(notes))
 
     def fail(self, why: str, *, broken: bool = False) -> Reading:
         """The transport or the runtime broke the turn: one `INTERNAL_ERROR`, once."""
@@ -154,6 +168,10 @@ class TurnReader:
             is_last=chunk.is_last,
         )
         return Reading((event,))
+
+
+def _chunk_text(event: RuntimeEvent) -> str | None:
+    return event.text if isinstance(event, Chunk) else None
 
 
 class Malformed(Exception):

@@ -106,6 +106,7 @@ class _Conversation:
         self.in_turn = False
         self.released = False  # its session ended during the turn: closed after it
         self.inbox: asyncio.Queue[pb.ServerMessage | Broken] = asyncio.Queue(buffer)
+        self._held: pb.ServerMessage | Broken | None = None  # taken from inbox, not yet read
         self._stray = stray
         self._reading = asyncio.ensure_future(self._read())
 
@@ -132,13 +133,30 @@ class _Conversation:
             log.exception("reading a grpc stream failed")
             await self.inbox.put(Broken(f"unexpected {type(exc).__name__}"))
 
+    def ready(self) -> pb.ServerMessage | Broken | None:
+        """The next message already read, if any; never waits."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            return held
+        return self.inbox.get_nowait() if self.inbox.qsize() else None
+
+    def ready_chunks(self) -> list[pb.ServerMessage]:
+        """The `chunk`s already read, up to the first message that is not one (held
+        for the next `ready`); never waits."""
+        chunks: list[pb.ServerMessage] = []
+        while (message := self.ready()) is not None:
+            if isinstance(message, Broken) or message.WhichOneof("message") != "chunk":
+                self._held = message
+                break
+            chunks.append(message)
+        return chunks
+
     def begin_turn(self) -> None:
         self._discard_left("from before")
         self.in_turn = True
 
     def _discard_left(self, when: str) -> None:
-        while not self.inbox.empty():  # what arrived after its turn had ended
-            left = self.inbox.get_nowait()
+        while (left := self.ready()) is not None:  # what arrived after its turn had ended
             if isinstance(left, pb.ServerMessage):
                 self._stray(f"{left.WhichOneof('message') or 'empty message'} {when} ignored")
 
@@ -379,9 +397,9 @@ class GrpcRuntime:
         self, conversation: _Conversation, message: pb.ClientMessage, reader: TurnReader
     ) -> Reading | None:
         try:
-            await asyncio.wait_for(
-                conversation.call.write(message), self._settings.stream_idle_timeout
-            )
+            # `asyncio.timeout`, not `wait_for`: no task of its own per write.
+            async with asyncio.timeout(self._settings.stream_idle_timeout):
+                await conversation.call.write(message)
         except TimeoutError:
             return reader.fail("the runtime did not read the turn's message in time")
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
@@ -396,22 +414,22 @@ class GrpcRuntime:
         is a failure reading."""
         settings = self._settings
         timeout = settings.first_token_timeout if first_token else settings.stream_idle_timeout
-        inbox = conversation.inbox
         try:
-            # Per chunk, so kept cheap: a message already read is taken at once (`wait_for`
-            # costs a task per call), and not yielding to the loop between chunks read
-            # together lets the client socket write them in one batch.
-            message = (
-                inbox.get_nowait()
-                if inbox.qsize()
-                else await asyncio.wait_for(inbox.get(), timeout)
-            )
+            # A message already read is taken at once; else a deadline without a task of
+            # its own (`wait_for` wraps the `get` in one).
+            message = conversation.ready()
+            if message is None:
+                async with asyncio.timeout(timeout):
+                    message = await conversation.inbox.get()
         except TimeoutError:
             kind = "first message" if first_token else "next message"
             return reader.fail(f"no {kind} from the runtime within {timeout:g}s")
         if isinstance(message, Broken):
             return reader.fail(f"stream broken: {message.cause}", broken=True)
-        return reader.receive(message)
+        if message.WhichOneof("message") != "chunk":
+            return reader.receive(message)
+        # Chunks read meanwhile are handed on with it, as one (docs/runtime-grpc.md).
+        return reader.receive_ready([message, *conversation.ready_chunks()])
 
     def _log_reading(self, turn: TurnInput, reader: TurnReader, reading: Reading) -> None:
         if not reading.note:
