@@ -64,8 +64,8 @@ class SessionTraces:
         self.record(session_id, owner, TOOL_OUTCOME, tool=tool, status=status)
 
     def credential_refreshed(self, session_id: str, owner: str, *, protocol: str) -> None:
-        """For the token-refresh work: call when a connection's credential is replaced
-        (nothing of the token is recorded)."""
+        """A connection on the session took a refreshed credential (nothing of the
+        token is recorded)."""
         self.record(session_id, owner, CREDENTIAL_REFRESHED, protocol=protocol)
 
     async def drain(self) -> None:
