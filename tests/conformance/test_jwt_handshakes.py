@@ -311,6 +311,39 @@ async def test_session_continue_needs_the_same_claim_value(
     await probe.ws.close()
 
 
+async def test_media_of_a_bound_session_needs_the_same_claim_value(
+    http: aiohttp.ClientSession, bound_server: ServerProcess, issuer: Issuer
+) -> None:
+    # An upload URL into a session, or its media, is the session's: another claim value
+    # of the same user is answered as a foreign session is.
+    url = f"ws://127.0.0.1:{bound_server.port}/v1/session"
+    probe = await SessionProbe.connect(http, url)
+    ready = await probe.hello(credential=valid(issuer, sub="ivan", sid="tab-1"), agent="default")
+    await probe.ws.close()
+    base = f"http://127.0.0.1:{bound_server.port}/media"
+    body = {"session_id": ready["session_id"], "filename": "a.txt", "mime_type": "text/plain"}
+    body["size_bytes"] = 5  # type: ignore[assignment]
+
+    def auth(sid: str | None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {valid(issuer, sub='ivan', sid=sid)}"}
+
+    for other in ("tab-2", None):
+        async with http.post(f"{base}/request-upload", json=body, headers=auth(other)) as refused:
+            assert refused.status == 404, (other, await refused.text())
+            assert (await refused.json())["error"]["code"] == "SESSION_EXPIRED"
+    async with http.post(f"{base}/request-upload", json=body, headers=auth("tab-1")) as granted:
+        assert granted.status == 200, await granted.text()
+        grant = await granted.json()
+    async with http.put(grant["upload_url"], data=b"hello", headers=grant["headers"]) as put:
+        assert put.status < 300, await put.text()
+    media_id = grant["storage_ref"].rsplit("/", 1)[1]
+    info = f"{base}/info/{ready['session_id']}/{media_id}"
+    async with http.get(info, headers=auth("tab-2")) as foreign:
+        assert foreign.status == 404
+    async with http.get(info, headers=auth("tab-1")) as own:
+        assert own.status == 200, await own.text()
+
+
 async def test_rpc_sees_a_bound_session_only_with_the_same_claim_value(
     http: aiohttp.ClientSession, bound_server: ServerProcess, issuer: Issuer
 ) -> None:

@@ -227,8 +227,10 @@ class MediaService:
         mime_type: str,
         size_bytes: int,
         base_url: str,
+        binding: str | None = None,
     ) -> UploadGrant:
-        """Grant an upload URL for one file of `size_bytes` in the caller's session."""
+        """Grant an upload URL for one file of `size_bytes` in the caller's session
+        (`binding`: the caller's session-binding value, checked as a resume is)."""
         store = self._storage()
         check_session_id(session_id)
         check_filename(filename)
@@ -238,7 +240,7 @@ class MediaService:
             raise UploadTooLarge(
                 f"size_bytes: {size_bytes} is above the {self._max_upload_bytes}-byte upload limit"
             )
-        await self._check_session(principal, session_id, SessionExpired)
+        await self._check_session(principal, session_id, SessionExpired, binding)
         pending = self._pending_of(principal, self._clock())
         upload_id, ticket = await self._open_ticket(
             store, principal, session_id, filename, mime_type, size_bytes
@@ -341,22 +343,26 @@ class MediaService:
 
     # -- reading --------------------------------------------------------------------
 
-    async def info(self, *, principal: str, session_id: str, media_id: str) -> MediaInfo:
+    async def info(
+        self, *, principal: str, session_id: str, media_id: str, binding: str | None = None
+    ) -> MediaInfo:
         """The caller's media; `MediaNotFound` when missing, expired or not theirs."""
         store = self._storage()
         if not SESSION_ID_PATTERN.fullmatch(session_id) or not MEDIA_ID_PATTERN.fullmatch(media_id):
             raise MediaNotFound()
-        await self._check_session(principal, session_id, MediaNotFound)
+        await self._check_session(principal, session_id, MediaNotFound, binding)
         info = await store.info(session_id, media_id)
         if info is None or info.owner != principal or info.expired(self._clock()):
             raise MediaNotFound()
         return info
 
     async def download(
-        self, *, principal: str, session_id: str, media_id: str
+        self, *, principal: str, session_id: str, media_id: str, binding: str | None = None
     ) -> tuple[MediaInfo, AsyncGenerator[bytes, None]]:
         """The caller's media and its bytes, opened (close the generator when done)."""
-        info = await self.info(principal=principal, session_id=session_id, media_id=media_id)
+        info = await self.info(
+            principal=principal, session_id=session_id, media_id=media_id, binding=binding
+        )
         body = await self._storage().stream(session_id, media_id)
         if body is None:
             raise MediaNotFound()
@@ -401,7 +407,11 @@ class MediaService:
     # -- rules ------------------------------------------------------------------------
 
     async def _check_session(
-        self, principal: str, session_id: str, error: type[SessionExpired | MediaNotFound]
+        self,
+        principal: str,
+        session_id: str,
+        error: type[SessionExpired | MediaNotFound],
+        binding: str | None,
     ) -> None:
         # A session the archive has not seen is allowed: /ws writes sessions lazily,
         # on their first message, and a client uploads before it sends one.
@@ -409,6 +419,9 @@ class MediaService:
         if session is None and self._reservations.foreign(session_id, principal):
             raise error()
         if session is not None and session.owner != principal:
+            raise error()
+        # A session bound to another session-claim value is foreign (spec/identity.md).
+        if session is not None and binding is not None and session.binding != binding:
             raise error()
 
     async def _stored(self, principal: str | None, session_id: str, ref: str) -> MediaInfo:

@@ -19,6 +19,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from portico.auth.base import Identity
 from portico.errors import (
     InvalidMessage,
     MediaNotEnabled,
@@ -87,8 +88,8 @@ def _media(request: web.Request) -> MediaService:
     return media
 
 
-async def _principal(request: web.Request) -> str:
-    return await request.app[SERVICES].principal_of(request)
+async def _identity(request: web.Request) -> Identity:
+    return await request.app[SERVICES].identity_of(request)
 
 
 async def _read_bounded(request: web.Request, limit: int) -> bytes:
@@ -114,14 +115,15 @@ class UploadRequestBody(msgspec.Struct, frozen=True):
 @_json_errors
 async def request_upload(request: web.Request) -> web.StreamResponse:
     media = _media(request)
-    principal = await _principal(request)
+    identity = await _identity(request)
     raw = await _read_bounded(request, MAX_REQUEST_BODY_BYTES)
     try:
         body = msgspec.json.decode(raw, type=UploadRequestBody)
     except msgspec.DecodeError:
         raise InvalidMessage("the body must be a JSON object") from None
     grant = await media.request_upload(
-        principal=principal,
+        principal=identity.principal,
+        binding=identity.session_value,
         session_id=body.session_id,
         filename=body.filename,
         mime_type=body.mime_type,
@@ -188,8 +190,10 @@ async def _hang_up(request: web.Request, error: UploadTooSlow) -> web.StreamResp
 @_json_errors
 async def media_info(request: web.Request) -> web.StreamResponse:
     media = _media(request)
+    identity = await _identity(request)
     info = await media.info(
-        principal=await _principal(request),
+        principal=identity.principal,
+        binding=identity.session_value,
         session_id=request.match_info["session_id"],
         media_id=request.match_info["media_id"],
     )
@@ -218,8 +222,10 @@ def download_headers(info: MediaInfo) -> dict[str, str]:
 @_json_errors
 async def download(request: web.Request) -> web.StreamResponse:
     media = _media(request)
+    identity = await _identity(request)
     info, body = await media.download(
-        principal=await _principal(request),
+        principal=identity.principal,
+        binding=identity.session_value,
         session_id=request.match_info["session_id"],
         media_id=request.match_info["media_id"],
     )

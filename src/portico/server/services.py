@@ -100,10 +100,6 @@ class Services:
         self.strangers = Strangers(stranger_budget(settings))
         self.principals = PrincipalSlots(principal_cap(settings))
 
-    async def principal_of(self, request: web.Request) -> str:
-        """The caller's principal from `Authorization: Bearer`, or HTTP 401."""
-        return (await self.identity_of(request)).principal
-
     async def identity_of(self, request: web.Request) -> Identity:
         """The caller's identity from `Authorization: Bearer` or, from a browser's
         WebSocket upgrade, a `portico.bearer.<token>` subprotocol entry; or HTTP 401."""

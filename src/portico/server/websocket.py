@@ -185,6 +185,7 @@ class OmniaSocket(ServerSocket):
         request = event.request
         grant = await self._services.media.request_upload(
             principal=self._principal,
+            binding=self._binding,
             session_id=event.session_id,
             filename=request.filename,
             mime_type=request.mime_type,
