@@ -36,6 +36,33 @@ def connection_cause(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+# Substrings of a peer library's error text that only describes the failure in words
+# (gRPC's status details), and the cause a log line names.
+_DESCRIBED_CAUSES = (
+    ("connection refused", "connection refused"),
+    ("dns", "name resolution failed"),
+    ("resolve", "name resolution failed"),
+    ("ssl", "TLS handshake failed"),
+    ("tls", "TLS handshake failed"),
+    ("handshake", "TLS handshake failed"),
+    ("certificate", "TLS handshake failed"),
+    ("reset", "connection reset"),
+    ("socket closed", "connection closed"),
+    ("goaway", "connection closed"),
+    ("deadline", "timed out"),
+)
+
+
+def described_cause(details: str) -> str | None:
+    """The cause named by an error text such as gRPC's status details (which carry no
+    exception chain), or None; the text itself is never returned."""
+    lowered = details.lower()
+    for needle, cause in _DESCRIBED_CAUSES:
+        if needle in lowered:
+            return cause
+    return None
+
+
 def http_status_cause(status: int, reason: str | None = None) -> str:
     """`HTTP 503 Service Unavailable`: the status a peer answered with."""
     return f"HTTP {status} {reason}" if reason else f"HTTP {status}"

@@ -32,6 +32,7 @@ from portico.runtime.base import (
     TurnInput,
     TurnStream,
 )
+from portico.runtime.causes import described_cause
 from portico.runtime.grpc.mapping import Reading, TurnReader, client_message, tool_result
 
 if TYPE_CHECKING:
@@ -45,20 +46,6 @@ RESUME_VERDICTS: dict[int, ResumeVerdict] = {
     pb.RESUME_STATE_NOT_FOUND: "not_found",
     pb.RESUME_STATE_UNAVAILABLE: "unavailable",
 }
-# Substrings of gRPC's connection error text, and the cause a log line names.
-_CAUSES = (
-    ("connection refused", "connection refused"),
-    ("dns", "name resolution failed"),
-    ("resolve", "name resolution failed"),
-    ("ssl", "TLS handshake failed"),
-    ("tls", "TLS handshake failed"),
-    ("handshake", "TLS handshake failed"),
-    ("certificate", "TLS handshake failed"),
-    ("reset", "connection reset"),
-    ("socket closed", "connection closed"),
-    ("goaway", "connection closed"),
-    ("deadline", "timed out"),
-)
 
 
 class Unreachable(Exception):
@@ -78,11 +65,7 @@ def classify(error: grpc.aio.AioRpcError | None) -> str:
         return "unauthenticated"
     if code is grpc.StatusCode.PERMISSION_DENIED:
         return "permission denied"
-    details = (error.details() or "").lower()
-    for needle, cause in _CAUSES:
-        if needle in details:
-            return cause
-    return code.name.lower()
+    return described_cause(error.details() or "") or code.name.lower()
 
 
 class Broken(NamedTuple):
