@@ -22,7 +22,7 @@ import jwt
 import pytest
 
 from portico.client import ConnectionStatus, ReconnectPolicy, RpcClient, SessionClient
-from support.jwks import AUDIENCE, Issuer
+from support.jwks import AUDIENCE, Issuer, served_issuer
 from support.rpc import RpcClosed, RpcProbe
 from support.server import ServerProcess
 from support.session import SessionProbe
@@ -36,9 +36,7 @@ SLOW_WORD_DELAY = "0.01"  # the demo's `slow` reply then streams for about 8 s
 
 @pytest.fixture(scope="module")
 def issuer() -> Iterator[Issuer]:
-    served = Issuer().start()
-    yield served
-    served.stop()
+    yield from served_issuer()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import aiohttp
 import jwt
 import pytest
 
-from support.jwks import Issuer, jwt_server
+from support.jwks import Issuer, jwt_server, served_issuer
 from support.rpc import RpcClosed, RpcProbe
 from support.server import ServerProcess
 from support.session import SessionProbe
@@ -27,9 +27,7 @@ USED: list[str] = []  # every token this module sent; none may be in the server'
 
 @pytest.fixture(scope="module")
 def issuer() -> Iterator[Issuer]:
-    served = Issuer().start()
-    yield served
-    served.stop()
+    yield from served_issuer()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from e2e.harness import require_tools
-from support.jwks import AUDIENCE, Issuer
+from support.jwks import AUDIENCE, Issuer, served_issuer
 from support.server import ServerProcess
 
 LIFE = 6  # seconds each minted token lives; the server would close at about 4
@@ -24,9 +24,7 @@ LIFE = 6  # seconds each minted token lives; the server would close at about 4
 
 @pytest.fixture(scope="module")
 def issuer() -> Iterator[Issuer]:
-    served = Issuer().start()
-    yield served
-    served.stop()
+    yield from served_issuer()
 
 
 @pytest.fixture(scope="module")

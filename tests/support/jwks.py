@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,10 @@ class Issuer:
         if self.down:
             return web.Response(status=503, text="down")
         return web.json_response(document)
+
+
+def served_issuer() -> Iterator[Issuer]:
+    """An issuer serving its keys for as long as a (module-scoped) fixture lasts."""
+    served = Issuer().start()
+    yield served
+    served.stop()
