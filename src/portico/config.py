@@ -34,6 +34,8 @@ Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 Bytes = Annotated[int, msgspec.Meta(ge=1)]
 RuntimeName = Literal["demo", "echo", "scripted", "openai", "grpc", "python"]
+# Duplex (voice) runtimes: spec/realtime-audio.md, docs/voice.md.
+DuplexRuntimeName = Literal["scripted", "grpc", "openai-realtime", "embedded"]
 StoreName = Literal["sqlite", "memory", "postgres"]
 # What chat-completions endpoints accept as a function name.
 ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -170,6 +172,12 @@ class AgentSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # The runtime keeps the conversation: a /ws resume asks it (HasConversation).
     runtime_owns_context: bool = False
 
+    # Voice calls (docs/voice.md): the agent's duplex runtime, configured beside its
+    # text one. None: derived from `runtime` (`duplex_runtime_of`): a grpc
+    # agent uses the same runtime, the demo agent the embedded one.
+    duplex_runtime: DuplexRuntimeName | None = None
+    duplex_script: str | None = None  # the scripted duplex runtime's script file
+
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Where to serve and store.
@@ -282,6 +290,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     rate_limit_burst: Count = 100
     media_rate_bytes: Bytes = 2 * 1024 * 1024  # bytes per second
     media_rate_burst: Bytes = 16 * 1024 * 1024  # media bytes that may arrive at once
+
+    # Voice calls (spec/realtime-audio.md, docs/voice.md).
+    realtime_grace_window: Seconds = 15.0  # a dropped call stays parked this long for ?resume
+    max_audio_sessions: Count = 1000  # live (or parked) calls per process
+    max_audio_sessions_per_principal: Count = 4
+    max_audio_bytes_per_second: Bytes = 256 * 1024  # inbound, per call (48 kHz stereo PCM16 fits)
+    audio_burst_bytes: Bytes = 512 * 1024  # inbound audio that may arrive at once
+    keep_audio: bool = False  # archive the call's audio too (transcripts always are)
 
     # /v1/session (issue: resumable sessions).
     resume_window: Seconds = 30.0

@@ -1,0 +1,152 @@
+"""The duplex runtime port: a live voice call, beside the text `Runtime`.
+
+A text runtime turns one message into one reply. A duplex runtime holds a call:
+the caller's audio goes in frame by frame while the agent's events come out on
+their own schedule (it may speak, be interrupted, transcribe, speak again). So
+the port is a call object with an inbound method and an outbound iterator, not
+a generator per turn. The shape mirrors the runtime contract's duplex half
+(spec/runtime-contract.md): `duplex_start` is `start()`, `audio_input` is
+`send()`, and the events are `runtime_hello`, `media_chunk`, `chunk` (agent
+text, or the caller's transcript with role "user"), `interruption`, `done`
+per spoken turn and `error`.
+
+Rules every implementation keeps (the duplex contract suite checks them):
+
+- The first event is exactly one `Hello` (the counter-offer), before any audio.
+- `AudioOut`, `AgentText`, `Transcript`, `Interruption` and `SpokenTurnDone`
+  may follow in any number; a spoken turn ends with one `SpokenTurnDone`.
+- The call ends with the iterator's end (hangup, `is_last`, `close()`), or with
+  one `DuplexFailure`, after which the iterator ends: nothing follows a failure.
+- `send()` after the call ended is ignored (the caller may still be talking);
+  `close()` is idempotent and ends `events()` promptly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from portico.core.memory import AgentMemory
+from portico.runtime.base import HistoryReader
+
+PCM16 = "pcm16"  # signed 16-bit little-endian linear PCM, the format every runtime hears
+
+
+class AudioFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """A media format as the binary frame metadata and `MediaNegotiation` name it.
+
+    `frame_rate` and `resolution` are video: a runtime offering either non-zero is
+    answered `UNSATISFIABLE_FORMAT` (Portico carries audio only)."""
+
+    codec: str = PCM16
+    sample_rate: int = 16000
+    channels: int = 1
+    frame_rate: int = 0
+    resolution: int = 0
+
+    @property
+    def is_video(self) -> bool:
+        return self.frame_rate != 0 or self.resolution != 0
+
+    @property
+    def mime_type(self) -> str:
+        """The MIME type audio of this format travels as (`media_chunk.mime_type`)."""
+        if self.codec == PCM16:
+            return f"audio/pcm;rate={self.sample_rate};channels={self.channels}"
+        return f"audio/{self.codec}"
+
+
+class DuplexStart(msgspec.Struct, frozen=True, kw_only=True):
+    """What a call opens with: who, which agent, and the caller's format."""
+
+    session_id: str
+    agent: str
+    owner: str  # the principal the session belongs to
+    format: AudioFormat
+    system_instruction: str = ""
+    history_reader: HistoryReader | None = None
+    memory: AgentMemory | None = None
+
+
+class AudioIn(msgspec.Struct, frozen=True):
+    """One frame of the caller's audio, in the caller's format, in order."""
+
+    data: bytes
+    sequence: int
+    is_last: bool = False
+
+
+# Outbound events -----------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, frozen=True, kw_only=True):
+    """The runtime's counter-offer: the format it speaks and hears (`session_config`)."""
+
+    format: AudioFormat
+    capabilities: tuple[str, ...] = ()
+
+
+class AudioOut(msgspec.Struct, frozen=True, kw_only=True):
+    """Agent speech, in the `Hello` format."""
+
+    data: bytes
+    media_id: str = ""
+    sequence: int = 0
+    is_last: bool = False
+
+
+class AgentText(msgspec.Struct, frozen=True):
+    """The text of what the agent says (a `chunk`)."""
+
+    text: str
+
+
+class Transcript(msgspec.Struct, frozen=True):
+    """Recognised speech of the caller (a `chunk` with role "user"); `final` ends an
+    utterance, which the archive keeps as one user message."""
+
+    text: str
+    final: bool = True
+
+
+class Interruption(msgspec.Struct, frozen=True):
+    """The caller barged in: the agent stopped speaking; clients drop buffered audio."""
+
+
+class SpokenTurnDone(msgspec.Struct, frozen=True):
+    """The end of one spoken agent turn; `content` None means the turn's `AgentText`."""
+
+    content: str | None = None
+
+
+class DuplexFailure(msgspec.Struct, frozen=True):
+    """The call failed (`DUPLEX_ERROR` on the wire); the last event of the call."""
+
+    code: str
+    message: str
+
+
+DuplexEvent = (
+    Hello | AudioOut | AgentText | Transcript | Interruption | SpokenTurnDone | DuplexFailure
+)
+
+
+class DuplexCall(Protocol):
+    """One live call with a runtime."""
+
+    async def send(self, audio: AudioIn) -> None:
+        """Hand the runtime one frame of caller audio (in order, never concurrently)."""
+
+    def events(self) -> AsyncIterator[DuplexEvent]:
+        """The runtime's events, `Hello` first; iterated once, by one reader."""
+
+    async def close(self) -> None:
+        """End the call (hangup, or the session ended); idempotent."""
+
+
+@runtime_checkable
+class DuplexRuntime(Protocol):
+    async def start(self, start: DuplexStart) -> DuplexCall:
+        """Open a call; raises a `PorticoError` (its wire code) when it cannot."""
