@@ -229,6 +229,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     jwt_session_claim: str = ""  # a resume needs the same value; empty: no binding
     jwt_jwks_refresh_interval: Seconds = 60.0  # an unknown `kid` refetches at most this often
     jwt_jwks_timeout: Seconds = 5.0  # one discovery or JWKS fetch
+    # Verified tokens kept (LRU) so a reconnect skips the signature check; 0: no cache.
+    jwt_cache_entries: Annotated[int, msgspec.Meta(ge=0)] = 10_000
     # A connection closes 4401 this long before its token's `exp` (or at half the
     # token's remaining life when that is shorter), once no turn runs on it.
     credential_expiry_margin: Seconds = 30.0

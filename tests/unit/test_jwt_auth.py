@@ -13,7 +13,7 @@ import hashlib
 import hmac
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jwt
 import pytest
@@ -68,6 +68,8 @@ def make_auth(
     leeway: float = 30.0,
     session_claim: str = "",
     timeout: float = 5.0,
+    cache_entries: int = 0,
+    now: Callable[[], float] = time.time,
 ) -> JwtAuth:
     keys = KeySet(
         issuer=issuer.url,
@@ -84,6 +86,8 @@ def make_auth(
         leeway=leeway,
         principal_claim="sub",
         session_claim=session_claim,
+        cache_entries=cache_entries,
+        now=now,
     )
 
 
@@ -383,3 +387,100 @@ async def test_a_key_set_without_usable_keys_keeps_the_cached_ones(
     finally:
         issuer.keys.update(saved)
     assert (await auth.identify(good)).principal == "alice"
+
+
+# -- the verified-token cache (wall time is an injected clock) ---------------------------
+
+
+class Wall:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_repeated_token_is_served_from_the_cache(issuer: Issuer, clock: Clock) -> None:
+    auth = make_auth(issuer, clock, cache_entries=8)
+    token = issuer.token("ES256")
+    first = await auth.identify(token)
+    assert await auth.identify(token) is first
+    assert len(auth.verified) == 1
+
+
+async def test_a_cached_token_past_exp_and_leeway_is_refused(issuer: Issuer, clock: Clock) -> None:
+    wall = Wall()
+    auth = make_auth(issuer, clock, cache_entries=8, leeway=30, now=wall)
+    exp = int(wall.now) + 60
+    token = issuer.token(exp=exp)
+    await auth.identify(token)
+    wall.now = exp + 29.5
+    assert (await auth.identify(token)).principal == "alice"  # inside the leeway
+    wall.now = exp + 30
+    assert await refused(auth, token) == "token expired"
+    assert len(auth.verified) == 0
+
+
+async def test_a_cached_token_before_nbf_is_refused(issuer: Issuer, clock: Clock) -> None:
+    wall = Wall()
+    auth = make_auth(issuer, clock, cache_entries=8, leeway=0, now=wall)
+    token = issuer.token(nbf=int(wall.now))
+    await auth.identify(token)
+    wall.now -= 1
+    assert await refused(auth, token) == "token not yet valid"
+
+
+async def test_the_cache_is_bounded_and_evicts_the_least_recently_used(
+    issuer: Issuer, clock: Clock
+) -> None:
+    auth = make_auth(issuer, clock, cache_entries=2)
+    a, b, c = (issuer.token(sub=name) for name in ("a", "b", "c"))
+    held_a = await auth.identify(a)
+    held_b = await auth.identify(b)
+    assert await auth.identify(a) is held_a  # a is now the most recent
+    await auth.identify(c)
+    assert len(auth.verified) == 2
+    assert await auth.identify(a) is held_a
+    assert await auth.identify(b) is not held_b  # evicted, verified afresh
+
+
+async def test_refused_and_tampered_tokens_are_never_cached(issuer: Issuer, clock: Clock) -> None:
+    auth = make_auth(issuer, clock, cache_entries=8)
+    token = issuer.token()
+    await auth.identify(token)
+    header, payload, signature = token.split(".")
+    flipped = signature[:-2] + ("AA" if signature[-2:] != "AA" else "BB")
+    forged = b64(json.dumps({**issuer.claims(), "sub": "mallory"}).encode())
+    for junk in (f"{header}.{payload}.{flipped}", f"{header}.{forged}.{signature}", token + "x"):
+        assert await refused(auth, junk) in ("token signature invalid", "invalid token")
+    assert len(auth.verified) == 1
+
+
+async def test_a_key_rotated_away_drops_its_cached_tokens(issuer: Issuer, clock: Clock) -> None:
+    auth = make_auth(issuer, clock, jwks_url=issuer.jwks_url, cache_entries=8)
+    old = issuer.token()
+    await auth.identify(old)
+    clock.now += INTERVAL
+    new_kid = issuer.rotate("ES256")
+    await auth.identify(issuer.token("ES256", kid=new_kid))  # the refetch
+    assert await refused(auth, old) == "token signed by an unknown key"
+
+
+async def test_a_refetch_with_the_key_unchanged_keeps_its_cached_tokens(
+    issuer: Issuer, clock: Clock
+) -> None:
+    auth = make_auth(issuer, clock, jwks_url=issuer.jwks_url, cache_entries=8)
+    token = issuer.token()
+    held = await auth.identify(token)
+    clock.now += INTERVAL
+    issuer.add_key("RS256")  # a new kid: the set is refetched, the old key still in it
+    await auth.identify(issuer.token("RS256", kid=f"rs256-{issuer.generation}"))
+    assert issuer.fetches["jwks"] == 2
+    assert await auth.identify(token) is held
+
+
+async def test_cache_entries_zero_caches_nothing(issuer: Issuer, clock: Clock) -> None:
+    auth = make_auth(issuer, clock, cache_entries=0)
+    token = issuer.token()
+    assert await auth.identify(token) is not await auth.identify(token)
+    assert len(auth.verified) == 0

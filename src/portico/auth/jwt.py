@@ -23,6 +23,7 @@ import jwt
 from jwt.types import Options
 
 from portico.auth.base import Identity, IdentityAuthenticator
+from portico.auth.jwt_cache import TimeWindow, Verified, VerifiedTokens, token_digest
 from portico.errors import IdentityProviderUnavailable, Unauthenticated
 
 log = logging.getLogger("portico.auth")
@@ -48,6 +49,7 @@ async def fetch_json(url: str, deadline: float) -> Any:
 class SigningKey(NamedTuple):
     key: jwt.PyJWK
     alg: str | None  # the JWK's own `alg`, when it names one
+    jwk: str  # the JWK as fetched (canonical JSON), to tell an unchanged key on a refetch
 
 
 class KeySet:
@@ -84,6 +86,10 @@ class KeySet:
             raise IdentityProviderUnavailable()
         raise Unauthenticated("token signed by an unknown key")
 
+    def cached(self, kid: str | None) -> SigningKey | None:
+        """The key held now, without fetching: verified-token cache entries check it."""
+        return self._lookup(kid)
+
     def _lookup(self, kid: str | None) -> SigningKey | None:
         if kid is None and len(self._keys) == 1:
             return next(iter(self._keys.values()))
@@ -112,9 +118,20 @@ class KeySet:
             keys = parse_key_set(await self._fetch(url, self._timeout))
             if not keys:
                 raise ValueError("a key set without usable keys")  # keep the ones cached
-            self._keys = keys
+            self._keys = self._kept_if_unchanged(keys)
         except Exception as exc:  # a failing provider costs handshakes, never the process
             log.warning("JWKS fetch failed: %s", type(exc).__name__)
+
+    def _kept_if_unchanged(
+        self, fetched: dict[str | None, SigningKey]
+    ) -> dict[str | None, SigningKey]:
+        """A refetch keeps the objects of unchanged keys, so the tokens they verified stay
+        cached; a removed or replaced key is a new object and its tokens verify afresh."""
+        kept = {}
+        for kid, key in fetched.items():
+            held = self._keys.get(kid)
+            kept[kid] = held if held is not None and held.jwk == key.jwk else key
+        return kept
 
     async def _discover(self) -> str:
         document = await self._fetch(self._discovery_url, self._timeout)
@@ -138,7 +155,7 @@ def parse_key_set(document: Any) -> dict[str | None, SigningKey]:
             continue
         kid, alg = entry.get("kid"), entry.get("alg")
         keys[kid if isinstance(kid, str) else None] = SigningKey(
-            key, alg if isinstance(alg, str) else None
+            key, alg if isinstance(alg, str) else None, json.dumps(entry, sort_keys=True)
         )
     return keys
 
@@ -191,8 +208,12 @@ class JwtAuth(IdentityAuthenticator):
         leeway: float,
         principal_claim: str,
         session_claim: str,
+        cache_entries: int = 0,
+        now: Callable[[], float] = time.time,
     ) -> None:
         self.keys = keys
+        self.verified = VerifiedTokens(cache_entries)
+        self._now = now  # wall clock: `exp` and `nbf` are Unix times
         self._issuer = issuer or None
         self._audience = audience or None
         self._algorithms = frozenset(algorithms)
@@ -204,6 +225,10 @@ class JwtAuth(IdentityAuthenticator):
     async def identify(self, credential: str | None) -> Identity:
         if not credential:
             raise Unauthenticated("missing bearer token")
+        digest = token_digest(credential)
+        cached = self.verified.get(digest, self._now(), self.keys.cached)
+        if cached is not None:
+            return cached
         alg, kid = self._header(credential)
         signing = await self.keys.key_for(kid)
         if signing.alg is not None and signing.alg != alg:
@@ -220,7 +245,11 @@ class JwtAuth(IdentityAuthenticator):
             )
         except jwt.PyJWTError as exc:
             raise Unauthenticated(rejection(exc)) from None
-        return self._identity(claims)
+        window = TimeWindow.of(claims, self._leeway)
+        window.check(self._now())  # the same clock the cache's hits are judged by
+        identity = self._identity(claims)
+        self.verified.put(digest, Verified(identity, window, kid, signing))
+        return identity
 
     def _header(self, credential: str) -> tuple[str, str | None]:
         header = unverified_header(credential)

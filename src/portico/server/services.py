@@ -191,6 +191,7 @@ def build_jwt_auth(settings: Settings) -> Authenticator:
         leeway=settings.jwt_leeway,
         principal_claim=settings.jwt_principal_claim,
         session_claim=settings.jwt_session_claim,
+        cache_entries=settings.jwt_cache_entries,
     )
 
 
