@@ -20,6 +20,8 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from itertools import repeat
 from pathlib import Path
 
 import aiohttp
@@ -50,9 +52,10 @@ class Keys:
             keys.append({**jwk, "kid": alg, "alg": alg, "use": "sig"})
         return {"keys": keys}
 
-    def token(self, alg: str) -> str:
+    def token(self, alg: str, jti: str = "") -> str:
         now = int(time.time())
         claims = {
+            "jti": jti,
             "iss": self.issuer,
             "aud": AUDIENCE,
             "sub": "bench",
@@ -85,16 +88,20 @@ class Keys:
 
 
 async def handshakes(
-    url: str, token: str | None, clients: int, seconds: float
+    url: str, tokens: Iterator[str | None], clients: int, seconds: float
 ) -> tuple[int, float]:
-    """Connections made and seconds taken: each client opens, reads `connected`, closes."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    """Connections made and seconds taken: each client opens, reads `connected`, closes.
+    Ends at the deadline or when `tokens` runs out (a pool of distinct tokens)."""
     done = 0
     deadline = time.perf_counter() + seconds
 
     async def client(http: aiohttp.ClientSession) -> None:
         nonlocal done
         while time.perf_counter() < deadline:
+            token = next(tokens, "")
+            if token == "":
+                return
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
             async with http.ws_connect(url, headers=headers) as ws:
                 first = await ws.receive_json(timeout=10)
                 assert first["type"] == "connected", first
@@ -112,6 +119,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--distinct", type=int, default=3000, help="distinct tokens minted per alg and repeat"
+    )
     args = parser.parse_args()
     keys = Keys()
     keys.serve()
@@ -124,26 +134,40 @@ def main() -> None:
             "PORTICO_JWT_AUDIENCE": AUDIENCE,
         }
         with_jwt = Server("portico", Path(workdir), log_level="WARNING", env=jwt_env).start()
-        cases = {
-            "none": (none, None),
-            "jwt RS256": (with_jwt, keys.token("RS256")),
-            "jwt ES256": (with_jwt, keys.token("ES256")),
+        uncached_env = {**jwt_env, "PORTICO_JWT_CACHE_ENTRIES": "0"}
+        uncached = Server("portico", Path(workdir), log_level="WARNING", env=uncached_env).start()
+        # Distinct tokens are minted before the timed runs: signing is client work.
+        pools = {
+            alg: [
+                [keys.token(alg, f"{r}-{i}") for i in range(args.distinct)]
+                for r in range(args.repeat)
+            ]
+            for alg in ("RS256", "ES256")
         }
+        cases: dict[str, tuple[Server, Callable[[int], Iterator[str | None]]]] = {
+            "none": (none, lambda _: repeat(None)),
+        }
+        for alg in ("RS256", "ES256"):
+            same = keys.token(alg)
+            cases[f"jwt {alg} same token, no cache"] = (uncached, lambda _, t=same: repeat(t))
+            cases[f"jwt {alg} same token, cached"] = (with_jwt, lambda _, t=same: repeat(t))
+            cases[f"jwt {alg} distinct tokens"] = (with_jwt, lambda r, a=alg: iter(pools[a][r]))
         figures: dict[str, list[float]] = {name: [] for name in cases}
         # The server's CPU per handshake: far steadier than throughput on a shared machine.
         cpu: dict[str, list[float]] = {name: [] for name in cases}
         try:
-            for _ in range(args.repeat):
-                for name, (server, token) in cases.items():
+            for round_ in range(args.repeat):
+                for name, (server, tokens) in cases.items():
                     before = cpu_seconds(server.pid)
                     done, took = asyncio.run(
-                        handshakes(server.url, token, args.clients, args.seconds)
+                        handshakes(server.url, tokens(round_), args.clients, args.seconds)
                     )
                     figures[name].append(done / took)
                     cpu[name].append((cpu_seconds(server.pid) - before) / done * 1e6)
         finally:
             none.stop()
             with_jwt.stop()
+            uncached.stop()
     base = statistics.median(figures["none"])
     base_cpu = statistics.median(cpu["none"])
     print(f"/ws handshakes per second, {args.clients} clients, {args.seconds:g} s x {args.repeat}")
