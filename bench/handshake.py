@@ -3,10 +3,13 @@
     python bench/handshake.py                     # 8 clients, 3 s per figure, 3 repeats
     python bench/handshake.py --clients 4 --seconds 1 --repeat 1
 
-Two Portico processes on 127.0.0.1: one with `auth: none`, one with `auth: jwt` whose keys
+Three Portico processes on 127.0.0.1: `auth: none`, `auth: jwt`, and `auth: jwt` with its
+verified-token cache off (`jwt_cache_entries: 0`); the jwt keys
 (an RSA and a P-256 key) this script serves as a JWKS from a thread. Each client loops:
-open `/ws` (with `Authorization: Bearer` for jwt), read `connected`, close. Figures are
-interleaved (none, RS256, ES256 per repeat) so background noise hits them alike; the
+open `/ws` (with `Authorization: Bearer` for jwt), read `connected`, close. Per alg: the
+same token without and with the cache (a client reconnecting), and distinct tokens
+(`--distinct` pre-minted per repeat, each used once, the run ends when they run out: the
+cache cannot help). Figures are interleaved so background noise hits them alike; the
 medians and each jwt figure's ratio to `none` are printed. A figure, not a pass/fail:
 the target is a ratio of 0.8 or more (keys cached, one verification per handshake).
 """
