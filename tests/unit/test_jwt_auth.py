@@ -484,3 +484,15 @@ async def test_cache_entries_zero_caches_nothing(issuer: Issuer, clock: Clock) -
     token = issuer.token()
     assert await auth.identify(token) is not await auth.identify(token)
     assert len(auth.verified) == 0
+
+
+async def test_a_flood_of_junk_tokens_evicts_no_verified_entry(
+    issuer: Issuer, clock: Clock
+) -> None:
+    auth = make_auth(issuer, clock, cache_entries=1)
+    token = issuer.token()
+    held = await auth.identify(token)
+    header, payload, signature = token.split(".")
+    for n in range(20):
+        await refused(auth, f"{header}.{payload}.{signature[:-4]}{n:04d}")
+    assert await auth.identify(token) is held
