@@ -7,9 +7,12 @@ across every holder, and a newer claim fences the older one.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
 from portico.sessionstate.base import BufferLimits, SessionStates
@@ -175,3 +178,50 @@ async def test_another_replica_resumes_with_the_backlog_and_fences_the_first(
     with pytest.raises(SessionMoved):
         await a.record_sent(SID, epoch_a, 3, b"m3")  # a's socket, still alive, stops
     await b.record_sent(SID, epoch_b, 3, b"m3")
+
+
+# -- the two backends agree on any sequence of operations ------------------------------
+
+Op = tuple[str, int]
+ops_strategy = st.lists(
+    st.tuples(st.sampled_from(["sent", "ack", "handled", "claim"]), st.integers(0, 7)),
+    max_size=30,
+)
+
+
+async def _replay(states: SessionStates, ops: list[Op]) -> list[object]:
+    """Each op's outcome (its value or its error's type), then the final snapshot."""
+    epoch = await states.create(SID, capabilities=b"")
+    next_seq = 1
+    outcomes: list[object] = []
+    for name, value in ops:
+        try:
+            if name == "sent":  # the next seq, or a wrong one when value is 0
+                seq = next_seq if value else next_seq + 1
+                await states.record_sent(SID, epoch, seq, b"p" * (value * 3))
+                next_seq += 1
+                outcomes.append(None)
+            elif name == "ack":
+                outcomes.append(await states.record_ack(SID, epoch, value))
+            elif name == "handled":
+                outcomes.append(await states.record_handled(SID, epoch, value))
+            else:
+                epoch = await states.claim(SID)
+                outcomes.append(epoch)
+        except (BufferOverflow, ProtocolViolation) as error:
+            outcomes.append(type(error))
+    outcomes.append(await states.load(SID))
+    return outcomes
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops_strategy)
+def test_memory_and_redis_agree_on_every_sequence(ops: list[Op]) -> None:
+    async def both() -> tuple[list[object], list[object]]:
+        prefix = run_prefix()
+        async with redis_client(prefix) as client:
+            in_redis = await _replay(RedisSessionStates(client, LIMITS, prefix=prefix), ops)
+        return await _replay(InProcessSessionStates(LIMITS), ops), in_redis
+
+    in_memory, in_redis = asyncio.run(both())
+    assert in_memory == in_redis
