@@ -198,7 +198,7 @@ async def _replay(states: SessionStates, ops: list[Op]) -> list[object]:
         try:
             if name == "sent":  # the next seq, or a wrong one when value is 0
                 seq = next_seq if value else next_seq + 1
-                await states.record_sent(SID, epoch, seq, b"p" * (value * 3))
+                await states.record_sent(SID, epoch, seq, b"p" * (value * 8))
                 next_seq += 1
                 outcomes.append(None)
             elif name == "ack":
