@@ -214,6 +214,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Seconds a replica may go without renewing its lease before it counts as dead
     # and another replica interrupts its unfinished turns.
     replica_lease: Seconds = 30.0
+    # Where replicas share live state: `memory` (one process) or `redis` (redis_url);
+    # with `redis`, a `/v1/session` resumes on any replica (docs/replicas.md).
+    bus: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
 
     # Authentication: `none` (one principal, `local`), `apikey` or `jwt` (docs/auth.md).
     auth: Literal["none", "apikey", "jwt"] = "none"

@@ -350,6 +350,13 @@ class BufferOverflow(ResumeFailed):
         super().__init__("the resend buffer overflowed", reason="buffer_overflow")
 
 
+class SessionMoved(ResumeFailed):
+    """A newer connection (maybe on another replica) claimed the session: this one is fenced."""
+
+    def __init__(self) -> None:
+        super().__init__("the session resumed elsewhere", reason="session_moved")
+
+
 # -- /v1/rpc (rpc-protocol.md section 6: lower-case codes, `details` per error) ----------
 
 

@@ -1,0 +1,1 @@
+"""Where `/v1/session` numbered-stream state lives so any replica can resume it."""

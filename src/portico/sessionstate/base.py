@@ -1,0 +1,62 @@
+"""The session state port: a `/v1/session` stream's ledger, shared between replicas.
+
+The exactly-once rule (docs/replicas.md, "Session state"):
+
+- outgoing: a numbered message is recorded (`record_sent`) *before* it is written to
+  the socket, so whichever replica resumes resends it;
+- incoming: `record_handled(seq)` is a compare-and-set from `seq - 1` to `seq`; only its
+  winner applies the message. The effect itself is idempotent through the archive's
+  idempotency key, so a replica that dies between the effect and the mark lets the
+  next one re-run the message without a second effect;
+- fencing: every connection that takes a session `claim`s it and gets a new epoch; a
+  write carrying an older epoch raises `SessionMoved`, so a stale socket stops.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+
+class SessionSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a replica needs to resume a stream; serialisable with msgspec."""
+
+    epoch: int
+    next_seq: int  # the seq the server's next numbered message gets
+    handled: int  # the highest client seq handled
+    peer_acked: int  # the highest server seq the client acknowledged
+    unacknowledged: tuple[tuple[int, bytes], ...]  # the resend buffer, in order
+    capabilities: bytes = b""  # the negotiated capabilities, as encoded on the wire
+    window_deadline: float | None = None  # when a dropped session may no longer resume
+
+
+class BufferLimits(msgspec.Struct, frozen=True, kw_only=True):
+    max_messages: int
+    max_bytes: int
+
+
+class SessionStates(Protocol):
+    async def create(self, session_id: str, *, capabilities: bytes) -> int:
+        """Start a session's ledger; returns its first epoch."""
+        ...
+
+    async def claim(self, session_id: str) -> int:
+        """Take the session for a new connection; a fresh epoch fences the older ones."""
+        ...
+
+    async def load(self, session_id: str) -> SessionSnapshot | None: ...
+
+    async def record_sent(self, session_id: str, epoch: int, seq: int, data: bytes) -> None:
+        """Keep `data` as server message `seq` (the next one) until it is acknowledged."""
+        ...
+
+    async def record_ack(self, session_id: str, epoch: int, seq: int) -> None: ...
+
+    async def record_handled(self, session_id: str, epoch: int, seq: int) -> bool:
+        """True if `seq` is the next client message and is now handled; False: duplicate."""
+        ...
+
+    async def set_window(self, session_id: str, epoch: int, deadline: float | None) -> None: ...
+
+    async def remove(self, session_id: str) -> None: ...

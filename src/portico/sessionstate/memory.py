@@ -1,0 +1,100 @@
+"""Session state in this process: live objects, no serialisation per message."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
+from portico.sessionstate.base import BufferLimits, SessionSnapshot
+
+
+@dataclass
+class _Ledger:
+    capabilities: bytes
+    epoch: int = 1
+    next_seq: int = 1
+    handled: int = 0
+    peer_acked: int = 0
+    buffer: deque[tuple[int, bytes]] = field(default_factory=deque)
+    buffer_bytes: int = 0
+    window_deadline: float | None = None
+
+
+class InProcessSessionStates:
+    def __init__(self, limits: BufferLimits) -> None:
+        self._limits = limits
+        self._ledgers: dict[str, _Ledger] = {}
+
+    async def create(self, session_id: str, *, capabilities: bytes) -> int:
+        self._ledgers[session_id] = _Ledger(capabilities=capabilities)
+        return 1
+
+    async def claim(self, session_id: str) -> int:
+        ledger = self._existing(session_id)
+        ledger.epoch += 1
+        return ledger.epoch
+
+    async def load(self, session_id: str) -> SessionSnapshot | None:
+        ledger = self._ledgers.get(session_id)
+        if ledger is None:
+            return None
+        return SessionSnapshot(
+            epoch=ledger.epoch,
+            next_seq=ledger.next_seq,
+            handled=ledger.handled,
+            peer_acked=ledger.peer_acked,
+            unacknowledged=tuple(ledger.buffer),
+            capabilities=ledger.capabilities,
+            window_deadline=ledger.window_deadline,
+        )
+
+    async def record_sent(self, session_id: str, epoch: int, seq: int, data: bytes) -> None:
+        ledger = self._current(session_id, epoch)
+        if seq != ledger.next_seq:
+            raise ProtocolViolation(f"server seq {seq} is not the next ({ledger.next_seq})")
+        if (
+            len(ledger.buffer) >= self._limits.max_messages
+            or ledger.buffer_bytes + len(data) > self._limits.max_bytes
+        ):
+            raise BufferOverflow()
+        ledger.buffer.append((seq, data))
+        ledger.buffer_bytes += len(data)
+        ledger.next_seq += 1
+
+    async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
+        ledger = self._current(session_id, epoch)
+        if seq >= ledger.next_seq:
+            raise ProtocolViolation(f"ack {seq} is beyond the highest seq sent")
+        if seq <= ledger.peer_acked:
+            return
+        ledger.peer_acked = seq
+        while ledger.buffer and ledger.buffer[0][0] <= seq:
+            ledger.buffer_bytes -= len(ledger.buffer.popleft()[1])
+
+    async def record_handled(self, session_id: str, epoch: int, seq: int) -> bool:
+        ledger = self._current(session_id, epoch)
+        if seq <= ledger.handled:
+            return False
+        if seq != ledger.handled + 1:
+            raise ProtocolViolation(f"seq {seq} skips ahead: expected {ledger.handled + 1}")
+        ledger.handled = seq
+        return True
+
+    async def set_window(self, session_id: str, epoch: int, deadline: float | None) -> None:
+        self._current(session_id, epoch).window_deadline = deadline
+
+    async def remove(self, session_id: str) -> None:
+        self._ledgers.pop(session_id, None)
+
+    def _existing(self, session_id: str) -> _Ledger:
+        ledger = self._ledgers.get(session_id)
+        if ledger is None:
+            raise ResumeFailed()
+        return ledger
+
+    def _current(self, session_id: str, epoch: int) -> _Ledger:
+        ledger = self._existing(session_id)
+        if epoch != ledger.epoch:
+            raise SessionMoved()
+        return ledger

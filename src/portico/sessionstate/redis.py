@@ -1,0 +1,172 @@
+"""Session state in Redis: any replica resumes a `/v1/session`, and it outlives its replica.
+
+One hash per session (epoch, positions, buffered bytes, capabilities, window) and one
+list holding the unacknowledged messages. The list holds exactly server seqs
+`peer_acked + 1 .. next_seq - 1`, so it needs no seq per entry. Every write is one Lua
+script: the epoch check (fencing), the bound check and the change are atomic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio import Redis
+
+from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
+from portico.sessionstate.base import BufferLimits, SessionSnapshot
+
+_MISSING, _MOVED, _OVERFLOW, _OUT_OF_ORDER = -1, -2, -3, -4
+
+# KEYS[1] the hash, KEYS[2] the buffer list; ARGV[1] the caller's epoch.
+_FENCE = """
+local e = redis.call('HGET', KEYS[1], 'epoch')
+if not e then return -1 end
+if tonumber(e) ~= tonumber(ARGV[1]) then return -2 end
+"""
+
+_CREATE = """
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('HSET', KEYS[1], 'epoch', 1, 'next_seq', 1, 'handled', 0, 'peer_acked', 0,
+           'bytes', 0, 'capabilities', ARGV[1])
+return 1
+"""
+
+_CLAIM = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+"""
+
+# ARGV: epoch, seq, data, max_messages, max_bytes
+_SENT = (
+    _FENCE
+    + """
+local nxt = tonumber(redis.call('HGET', KEYS[1], 'next_seq'))
+if tonumber(ARGV[2]) ~= nxt then return -4 end
+local size = string.len(ARGV[3])
+local held = tonumber(redis.call('HGET', KEYS[1], 'bytes'))
+if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[4]) or held + size > tonumber(ARGV[5]) then
+  return -3
+end
+redis.call('RPUSH', KEYS[2], ARGV[3])
+redis.call('HSET', KEYS[1], 'next_seq', nxt + 1, 'bytes', held + size)
+return 1
+"""
+)
+
+# ARGV: epoch, seq
+_ACK = (
+    _FENCE
+    + """
+local seq = tonumber(ARGV[2])
+if seq >= tonumber(redis.call('HGET', KEYS[1], 'next_seq')) then return -4 end
+local acked = tonumber(redis.call('HGET', KEYS[1], 'peer_acked'))
+if seq <= acked then return 0 end
+local freed = 0
+for _, data in ipairs(redis.call('LRANGE', KEYS[2], 0, seq - acked - 1)) do
+  freed = freed + string.len(data)
+end
+redis.call('LTRIM', KEYS[2], seq - acked, -1)
+redis.call('HSET', KEYS[1], 'peer_acked', seq)
+redis.call('HINCRBY', KEYS[1], 'bytes', -freed)
+return 1
+"""
+)
+
+# ARGV: epoch, seq
+_HANDLED = (
+    _FENCE
+    + """
+local seq = tonumber(ARGV[2])
+local handled = tonumber(redis.call('HGET', KEYS[1], 'handled'))
+if seq <= handled then return 0 end
+if seq ~= handled + 1 then return -4 end
+redis.call('HSET', KEYS[1], 'handled', seq)
+return 1
+"""
+)
+
+# ARGV: epoch, deadline ('' for none)
+_WINDOW = (
+    _FENCE
+    + """
+if ARGV[2] == '' then redis.call('HDEL', KEYS[1], 'window') else
+  redis.call('HSET', KEYS[1], 'window', ARGV[2]) end
+return 1
+"""
+)
+
+
+class RedisSessionStates:
+    def __init__(self, redis: Redis, limits: BufferLimits, *, prefix: str = "portico:") -> None:
+        self._redis = redis
+        self._limits = limits
+        self._prefix = prefix
+        self._create = redis.register_script(_CREATE)
+        self._claim = redis.register_script(_CLAIM)
+        self._sent = redis.register_script(_SENT)
+        self._ack = redis.register_script(_ACK)
+        self._handled = redis.register_script(_HANDLED)
+        self._window = redis.register_script(_WINDOW)
+
+    def _keys(self, session_id: str) -> list[str]:
+        key = f"{self._prefix}session:{session_id}"
+        return [key, key + ":unacked"]
+
+    async def create(self, session_id: str, *, capabilities: bytes) -> int:
+        await self._create(keys=self._keys(session_id), args=[capabilities])
+        return 1
+
+    async def claim(self, session_id: str) -> int:
+        return _checked(await self._claim(keys=self._keys(session_id)))
+
+    async def load(self, session_id: str) -> SessionSnapshot | None:
+        keys = self._keys(session_id)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(keys[0])
+            pipe.lrange(keys[1], 0, -1)
+            fields, unacked = await pipe.execute()
+        if not fields:
+            return None
+        acked = int(fields[b"peer_acked"])
+        window = fields.get(b"window")
+        return SessionSnapshot(
+            epoch=int(fields[b"epoch"]),
+            next_seq=int(fields[b"next_seq"]),
+            handled=int(fields[b"handled"]),
+            peer_acked=acked,
+            unacknowledged=tuple((acked + 1 + i, data) for i, data in enumerate(unacked)),
+            capabilities=fields[b"capabilities"],
+            window_deadline=None if window is None else float(window),
+        )
+
+    async def record_sent(self, session_id: str, epoch: int, seq: int, data: bytes) -> None:
+        limits = self._limits
+        args: list[bytes | int | str] = [epoch, seq, data, limits.max_messages, limits.max_bytes]
+        _checked(await self._sent(keys=self._keys(session_id), args=args))
+
+    async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
+        _checked(await self._ack(keys=self._keys(session_id), args=[epoch, seq]))
+
+    async def record_handled(self, session_id: str, epoch: int, seq: int) -> bool:
+        return _checked(await self._handled(keys=self._keys(session_id), args=[epoch, seq])) == 1
+
+    async def set_window(self, session_id: str, epoch: int, deadline: float | None) -> None:
+        args: list[bytes | int | str] = [epoch, "" if deadline is None else repr(deadline)]
+        _checked(await self._window(keys=self._keys(session_id), args=args))
+
+    async def remove(self, session_id: str) -> None:
+        await self._redis.delete(*self._keys(session_id))
+
+
+def _checked(result: Any) -> int:
+    """A script's status as the error the port promises, or its (non-negative) value."""
+    code = int(result)
+    if code == _MISSING:
+        raise ResumeFailed()
+    if code == _MOVED:
+        raise SessionMoved()
+    if code == _OVERFLOW:
+        raise BufferOverflow()
+    if code == _OUT_OF_ORDER:
+        raise ProtocolViolation("a seq out of order for this session")
+    return code

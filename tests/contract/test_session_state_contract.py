@@ -1,0 +1,227 @@
+"""The session state port's contract: the in-process and Redis backends pass one suite.
+
+What it pins is the exactly-once ledger of docs/replicas.md ("Session state"): a
+message recorded as sent survives until acknowledged, a client seq is handled once
+across every holder, and a newer claim fences the older one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
+from portico.sessionstate.base import BufferLimits, SessionStates
+from portico.sessionstate.memory import InProcessSessionStates
+from portico.sessionstate.redis import RedisSessionStates
+from support.redis import redis_client, run_prefix
+
+LIMITS = BufferLimits(max_messages=4, max_bytes=64)
+SID = "ses_contract"
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def states(request: pytest.FixtureRequest) -> AsyncIterator[SessionStates]:
+    if request.param == "memory":
+        yield InProcessSessionStates(LIMITS)
+        return
+    prefix = run_prefix()
+    async with redis_client(prefix) as client:
+        yield RedisSessionStates(client, LIMITS, prefix=prefix)
+
+
+@pytest.fixture
+async def redis_pair() -> AsyncIterator[tuple[RedisSessionStates, RedisSessionStates]]:
+    """Two replicas' views of one Redis, each with its own connection."""
+    prefix = run_prefix()
+    async with redis_client(prefix) as a, redis_client(prefix) as b:
+        yield (
+            RedisSessionStates(a, LIMITS, prefix=prefix),
+            RedisSessionStates(b, LIMITS, prefix=prefix),
+        )
+
+
+async def test_a_new_session_starts_empty_at_epoch_one(states: SessionStates) -> None:
+    assert await states.create(SID, capabilities=b'{"media":true}') == 1
+    snap = await states.load(SID)
+    assert snap is not None
+    assert (snap.epoch, snap.next_seq, snap.handled, snap.peer_acked) == (1, 1, 0, 0)
+    assert snap.unacknowledged == ()
+    assert snap.capabilities == b'{"media":true}'
+    assert snap.window_deadline is None
+
+
+async def test_an_unknown_session_loads_as_none_and_cannot_be_claimed(
+    states: SessionStates,
+) -> None:
+    assert await states.load("ses_nobody") is None
+    with pytest.raises(ResumeFailed):
+        await states.claim("ses_nobody")
+
+
+async def test_sent_messages_stay_until_a_cumulative_ack(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    for seq in (1, 2, 3):
+        await states.record_sent(SID, epoch, seq, b"m%d" % seq)
+    await states.record_ack(SID, epoch, 2)
+    await states.record_ack(SID, epoch, 1)  # a regressing ack changes nothing
+    snap = await states.load(SID)
+    assert snap is not None
+    assert snap.unacknowledged == ((3, b"m3"),)
+    assert (snap.next_seq, snap.peer_acked) == (4, 2)
+
+
+async def test_an_ack_beyond_what_was_sent_is_a_violation(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    await states.record_sent(SID, epoch, 1, b"m1")
+    with pytest.raises(ProtocolViolation):
+        await states.record_ack(SID, epoch, 2)
+
+
+async def test_a_sent_seq_out_of_order_is_refused(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    with pytest.raises(ProtocolViolation):
+        await states.record_sent(SID, epoch, 2, b"m2")
+
+
+async def test_the_buffer_is_bounded_by_messages(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    for seq in range(1, LIMITS.max_messages + 1):
+        await states.record_sent(SID, epoch, seq, b"x")
+    with pytest.raises(BufferOverflow):
+        await states.record_sent(SID, epoch, LIMITS.max_messages + 1, b"x")
+    await states.record_ack(SID, epoch, 1)  # an ack frees room
+    await states.record_sent(SID, epoch, LIMITS.max_messages + 1, b"x")
+
+
+async def test_the_buffer_is_bounded_by_bytes(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    await states.record_sent(SID, epoch, 1, b"a" * 40)
+    with pytest.raises(BufferOverflow):
+        await states.record_sent(SID, epoch, 2, b"b" * 25)
+    await states.record_ack(SID, epoch, 1)
+    await states.record_sent(SID, epoch, 2, b"b" * 25)
+    snap = await states.load(SID)
+    assert snap is not None
+    assert snap.unacknowledged == ((2, b"b" * 25),)
+
+
+async def test_a_client_seq_is_handled_once_and_in_order(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    assert await states.record_handled(SID, epoch, 1) is True
+    assert await states.record_handled(SID, epoch, 1) is False
+    with pytest.raises(ProtocolViolation):
+        await states.record_handled(SID, epoch, 3)
+    assert await states.record_handled(SID, epoch, 2) is True
+    snap = await states.load(SID)
+    assert snap is not None
+    assert snap.handled == 2
+
+
+async def test_a_claim_fences_every_write_of_the_older_epoch(states: SessionStates) -> None:
+    old = await states.create(SID, capabilities=b"")
+    await states.record_sent(SID, old, 1, b"m1")
+    new = await states.claim(SID)
+    assert new > old
+    writes: list[Callable[[], object]] = [
+        lambda: states.record_sent(SID, old, 2, b"m2"),
+        lambda: states.record_ack(SID, old, 1),
+        lambda: states.record_handled(SID, old, 1),
+        lambda: states.set_window(SID, old, 10.0),
+    ]
+    for write in writes:
+        with pytest.raises(SessionMoved):
+            await write()  # type: ignore[misc]
+    snap = await states.load(SID)
+    assert snap is not None
+    assert (snap.epoch, snap.next_seq, snap.handled, snap.peer_acked) == (new, 2, 0, 0)
+    assert snap.unacknowledged == ((1, b"m1"),)
+
+
+async def test_the_window_deadline_is_kept_and_cleared(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    await states.set_window(SID, epoch, 1234.5)
+    snap = await states.load(SID)
+    assert snap is not None
+    assert snap.window_deadline == 1234.5
+    await states.set_window(SID, epoch, None)
+    snap = await states.load(SID)
+    assert snap is not None
+    assert snap.window_deadline is None
+
+
+async def test_a_removed_session_is_gone(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    await states.record_sent(SID, epoch, 1, b"m1")
+    await states.remove(SID)
+    assert await states.load(SID) is None
+
+
+async def test_another_replica_resumes_with_the_backlog_and_fences_the_first(
+    redis_pair: tuple[RedisSessionStates, RedisSessionStates],
+) -> None:
+    a, b = redis_pair
+    epoch_a = await a.create(SID, capabilities=b"caps")
+    await a.record_sent(SID, epoch_a, 1, b"m1")
+    await a.record_sent(SID, epoch_a, 2, b"m2")
+    assert await a.record_handled(SID, epoch_a, 1)
+    epoch_b = await b.claim(SID)  # the client reconnects through the balancer to b
+    snap = await b.load(SID)
+    assert snap is not None
+    assert snap.unacknowledged == ((1, b"m1"), (2, b"m2"))
+    assert snap.handled == 1  # b will not apply client message 1 again
+    assert await b.record_handled(SID, epoch_b, 1) is False
+    with pytest.raises(SessionMoved):
+        await a.record_sent(SID, epoch_a, 3, b"m3")  # a's socket, still alive, stops
+    await b.record_sent(SID, epoch_b, 3, b"m3")
+
+
+# -- the two backends agree on any sequence of operations ------------------------------
+
+Op = tuple[str, int]
+ops_strategy = st.lists(
+    st.tuples(st.sampled_from(["sent", "ack", "handled", "claim"]), st.integers(0, 7)),
+    max_size=30,
+)
+
+
+async def _replay(states: SessionStates, ops: list[Op]) -> list[object]:
+    """Each op's outcome (its value or its error's type), then the final snapshot."""
+    epoch = await states.create(SID, capabilities=b"")
+    next_seq = 1
+    outcomes: list[object] = []
+    for name, value in ops:
+        try:
+            if name == "sent":  # the next seq, or a wrong one when value is 0
+                seq = next_seq if value else next_seq + 1
+                await states.record_sent(SID, epoch, seq, b"p" * (value * 8))
+                next_seq += 1
+                outcomes.append(None)
+            elif name == "ack":
+                outcomes.append(await states.record_ack(SID, epoch, value))
+            elif name == "handled":
+                outcomes.append(await states.record_handled(SID, epoch, value))
+            else:
+                epoch = await states.claim(SID)
+                outcomes.append(epoch)
+        except (BufferOverflow, ProtocolViolation) as error:
+            outcomes.append(type(error))
+    outcomes.append(await states.load(SID))
+    return outcomes
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops_strategy)
+def test_memory_and_redis_agree_on_every_sequence(ops: list[Op]) -> None:
+    async def both() -> tuple[list[object], list[object]]:
+        prefix = run_prefix()
+        async with redis_client(prefix) as client:
+            in_redis = await _replay(RedisSessionStates(client, LIMITS, prefix=prefix), ops)
+        return await _replay(InProcessSessionStates(LIMITS), ops), in_redis
+
+    in_memory, in_redis = asyncio.run(both())
+    assert in_memory == in_redis
