@@ -33,9 +33,7 @@ DEFAULT_AGENT = "default"
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 Bytes = Annotated[int, msgspec.Meta(ge=1)]
-RuntimeName = Literal[
-    "demo", "echo", "scripted", "openai", "openai-realtime", "grpc", "python"
-]
+RuntimeName = Literal["demo", "echo", "scripted", "openai", "openai-realtime", "grpc", "python"]
 # Duplex (voice) runtimes: spec/realtime-audio.md, docs/voice.md.
 DuplexRuntimeName = Literal["scripted", "grpc", "openai-realtime", "embedded"]
 StoreName = Literal["sqlite", "memory", "postgres"]

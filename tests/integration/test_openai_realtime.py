@@ -9,6 +9,8 @@ import socket
 from collections.abc import AsyncIterator
 
 import pytest
+from tests.support.duplex_runtimes import openai_realtime_runtime
+from tests.support.fake_realtime import KEY, KEY_ENV, WITHIN, FakeRealtime
 
 from portico.runtime.duplex.base import (
     AgentText,
@@ -26,8 +28,6 @@ from portico.runtime.duplex.base import (
     Transcript,
 )
 from portico.runtime.duplex.openai_realtime import build
-from tests.support.duplex_runtimes import openai_realtime_runtime
-from tests.support.fake_realtime import KEY, KEY_ENV, WITHIN, FakeRealtime
 
 START = DuplexStart(
     session_id="s1",
@@ -151,12 +151,13 @@ async def test_a_provider_error_event_is_one_failure(
     realtime: tuple[DuplexRuntime, FakeRealtime], error: dict[str, str], code: str
 ) -> None:
     runtime, fake = realtime
-    call, events = await opened(runtime)
+    _call, events = await opened(runtime)
     await fake.push({"type": "error", "error": error}, {"type": "response.done"})
     (failure,) = await rest(events)
     assert isinstance(failure, DuplexFailure)
     assert failure.code == code
-    assert "sk-secret" not in failure.message and "gpt-realtime-test" in failure.message
+    assert "sk-secret" not in failure.message
+    assert "gpt-realtime-test" in failure.message
 
 
 async def test_a_cancel_racing_the_end_of_a_turn_is_no_failure(
@@ -195,7 +196,8 @@ async def failure_of(runtime: DuplexRuntime) -> list[DuplexEvent]:
 async def test_a_wrong_key_is_auth_failed(realtime: tuple[DuplexRuntime, FakeRealtime]) -> None:
     _, fake = realtime
     (failure,) = await failure_of(build(fake.agent(), {KEY_ENV: "sk-wrong"}))
-    assert isinstance(failure, DuplexFailure) and failure.code == "PROVIDER_AUTH_FAILED"
+    assert isinstance(failure, DuplexFailure)
+    assert failure.code == "PROVIDER_AUTH_FAILED"
 
 
 async def test_a_refused_handshake_maps_its_status(
@@ -204,7 +206,8 @@ async def test_a_refused_handshake_maps_its_status(
     runtime, fake = realtime
     fake.refuse_status = 429
     (failure,) = await failure_of(runtime)
-    assert isinstance(failure, DuplexFailure) and failure.code == "PROVIDER_RATE_LIMITED"
+    assert isinstance(failure, DuplexFailure)
+    assert failure.code == "PROVIDER_RATE_LIMITED"
 
 
 async def test_a_refused_connection_is_unavailable(
@@ -216,4 +219,5 @@ async def test_a_refused_connection_is_unavailable(
         port = free.getsockname()[1]
     agent = fake.agent(base_url=f"http://127.0.0.1:{port}/v1")
     (failure,) = await failure_of(build(agent, {KEY_ENV: KEY}))
-    assert isinstance(failure, DuplexFailure) and failure.code == "PROVIDER_UNAVAILABLE"
+    assert isinstance(failure, DuplexFailure)
+    assert failure.code == "PROVIDER_UNAVAILABLE"

@@ -125,7 +125,7 @@ class RealtimeMapping:
         if kind == "response.created":
             self.responding = True
         elif kind in AUDIO_DELTAS:
-            return [self._audio(event)]
+            return self._audio(event)
         elif kind in TEXT_DELTAS:
             return [AgentText(str(event.get("delta", "")))]
         elif kind == "conversation.item.input_audio_transcription.delta":
@@ -144,11 +144,22 @@ class RealtimeMapping:
         replies, self.replies = self.replies, []
         return replies
 
-    def _audio(self, event: Mapping[str, Any]) -> AudioOut:
+    def on_text(self, text: str | bytes) -> list[DuplexEvent]:
+        """One WebSocket text message; one that is not a JSON object fails the call."""
+        try:
+            event = _decode.decode(text)
+        except msgspec.DecodeError:
+            return self._fail(UNAVAILABLE, f"the model {self.model} sent a malformed event")
+        return self.on_event(event)
+
+    def _audio(self, event: Mapping[str, Any]) -> list[DuplexEvent]:
+        try:
+            data = base64.b64decode(str(event.get("delta", "")), validate=True)
+        except ValueError:  # binascii.Error, or a delta that is not ASCII
+            return self._fail(UNAVAILABLE, f"the model {self.model} sent malformed audio")
         self.sequence += 1
-        data = base64.b64decode(str(event.get("delta", "")))
         media_id = str(event.get("item_id") or event.get("response_id") or "")
-        return AudioOut(data=data, media_id=media_id, sequence=self.sequence)
+        return [AudioOut(data=data, media_id=media_id, sequence=self.sequence)]
 
     def _barge_in(self) -> list[DuplexEvent]:
         if not self.responding:
@@ -222,7 +233,7 @@ class RealtimeCall:
                 if not self._closed:
                     yield self._dropped()
                 return
-            events = self._mapping.on_event(_decode.decode(message.data))
+            events = self._mapping.on_text(message.data)
             # Answered before the events are handed on: a barge-in's cancel must not
             # wait for the reader to come back for more.
             await self._send_all(self._mapping.take_replies())
@@ -262,7 +273,8 @@ class FailedCall:
 
 class OpenAIRealtimeRuntime:
     def __init__(self, agent: AgentSettings, *, api_key: str | None) -> None:
-        assert agent.base_url and agent.model, "check_openai_agent() requires both"
+        assert agent.base_url, "check_openai_agent() requires a base_url"
+        assert agent.model, "check_openai_agent() requires a model"
         self._url = f"{agent.base_url.rstrip('/')}/realtime"
         self._model = agent.model
         self._api_key = api_key
