@@ -221,3 +221,27 @@ async def test_a_refused_connection_is_unavailable(
     (failure,) = await failure_of(build(agent, {KEY_ENV: KEY}))
     assert isinstance(failure, DuplexFailure)
     assert failure.code == "PROVIDER_UNAVAILABLE"
+
+
+async def test_a_handshake_past_the_deadline_is_a_timeout(
+    realtime: tuple[DuplexRuntime, FakeRealtime],
+) -> None:
+    _, fake = realtime
+    fake.stalling = True
+    agent = fake.agent(first_token_timeout=0.2)
+    (failure,) = await failure_of(build(agent, {KEY_ENV: KEY}))
+    assert failure == DuplexFailure(
+        "PROVIDER_TIMEOUT", "the model gpt-realtime-test could not be reached (PROVIDER_TIMEOUT)"
+    )
+
+
+async def test_close_ends_a_waiting_reader_without_a_failure(
+    realtime: tuple[DuplexRuntime, FakeRealtime],
+) -> None:
+    runtime, _ = realtime
+    call, events = await opened(runtime)
+    reader = asyncio.create_task(rest(events))
+    await asyncio.sleep(0)  # one loop pass: the reader is now waiting on the socket
+    await call.close()
+    assert await asyncio.wait_for(reader, WITHIN) == []
+    await call.close()  # idempotent

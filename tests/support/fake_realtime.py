@@ -27,6 +27,8 @@ class FakeRealtime:
         self.client_events: list[dict[str, Any]] = []
         self.handshakes: list[dict[str, str]] = []
         self.refuse_status: int | None = None  # answer the handshake with this status
+        self.stall = asyncio.Event()  # until set (by stop), a stalling handshake waits
+        self.stalling = False  # hold every handshake until `stall` is set
         self._socket: web.WebSocketResponse | None = None
         self._connected = asyncio.Event()
         self._arrived = asyncio.Condition()
@@ -57,6 +59,7 @@ class FakeRealtime:
         self.port = self._runner.addresses[0][1]
 
     async def stop(self) -> None:
+        self.stall.set()
         if self._socket is not None:
             await self._socket.close()  # else cleanup waits out a call left open
         if self._runner is not None:
@@ -95,6 +98,8 @@ class FakeRealtime:
                 "beta": request.headers.get("OpenAI-Beta", ""),
             }
         )
+        if self.stalling:
+            await self.stall.wait()
         if self.refuse_status is not None:
             return web.Response(status=self.refuse_status)
         if request.headers.get("Authorization") != f"Bearer {KEY}":
