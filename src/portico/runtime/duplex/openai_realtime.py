@@ -47,7 +47,13 @@ from portico.runtime.duplex.base import (
     SpokenTurnDone,
     Transcript,
 )
-from portico.runtime.provider import AUTH_FAILED, RATE_LIMITED, TIMEOUT, UNAVAILABLE
+from portico.runtime.provider import (
+    AUTH_FAILED,
+    RATE_LIMITED,
+    TIMEOUT,
+    UNAVAILABLE,
+    key_headers,
+)
 
 REALTIME_FORMAT = AudioFormat(codec=PCM16, sample_rate=24000, channels=1)
 
@@ -277,7 +283,7 @@ class OpenAIRealtimeRuntime:
         assert agent.model, "check_openai_agent() requires a model"
         self._url = f"{agent.base_url.rstrip('/')}/realtime"
         self._model = agent.model
-        self._api_key = api_key
+        self._key_headers = key_headers(agent, api_key)
         self._timeout = agent.first_token_timeout
 
     async def start(self, start: DuplexStart) -> DuplexCall:
@@ -294,9 +300,7 @@ class OpenAIRealtimeRuntime:
         return call
 
     async def _connect(self, http: aiohttp.ClientSession) -> aiohttp.ClientWebSocketResponse:
-        headers = {"OpenAI-Beta": "realtime=v1"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
+        headers = {"OpenAI-Beta": "realtime=v1", **self._key_headers}
         return await http.ws_connect(
             self._url, params={"model": self._model}, headers=headers, autoping=True
         )
