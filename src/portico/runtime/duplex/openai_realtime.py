@@ -216,6 +216,10 @@ class RealtimeCall:
         self._ending = audio.is_last
         await self._send_all(audio_append(audio))
 
+    async def configure(self, instructions: str) -> None:
+        """The call's first client event, before any audio (`session_update`)."""
+        await self._send_all([session_update(instructions)])
+
     async def events(self) -> AsyncIterator[DuplexEvent]:
         yield Hello(format=REALTIME_FORMAT, capabilities=("barge_in", "transcripts"))
         try:
@@ -296,7 +300,7 @@ class OpenAIRealtimeRuntime:
                 raise
             return FailedCall(self._connect_failure(exc))
         call = RealtimeCall(http, ws, self._model)
-        await call._send_all([session_update(start.system_instruction)])
+        await call.configure(start.system_instruction)
         return call
 
     async def _connect(self, http: aiohttp.ClientSession) -> aiohttp.ClientWebSocketResponse:
