@@ -33,7 +33,7 @@ DEFAULT_AGENT = "default"
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Count = Annotated[int, msgspec.Meta(ge=1)]
 Bytes = Annotated[int, msgspec.Meta(ge=1)]
-RuntimeName = Literal["demo", "echo", "scripted", "openai", "grpc", "python"]
+RuntimeName = Literal["demo", "echo", "scripted", "openai", "openai-realtime", "grpc", "python"]
 # Duplex (voice) runtimes: spec/realtime-audio.md, docs/voice.md.
 DuplexRuntimeName = Literal["scripted", "grpc", "openai-realtime", "embedded"]
 StoreName = Literal["sqlite", "memory", "postgres"]
@@ -380,7 +380,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                     f"agent {name!r}: the python runtime needs plugin: module:attr"
                     + (" (PORTICO_PLUGIN)" if name == DEFAULT_AGENT else "")
                 )
-            if agent is not None and agent.runtime == "openai":
+            if agent is not None and agent.runtime in ("openai", "openai-realtime"):
                 check_openai_agent(name, agent, os.environ if env is None else env)
             if agent is not None and agent.runtime == "grpc":
                 check_grpc_agent(name, agent, os.environ if env is None else env)

@@ -157,7 +157,7 @@ def test_config_file_errors_are_one_line_naming_file_and_key(
         "prot: 80\n": f"config file {config}: unknown setting 'prot' (did you mean 'port'?)",
         "runtime: gpt\n": (
             f"config file {config}, key runtime: invalid value 'gpt'; "
-            "valid values: demo, echo, scripted, openai, grpc, python"
+            "valid values: demo, echo, scripted, openai, openai-realtime, grpc, python"
         ),
         "port: [80\n": (
             f"config file {config}: invalid YAML at line 2, column 1: "

@@ -174,7 +174,7 @@ def test_env_origins_are_a_comma_list() -> None:
 
 # -- invalid values: each names its source and what would be valid --------------------------
 
-RUNTIMES = "demo, echo, scripted, openai, grpc, python"
+RUNTIMES = "demo, echo, scripted, openai, openai-realtime, grpc, python"
 
 
 @pytest.mark.parametrize(

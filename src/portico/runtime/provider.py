@@ -71,6 +71,15 @@ class ProviderError(Exception):
         return f'code={self.code} endpoint={self.endpoint} cause="{self.cause}"'
 
 
+def key_headers(settings: AgentSettings, api_key: str | None) -> dict[str, str]:
+    """The header carrying the key: `Authorization: Bearer <key>`, or the key as is in
+    any other `api_key_header`; none without a key."""
+    if not api_key:
+        return {}
+    bearer = settings.api_key_header.lower() == "authorization"
+    return {settings.api_key_header: f"Bearer {api_key}" if bearer else api_key}
+
+
 class Provider:
     def __init__(
         self,
@@ -84,9 +93,7 @@ class Provider:
         self._http = http
         self._url = settings.base_url.rstrip("/") + "/chat/completions"
         self._headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-        if api_key:
-            bearer = settings.api_key_header.lower() == "authorization"
-            self._headers[settings.api_key_header] = f"Bearer {api_key}" if bearer else api_key
+        self._headers |= key_headers(settings, api_key)
         self.label = f"model {settings.model} ({settings.provider})"
         self.endpoint = safe_endpoint(self._url)
 

@@ -206,7 +206,9 @@ def build_runtime(
         return PythonRuntime.from_plugin(agent.plugin)
     if agent.runtime == "echo":
         return EchoRuntime()
-    if agent.runtime == "openai":
+    if agent.runtime in ("openai", "openai-realtime"):
+        # An openai-realtime agent's text turns go to chat completions at the same
+        # base URL (docs/voice-runtimes.md); its calls to the Realtime API.
         # The key and the tools' header values are read from the environment here, so
         # they never sit in the settings (which `config show` prints).
         return OpenAIRuntime(agent, env=os.environ)
