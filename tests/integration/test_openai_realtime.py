@@ -9,8 +9,6 @@ import socket
 from collections.abc import AsyncIterator
 
 import pytest
-from tests.support.duplex_runtimes import openai_realtime_runtime
-from tests.support.fake_realtime import KEY, KEY_ENV, WITHIN, FakeRealtime
 
 from portico.runtime.duplex.base import (
     AgentText,
@@ -28,6 +26,8 @@ from portico.runtime.duplex.base import (
     Transcript,
 )
 from portico.runtime.duplex.openai_realtime import build
+from support.duplex_runtimes import openai_realtime_runtime
+from support.fake_realtime import KEY, KEY_ENV, WITHIN, FakeRealtime
 
 START = DuplexStart(
     session_id="s1",

@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from tests.support.fake_realtime import KEY, KEY_ENV, FakeRealtime
-
 from portico.runtime.duplex.base import DuplexRuntime
 from portico.runtime.duplex.openai_realtime import build
+from support.fake_realtime import KEY, KEY_ENV, FakeRealtime
 
 
 @asynccontextmanager
