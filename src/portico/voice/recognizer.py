@@ -25,7 +25,7 @@ class PocketSphinxRecognizer:
 
     def __init__(self, phrases: Sequence[str]) -> None:
         try:
-            from pocketsphinx import Decoder
+            from pocketsphinx import Decoder  # type: ignore[import-untyped]
         except ImportError as exc:
             raise VoiceUnavailable(INSTALL_HINT) from exc
         self._decoder: Any = Decoder(samprate=SAMPLE_RATE, loglevel="FATAL")

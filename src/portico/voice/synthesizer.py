@@ -47,7 +47,9 @@ class EspeakSynthesizer:
     ) -> None:
         binary = shutil.which("espeak-ng")
         if binary is None:
-            raise VoiceUnavailable("the embedded voice agent speaks with espeak-ng: apt-get install espeak-ng")
+            raise VoiceUnavailable(
+                "the embedded voice agent speaks with espeak-ng: apt-get install espeak-ng"
+            )
         self._binary, self._voice, self._timeout, self._max_bytes = (
             binary,
             voice,

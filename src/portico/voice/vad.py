@@ -17,7 +17,7 @@ class SpeechDetector(Protocol):
 class WebRtcVad:
     def __init__(self, aggressiveness: int = 2) -> None:
         try:
-            import webrtcvad
+            import webrtcvad  # type: ignore[import-untyped]
         except ImportError as exc:
             raise VoiceUnavailable(INSTALL_HINT) from exc
         self._vad = webrtcvad.Vad(aggressiveness)
