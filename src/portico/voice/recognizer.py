@@ -29,7 +29,7 @@ class PocketSphinxRecognizer:
         except ImportError as exc:
             raise VoiceUnavailable(INSTALL_HINT) from exc
         self._decoder: Any = Decoder(samprate=SAMPLE_RATE, loglevel="FATAL")
-        self._decoder.set_jsgf_string("portico", grammar_of(phrases))
+        self._decoder.add_jsgf_string("portico", grammar_of(phrases))
         self._decoder.activate_search("portico")
 
     def recognize(self, audio: bytes) -> str:
