@@ -7,12 +7,12 @@ inside the functions that need them."""
 
 from __future__ import annotations
 
+from portico.errors import VoiceUnavailable
+
 SAMPLE_RATE = 16000  # what webrtcvad and pocketsphinx's default model hear
 FRAME_MS = 20
 FRAME_BYTES = SAMPLE_RATE * FRAME_MS // 1000 * 2  # pcm16 mono
 
 INSTALL_HINT = "the embedded voice agent needs its speech packages: pip install 'portico[voice]'"
 
-
-class VoiceUnavailable(RuntimeError):
-    """A speech library or the espeak-ng binary is missing."""
+__all__ = ["FRAME_BYTES", "FRAME_MS", "INSTALL_HINT", "SAMPLE_RATE", "VoiceUnavailable"]
