@@ -8,6 +8,8 @@ import math
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from portico.config import Settings
 from portico.runtime.duplex.base import (
@@ -60,6 +62,20 @@ def test_segmenter_cuts_one_utterance_after_a_silence_gap() -> None:
     )
     assert [type(e) for e in events] == [SpeechStarted, Utterance]
     assert segmenter.feed(bytes(FRAME_BYTES * 50)) == []
+
+
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=1, max_value=3000), max_size=40), noise=st.binary())
+def test_segmenter_regroups_frames_of_any_size(cuts: list[int], noise: bytes) -> None:
+    """Caller frames of any size (and any bytes) cut the same utterances as whole frames."""
+    audio = noise + bytes(FRAME_BYTES * 10) + spoken("beep") + bytes(FRAME_BYTES * 30)
+    whole = Segmenter(WebRtcVad()).feed(audio)
+    segmenter, pieces, offset = Segmenter(WebRtcVad()), [], 0
+    for cut in cuts:
+        pieces += segmenter.feed(audio[offset : offset + cut])
+        offset += cut
+    pieces += segmenter.feed(audio[offset:])
+    assert pieces == whole
 
 
 def test_segmenter_ignores_silence() -> None:
