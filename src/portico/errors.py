@@ -488,3 +488,11 @@ def as_rpc_error(error: PorticoError) -> PorticoError:
     if isinstance(error, MediaNotEnabled | MediaNotFound):
         return InvalidRequest(error.message)
     return RpcInternal()
+
+
+class VoiceUnavailable(PorticoError):
+    """The embedded voice agent's speech packages (`portico[voice]`) or its espeak-ng
+    binary are missing: a call to an `embedded` agent fails with this, naming the fix."""
+
+    code = "DUPLEX_ERROR"
+    http_status = 503
