@@ -27,7 +27,7 @@ OTHER_VARIABLES = ("PORTICO_CONFIG", "PORTICO_CREDENTIAL")
 # Settings with no environment variable: nested structures.
 FILE_ONLY_SETTINGS = frozenset({"agents"})
 # Settings whose values an error message never repeats.
-SECRET_SETTINGS = frozenset({"api_keys", "database_url"})
+SECRET_SETTINGS = frozenset({"api_keys", "database_url", "s3_secret_access_key"})
 DEFAULT_AGENT = "default"
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -253,7 +253,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     client_tool_timeout: Seconds = 60.0
 
     # Media (issue: /ws complete).
-    media: Literal["local", "none"] = "local"
+    media: Literal["local", "s3", "none"] = "local"
+    # media: s3 (docs/storage.md "Media on object storage"). Unset credentials: the
+    # SDK's usual chain (AWS_* variables, shared files, instance roles).
+    s3_endpoint_url: str | None = None  # None: the SDK's AWS endpoint for s3_region
+    s3_bucket: str = "portico-media"
+    s3_region: str = "us-east-1"
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = None
+    s3_timeout: Seconds = 10.0  # connect and read deadline of one object storage call
     max_upload_bytes: Bytes = 100 * 1024 * 1024
     # What the base64 `data` of a maximal 16 MiB frame decodes to: as large as Omnia takes.
     max_inline_media_bytes: Bytes = 12 * 1024 * 1024
@@ -371,6 +379,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError("public_url must start with http:// or https://")
         self._check_keepalive()
         self._check_store()
+        self._check_media()
         for name in self.agent_names():
             agent = self.agent(name)
             if agent is not None and agent.runtime == "scripted" and not agent.script:
@@ -410,6 +419,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         if importlib.util.find_spec("asyncpg") is None:
             raise ConfigError("store=postgres needs asyncpg: pip install 'portico[postgres]'")
 
+    def _check_media(self) -> None:
+        if self.media != "s3":
+            return
+        if not self.s3_bucket:
+            raise ConfigError("media=s3 needs s3_bucket (PORTICO_S3_BUCKET=portico-media)")
+        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
+            raise ConfigError("s3_access_key_id and s3_secret_access_key go together")
+        if importlib.util.find_spec("aiobotocore") is None:
+            raise ConfigError("media=s3 needs aiobotocore: pip install 'portico[s3]'")
+
     def _check_keepalive(self) -> None:
         """A peer that pings on time must never be closed as idle."""
         if self.ping_interval >= self.pong_timeout:
@@ -425,6 +444,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             f"<token {n}>": principal for n, principal in enumerate(self.api_keys.values(), 1)
         }
         data["database_url"] = mask_url_password(self.database_url)
+        if self.s3_secret_access_key is not None:
+            data["s3_secret_access_key"] = "***"
         return data
 
 

@@ -544,3 +544,22 @@ def test_configured_agents(tmp_path: Path) -> None:
 
 def test_unknown_agent_is_none() -> None:
     assert load().agent("nobody") is None
+
+
+def test_redacted_masks_the_s3_secret() -> None:
+    env = {
+        "PORTICO_MEDIA": "s3",
+        "PORTICO_S3_ACCESS_KEY_ID": "AKIDEXAMPLE",
+        "PORTICO_S3_SECRET_ACCESS_KEY": "s3cret-key",
+    }
+    settings = load(env)
+    data = settings.redacted()
+    assert "s3cret-key" not in json.dumps(data)
+    assert data["s3_secret_access_key"] == "***"
+    assert data["s3_access_key_id"] == "AKIDEXAMPLE"  # an id, not a secret
+    assert settings.s3_secret_access_key == "s3cret-key"
+
+
+def test_s3_credentials_go_together() -> None:
+    with pytest.raises(ConfigError, match="go together"):
+        load({"PORTICO_MEDIA": "s3", "PORTICO_S3_ACCESS_KEY_ID": "AKIDEXAMPLE"}).check_startable()

@@ -676,6 +676,12 @@ async def test_media_is_built_from_the_settings(tmp_path: Path) -> None:
     await local.close()
 
 
+def test_media_s3_refuses_to_start_until_its_store_exists(tmp_path: Path) -> None:
+    """Never silently `none`: a replica set configured for s3 must not run without media."""
+    with pytest.raises(ConfigError, match="media=s3"):
+        build_media(Settings(media="s3", data_dir=str(tmp_path)), MemoryStore())
+
+
 @pytest.mark.parametrize("public_url", ["chat.example.com", "ftp://chat.example.com"])
 def test_public_url_must_be_http(public_url: str) -> None:
     with pytest.raises(ConfigError, match="public_url"):

@@ -26,7 +26,7 @@ from portico.core.engine import Engine
 from portico.core.memory import MemoryLimits
 from portico.core.reservations import SessionReservations
 from portico.core.tools import ClientToolBroker
-from portico.errors import IdentityProviderUnavailable, Unauthenticated
+from portico.errors import ConfigError, IdentityProviderUnavailable, Unauthenticated
 from portico.media.local import LocalMediaStore
 from portico.media.service import MediaService
 from portico.runtime.base import Runtime
@@ -147,6 +147,9 @@ def build_store(settings: Settings) -> Store:
 def build_media(
     settings: Settings, archive: Store, reservations: SessionReservations | None = None
 ) -> MediaService:
+    if settings.media == "s3":
+        # The settings exist (docs/storage.md); the S3 MediaStore is not written yet.
+        raise ConfigError("media=s3: the S3 media store is not implemented yet (issue 16)")
     store = (
         LocalMediaStore(Path(settings.data_dir) / MEDIA_DIR) if settings.media == "local" else None
     )

@@ -1,0 +1,69 @@
+"""SeaweedFS as the `media: s3` tests' object store: presigned PUT, size bound, HEAD.
+
+What S3 enforces on a presigned PUT decides what `confirm-upload` must check
+(docs/storage.md): these pin it against the real store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from support.seaweed import ACCESS_KEY, SECRET_KEY, Seaweed
+
+aiobotocore_session = pytest.importorskip("aiobotocore.session")
+BUCKET = "portico-media"
+
+
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
+    server = Seaweed(Path(tmp_path_factory.mktemp("seaweed")))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def s3(seaweed: Seaweed) -> AsyncIterator[Any]:
+    session = aiobotocore_session.get_session()
+    async with session.create_client(
+        "s3",
+        endpoint_url=seaweed.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+    ) as client:
+        with contextlib.suppress(client.exceptions.ClientError):  # an earlier test made it
+            await client.create_bucket(Bucket=BUCKET)
+        yield client
+
+
+async def test_a_presigned_put_stores_the_object_with_its_size_and_type(s3: Any) -> None:
+    params = {"Bucket": BUCKET, "Key": "k1", "ContentLength": 5, "ContentType": "text/plain"}
+    url = await s3.generate_presigned_url("put_object", Params=params, ExpiresIn=60)
+    headers = {"Content-Type": "text/plain"}
+    async with aiohttp.ClientSession() as http, http.put(url, data=b"hello", headers=headers) as r:
+        assert r.status == 200
+    head = await s3.head_object(Bucket=BUCKET, Key="k1")
+    assert head["ContentLength"] == 5
+    assert head["ContentType"] == "text/plain"
+
+
+async def test_a_store_may_take_a_body_longer_than_signed_so_confirm_must_check(s3: Any) -> None:
+    """SeaweedFS ignores the signed Content-Length (AWS refuses it with 403).
+
+    So the size limit cannot rest on the signature alone: confirm-upload reads
+    the object's real size (HEAD) and deletes one that is not the declared size.
+    """
+    params = {"Bucket": BUCKET, "Key": "k2", "ContentLength": 5, "ContentType": "text/plain"}
+    url = await s3.generate_presigned_url("put_object", Params=params, ExpiresIn=60)
+    headers = {"Content-Type": "text/plain"}
+    async with aiohttp.ClientSession() as http, http.put(url, data=b"hello!", headers=headers) as r:
+        status = r.status
+    head = await s3.head_object(Bucket=BUCKET, Key="k2")
+    assert (status, head["ContentLength"]) == (200, 6)
