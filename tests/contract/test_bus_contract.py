@@ -6,6 +6,7 @@ Each Redis test uses its own key prefix and deletes only its keys.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import uuid
@@ -120,7 +121,10 @@ async def test_unsubscribing_stops_delivery(bus: Bus) -> None:
         await anext(subscriber)
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+@pytest.mark.skipif(
+    shutil.which("redis-server") is None or not os.environ.get("PORTICO_TEST_REDIS_RESTART"),
+    reason="restarts the shared Redis: set PORTICO_TEST_REDIS_RESTART=1 (unfinished)",
+)
 async def test_redis_restart_mid_stream_loses_nothing_after_it() -> None:
     """A reader survives Redis going away: it reconnects and reads what comes after."""
     if not _redis_up():

@@ -9,6 +9,7 @@ consumer group with XACK so a control message is delivered to its replica once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -95,10 +96,8 @@ class RedisBus:
                 raise
 
     async def _ensure_group_quietly(self, key: str) -> None:
-        try:
+        with contextlib.suppress(RedisConnectionError):
             await self._ensure_group(key)
-        except RedisConnectionError:
-            pass
 
     async def close(self) -> None:
         await self._redis.aclose()
