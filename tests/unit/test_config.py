@@ -544,3 +544,11 @@ def test_configured_agents(tmp_path: Path) -> None:
 
 def test_unknown_agent_is_none() -> None:
     assert load().agent("nobody") is None
+
+
+def test_redacted_masks_the_redis_password() -> None:
+    url = "redis://:s3cret@127.0.0.1:6379/0"
+    settings = load({"PORTICO_BUS": "redis", "PORTICO_REDIS_URL": url})
+    data = settings.redacted()
+    assert data["redis_url"] == "redis://:***@127.0.0.1:6379/0"
+    assert "s3cret" not in json.dumps(data)
