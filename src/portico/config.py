@@ -27,7 +27,7 @@ OTHER_VARIABLES = ("PORTICO_CONFIG", "PORTICO_CREDENTIAL")
 # Settings with no environment variable: nested structures.
 FILE_ONLY_SETTINGS = frozenset({"agents"})
 # Settings whose values an error message never repeats.
-SECRET_SETTINGS = frozenset({"api_keys", "database_url", "s3_secret_access_key"})
+SECRET_SETTINGS = frozenset({"api_keys", "database_url", "redis_url", "s3_secret_access_key"})
 DEFAULT_AGENT = "default"
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -214,10 +214,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Seconds a replica may go without renewing its lease before it counts as dead
     # and another replica interrupts its unfinished turns.
     replica_lease: Seconds = 30.0
-    # Where replicas share live state: `memory` (one process) or `redis` (redis_url);
-    # with `redis`, a `/v1/session` resumes on any replica (docs/replicas.md).
+    # Bus between replicas (docs/replicas.md): `memory` (one process) or `redis`
+    # (redis_url; turn output, RPC updates, control and `/v1/session` state reach
+    # every replica).
     bus: Literal["memory", "redis"] = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # redis://:password@host:6379/0
+    redis_key_prefix: str = "portico:"  # every key and channel of this deployment starts so
+    bus_stream_max_len: Count = 10_000  # entries kept per stream (approximate trim)
+    bus_read_block: Seconds = 1.0  # longest a stream read blocks before re-checking
 
     # Authentication: `none` (one principal, `local`), `apikey` or `jwt` (docs/auth.md).
     auth: Literal["none", "apikey", "jwt"] = "none"
@@ -380,6 +384,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         self._check_keepalive()
         self._check_store()
         self._check_media()
+        self._check_bus()
         for name in self.agent_names():
             agent = self.agent(name)
             if agent is not None and agent.runtime == "scripted" and not agent.script:
@@ -429,6 +434,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         if importlib.util.find_spec("aiobotocore") is None:
             raise ConfigError("media=s3 needs aiobotocore: pip install 'portico[s3]'")
 
+    def _check_bus(self) -> None:
+        if self.bus != "redis":
+            return
+        if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError("bus=redis needs redis_url (PORTICO_REDIS_URL=redis://host:6379/0)")
+        if importlib.util.find_spec("redis") is None:
+            raise ConfigError("bus=redis needs redis-py: pip install 'portico[redis]'")
+
     def _check_keepalive(self) -> None:
         """A peer that pings on time must never be closed as idle."""
         if self.ping_interval >= self.pong_timeout:
@@ -444,6 +457,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             f"<token {n}>": principal for n, principal in enumerate(self.api_keys.values(), 1)
         }
         data["database_url"] = mask_url_password(self.database_url)
+        data["redis_url"] = mask_url_password(self.redis_url)
         if self.s3_secret_access_key is not None:
             data["s3_secret_access_key"] = "***"
         return data

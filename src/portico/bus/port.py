@@ -1,0 +1,39 @@
+"""The Bus port: ordered topics every replica can read, and a control inbox per replica.
+
+A topic (a session's turn output, a user's RPC updates) is an append-only log: each
+entry gets a position, a subscriber reads from a position on, in order, each entry
+once. Control (tool results, stop, interrupt, credential refresh) is addressed to the
+replica running the turn: `send` appends to that replica's inbox, which only it reads.
+The in-process default keeps everything in memory; bus/redis.py uses Redis Streams so
+a reader that falls behind or reconnects after a Redis restart resumes at its position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import msgspec
+
+
+class Entry(msgspec.Struct, frozen=True):
+    position: str  # opaque, increasing within a topic; resume after it
+    payload: bytes
+
+
+class Bus(Protocol):
+    async def publish(self, topic: str, payload: bytes) -> str:
+        """Append to `topic`; the entry's position."""
+        ...
+
+    def subscribe(self, topic: str, after: str = "") -> AsyncIterator[Entry]:
+        """Entries of `topic` after `after` ("": only new ones), in order, until closed."""
+        ...
+
+    async def send(self, replica: str, payload: bytes) -> None:
+        """Control for `replica`; its `inbox` yields it once."""
+        ...
+
+    def inbox(self, replica: str) -> AsyncIterator[bytes]: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,103 @@
+"""The Redis bus: one Redis Stream per topic and per replica inbox.
+
+Streams, not pub/sub: a reader holds its last id, so a slow consumer loses nothing
+(up to `max_len` entries kept) and a reader whose connection broke (Redis restarted)
+reconnects and reads on from its id, each entry once. An inbox is read through a
+consumer group with XACK so a control message is delivered to its replica once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from portico.bus.port import Entry
+
+log = logging.getLogger("portico.bus")
+_GROUP = "replica"
+
+
+class RedisBus:
+    def __init__(
+        self, url: str, prefix: str = "portico:", max_len: int = 10_000, block: float = 1.0
+    ) -> None:
+        # Replies are handled as Any: redis-py types them as a union of sync and async.
+        self._redis: Any = aioredis.from_url(url)
+        self._prefix = prefix
+        self._max_len = max_len
+        self._block_ms = max(1, int(block * 1000))
+
+    def _key(self, kind: str, name: str) -> str:
+        return f"{self._prefix}{kind}:{name}"
+
+    async def publish(self, topic: str, payload: bytes) -> str:
+        key = self._key("topic", topic)
+        position = await self._redis.xadd(
+            key, {b"p": payload}, maxlen=self._max_len, approximate=True
+        )
+        return position.decode() if isinstance(position, bytes) else str(position)
+
+    async def subscribe(self, topic: str, after: str = "") -> AsyncIterator[Entry]:
+        key = self._key("topic", topic)
+        last = after or "$"
+        if last == "$":
+            last = await self._last_id(key)
+        while True:
+            try:
+                batches = await self._redis.xread({key: last}, block=self._block_ms)
+            except RedisConnectionError:
+                log.warning("bus read failed topic=%s; retrying from %s", topic, last)
+                await asyncio.sleep(self._block_ms / 1000)
+                continue
+            for _, entries in batches or ():
+                for entry_id, fields in entries:
+                    last = entry_id.decode()
+                    yield Entry(last, fields[b"p"])
+
+    async def _last_id(self, key: str) -> str:
+        entries = await self._redis.xrevrange(key, count=1)
+        return entries[0][0].decode() if entries else "0-0"
+
+    async def send(self, replica: str, payload: bytes) -> None:
+        await self._redis.xadd(
+            self._key("inbox", replica), {b"p": payload}, maxlen=self._max_len, approximate=True
+        )
+
+    async def inbox(self, replica: str) -> AsyncIterator[bytes]:
+        key = self._key("inbox", replica)
+        await self._ensure_group(key)
+        while True:
+            try:
+                batches = await self._redis.xreadgroup(
+                    _GROUP, replica, {key: ">"}, block=self._block_ms
+                )
+            except (RedisConnectionError, ResponseError):
+                # A restarted Redis without persistence lost the group: create it again.
+                await asyncio.sleep(self._block_ms / 1000)
+                await self._ensure_group_quietly(key)
+                continue
+            for _, entries in batches or ():
+                for entry_id, fields in entries:
+                    await self._redis.xack(key, _GROUP, entry_id)
+                    yield fields[b"p"]
+
+    async def _ensure_group(self, key: str) -> None:
+        try:
+            await self._redis.xgroup_create(key, _GROUP, id="0", mkstream=True)
+        except ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+
+    async def _ensure_group_quietly(self, key: str) -> None:
+        with contextlib.suppress(RedisConnectionError):
+            await self._ensure_group(key)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
