@@ -27,7 +27,7 @@ OTHER_VARIABLES = ("PORTICO_CONFIG", "PORTICO_CREDENTIAL")
 # Settings with no environment variable: nested structures.
 FILE_ONLY_SETTINGS = frozenset({"agents"})
 # Settings whose values an error message never repeats.
-SECRET_SETTINGS = frozenset({"api_keys", "database_url", "s3_secret_access_key"})
+SECRET_SETTINGS = frozenset({"api_keys", "database_url", "redis_url", "s3_secret_access_key"})
 DEFAULT_AGENT = "default"
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -444,6 +444,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             f"<token {n}>": principal for n, principal in enumerate(self.api_keys.values(), 1)
         }
         data["database_url"] = mask_url_password(self.database_url)
+        data["redis_url"] = mask_url_password(self.redis_url)
         if self.s3_secret_access_key is not None:
             data["s3_secret_access_key"] = "***"
         return data

@@ -563,3 +563,11 @@ def test_redacted_masks_the_s3_secret() -> None:
 def test_s3_credentials_go_together() -> None:
     with pytest.raises(ConfigError, match="go together"):
         load({"PORTICO_MEDIA": "s3", "PORTICO_S3_ACCESS_KEY_ID": "AKIDEXAMPLE"}).check_startable()
+
+
+def test_redacted_masks_the_redis_password() -> None:
+    settings = load({"PORTICO_BUS": "redis", "PORTICO_REDIS_URL": "redis://:s3cret@cache:6379/0"})
+    data = settings.redacted()
+    assert data["redis_url"] == "redis://:***@cache:6379/0"
+    assert "s3cret" not in json.dumps(data)
+    assert settings.redis_url == "redis://:s3cret@cache:6379/0"
