@@ -34,7 +34,8 @@ def test_kubernetes_manifests_match_the_api_schemas_strictly(path: Path) -> None
 
 def test_a_misspelt_kubernetes_field_is_caught() -> None:
     (statefulset,) = [
-        doc for doc in _documents(DEPLOY / "kubernetes" / "portico.yaml")
+        doc
+        for doc in _documents(DEPLOY / "kubernetes" / "portico.yaml")
         if doc["kind"] == "StatefulSet"
     ]
     statefulset["spec"]["template"]["spec"]["terminationGracePeriodSecond"] = 40
