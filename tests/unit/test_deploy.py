@@ -15,7 +15,6 @@ import pytest
 import yaml
 
 from portico.config import environment_warnings, load_settings
-from portico.errors import ConfigError
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 COMPOSE = DEPLOY / "compose" / "compose.yaml"
@@ -104,13 +103,11 @@ def test_every_variable_the_deployments_set_is_a_setting(env: dict[str, str]) ->
     assert (settings.auth, settings.host) == ("jwt", "0.0.0.0")
 
 
-# Strict: when the S3 media store lands, this starts passing and the marker must go.
-@pytest.mark.xfail(strict=True, raises=ConfigError, reason="the media: s3 store (issue 16)")
 @pytest.mark.parametrize(
     "env",
     [*_compose_replica_environments(), _kubernetes_environment()],
     ids=["compose-1", "compose-2", "compose-3", "kubernetes"],
 )
-def test_the_deployments_configuration_starts(env: dict[str, str]) -> None:
+def test_the_deployments_configuration_passes_the_startup_checks(env: dict[str, str]) -> None:
     env = {**env, "PORTICO_JWT_ISSUER": "https://id.example.com/"}
     load_settings(env=env).check_startable(env)
