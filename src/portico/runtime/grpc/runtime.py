@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 import grpc.aio
@@ -61,11 +61,30 @@ def classify(error: grpc.aio.AioRpcError | None) -> str:
     if error is None:
         return "no connection within the connect timeout"
     code = error.code()
+    return status_cause(code) or described_cause(error.details() or "") or code.name.lower()
+
+
+def status_cause(code: grpc.StatusCode) -> str | None:
+    """The cause a status code alone names (the credential ones), else None."""
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return "unauthenticated"
     if code is grpc.StatusCode.PERMISSION_DENIED:
         return "permission denied"
-    return described_cause(error.details() or "") or code.name.lower()
+    return None
+
+
+async def final_cause(
+    call: grpc.aio.StreamStreamCall[Any, Any], fallback: str, *, within: float
+) -> str:
+    """The cause by the call's final status. A write on a call the runtime is ending
+    may fail with a status of its own (`INTERNAL`) before the call's real one
+    (`UNAUTHENTICATED`, say) arrives: that one is what the operator needs."""
+    try:
+        async with asyncio.timeout(within):
+            code = await call.code()
+    except (TimeoutError, grpc.aio.AioRpcError):
+        return fallback
+    return status_cause(code) or fallback
 
 
 class Broken(NamedTuple):
@@ -387,6 +406,8 @@ class GrpcRuntime:
             return reader.fail("the runtime did not read the turn's message in time")
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
             cause = classify(exc) if isinstance(exc, grpc.aio.AioRpcError) else "stream closed"
+            within = self._settings.grpc_connect_timeout
+            cause = await final_cause(conversation.call, cause, within=within)
             return reader.fail(f"stream broken: {cause}", broken=True)
         return None
 
