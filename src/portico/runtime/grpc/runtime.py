@@ -405,9 +405,10 @@ class GrpcRuntime:
         except TimeoutError:
             return reader.fail("the runtime did not read the turn's message in time")
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-            cause = classify(exc) if isinstance(exc, grpc.aio.AioRpcError) else "stream closed"
-            within = self._settings.grpc_connect_timeout
-            cause = await final_cause(conversation.call, cause, within=within)
+            cause = "stream closed"
+            if isinstance(exc, grpc.aio.AioRpcError):  # the call ended: its status is due
+                within = self._settings.grpc_connect_timeout
+                cause = await final_cause(conversation.call, classify(exc), within=within)
             return reader.fail(f"stream broken: {cause}", broken=True)
         return None
 
