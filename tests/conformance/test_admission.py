@@ -278,11 +278,17 @@ async def test_an_upload_below_the_minimum_rate_is_refused(
     trickling = asyncio.create_task(trickle())
     try:
         answer = await closed_by_server(reader)
+    except ConnectionResetError:
+        # The server hung up (within WAIT) with trickled bytes unread in its socket, so
+        # its kernel sent a reset, which may discard the 408 before this side reads it:
+        # being cut off is the rule under test; the answer's text is best effort.
+        answer = None
     finally:
         trickling.cancel()
         writer.close()
-    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-    assert b"UPLOAD_FAILED" in answer
+    if answer is not None:
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"UPLOAD_FAILED" in answer
 
     # The URL is still good, and a client at a normal rate uploads.
     async with http.put(grant["upload_url"], data=b"y" * size, headers=grant["headers"]) as put:
