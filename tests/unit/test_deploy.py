@@ -90,11 +90,15 @@ def _kubernetes_environment() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize(
+# Each replica's environment in compose, and the Kubernetes ConfigMap with its Secret.
+each_deployment = pytest.mark.parametrize(
     "env",
     [*_compose_replica_environments(), _kubernetes_environment()],
     ids=["compose-1", "compose-2", "compose-3", "kubernetes"],
 )
+
+
+@each_deployment
 def test_every_variable_the_deployments_set_is_a_setting(env: dict[str, str]) -> None:
     env = {**env, "PORTICO_JWT_ISSUER": "https://id.example.com/"}
     assert environment_warnings(env) == []
@@ -103,11 +107,7 @@ def test_every_variable_the_deployments_set_is_a_setting(env: dict[str, str]) ->
     assert (settings.auth, settings.host) == ("jwt", "0.0.0.0")
 
 
-@pytest.mark.parametrize(
-    "env",
-    [*_compose_replica_environments(), _kubernetes_environment()],
-    ids=["compose-1", "compose-2", "compose-3", "kubernetes"],
-)
+@each_deployment
 def test_the_deployments_configuration_passes_the_startup_checks(env: dict[str, str]) -> None:
     env = {**env, "PORTICO_JWT_ISSUER": "https://id.example.com/"}
     load_settings(env=env).check_startable(env)
