@@ -35,7 +35,13 @@ from portico.runtime.echo import EchoRuntime
 from portico.runtime.openai import OpenAIRuntime
 from portico.runtime.python import PythonRuntime
 from portico.runtime.scripted import ScriptedRuntime
-from portico.server.admission import ConnectionSlots, PrincipalSlots, Strangers
+from portico.server.capacity import (
+    ConnectionSlots,
+    PrincipalSlots,
+    Strangers,
+    principal_cap,
+    stranger_budget,
+)
 from portico.server.metrics import Metrics
 from portico.store.base import Store
 from portico.store.memory import MemoryStore
@@ -119,18 +125,6 @@ class Services:
 
 
 SERVICES = web.AppKey("services", Services)
-
-
-def principal_cap(settings: Settings) -> int | None:
-    """Connections one principal may hold. Without authentication every client is the
-    one principal `local`: a cap per principal would be a second, smaller
-    `max_connections`, so it applies only when the auth port tells clients apart."""
-    return None if settings.auth == "none" else settings.max_connections_per_principal
-
-
-def stranger_budget(settings: Settings) -> int:
-    """Unauthenticated sockets never hold more than half the connections."""
-    return min(settings.max_unauthenticated_connections, max(1, settings.max_connections // 2))
 
 
 def build_store(settings: Settings) -> Store:
