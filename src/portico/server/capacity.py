@@ -7,8 +7,6 @@ Plain counters sized from settings, with no knowledge of requests or services, s
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Protocol
 
 from portico.config import Settings
@@ -21,13 +19,13 @@ class ConnectionSlots:
         self.limit = limit
         self.open = 0
 
-    @asynccontextmanager
-    async def hold(self) -> AsyncIterator[None]:
+    # `take` and `give` rather than a context manager: an `async with` object and its
+    # generator frame would stay alive, per idle connection, for the connection's life.
+    def take(self) -> None:
         self.open += 1
-        try:
-            yield
-        finally:
-            self.open -= 1
+
+    def give(self) -> None:
+        self.open -= 1
 
 
 class Stranger(Protocol):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from pathlib import Path
 from typing import Protocol
 
@@ -101,7 +100,9 @@ class Services:
         self.ready = False
         # Set on SIGTERM: no new upgrades or turns; running turns may finish.
         self.draining = False
-        self.connections: weakref.WeakSet[LiveConnection] = weakref.WeakSet()
+        # Added and removed by run_socket around each connection's life (a plain set:
+        # a WeakSet's weakref and callback cost ~480 bytes per idle connection).
+        self.connections: set[LiveConnection] = set()
         self.slots = ConnectionSlots(settings.max_connections)
         self.strangers = Strangers(stranger_budget(settings))
         self.principals = PrincipalSlots(principal_cap(settings))
