@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from portico.core.model import Message
+from portico.runtime.base import Chunk, TurnInput
 from portico.runtime.duplex.base import (
     AgentText,
     AudioFormat,
@@ -38,6 +40,7 @@ from portico.runtime.duplex.grpc_mapping import (
     SILENT,
     UNREACHABLE,
 )
+from portico.runtime.grpc.runtime import GrpcRuntime
 from support.agent_process import AgentProcess
 from support.duplex_runtimes import grpc_agent, voice_agent_process
 from support.grpc_runtime import RuntimeProcess
@@ -148,10 +151,6 @@ async def test_talking_over_the_agent_interrupts_it(to_agent: GrpcDuplexRuntime)
 async def test_the_same_agent_process_answers_text_turns_on_the_same_port(
     voice_agent: AgentProcess,
 ) -> None:
-    from portico.core.model import Message
-    from portico.runtime.base import Chunk, TurnInput
-    from portico.runtime.grpc.runtime import GrpcRuntime
-
     text = GrpcRuntime("default", grpc_agent(voice_agent.target), env={})
     message = Message(
         id="m1", session_id="typed-1", role="user", content="hello", created_at=0, updated_at=0
@@ -181,6 +180,19 @@ async def test_an_agent_killed_mid_call_fails_it_once(tmp_path: Path) -> None:
         assert failures == [DuplexFailure(DUPLEX_ERROR, BROKEN)]
         assert rest[-1] == failures[0]
         await call.send(AudioIn(SILENT_FRAME, 99))  # ignored, no error
+    finally:
+        await runtime.close()
+        agent.stop()
+
+
+async def test_an_agent_without_a_voice_handler_refuses_the_call_once(tmp_path: Path) -> None:
+    agent = AgentProcess("support.agents:handler", tmp_path / "agent.log").start()
+    runtime = GrpcDuplexRuntime("default", grpc_agent(agent.target), env={})
+    try:
+        call = await runtime.start(start())
+        await call.send(AudioIn(SILENT_FRAME, 0))
+        failure = DuplexFailure(DUPLEX_ERROR, "this agent does not take duplex audio")
+        assert await drain(call) == [failure]
     finally:
         await runtime.close()
         agent.stop()
