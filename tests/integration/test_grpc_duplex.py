@@ -324,3 +324,28 @@ async def test_close_mid_call_is_prompt_and_fails_nothing(to_raw: GrpcDuplexRunt
 
 async def drain_iterator(events: AsyncIterator[DuplexEvent]) -> list[DuplexEvent]:
     return await asyncio.wait_for(_rest(events), WITHIN)
+
+
+async def test_a_refused_token_fails_the_call_once_and_the_log_says_unauthenticated(
+    raw: RuntimeProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = grpc_agent(raw.target, grpc_token_env=TOKEN_ENV)
+    runtime = GrpcDuplexRuntime("default", settings, env={TOKEN_ENV: "not-the-token"})
+    with caplog.at_level(logging.WARNING, "portico.runtime.grpc"):
+        call = await runtime.start(start("hang_up"))
+        assert await drain(call) == [DuplexFailure(DUPLEX_ERROR, BROKEN)]
+    await runtime.close()
+    assert "stream broken: unauthenticated" in caplog.text
+    assert "not-the-token" not in caplog.text
+
+
+async def test_closing_the_runtime_ends_its_live_calls_without_a_failure(
+    to_raw: GrpcDuplexRuntime,
+) -> None:
+    calls = [await to_raw.start(start("video", session_id=f"c{n}")) for n in range(3)]
+    streams = [call.events() for call in calls]
+    for events in streams:
+        assert isinstance(await asyncio.wait_for(anext(events), WITHIN), Hello)
+    await to_raw.close()
+    for events in streams:
+        assert await drain_iterator(events) == []

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
@@ -88,8 +88,10 @@ class GrpcDuplexCall:
         start: DuplexStart,
         settings: AgentSettings,
         where: tuple[str, str, str],
+        on_end: Callable[[GrpcDuplexCall], None] = lambda call: None,
     ) -> None:
         self._stream = stream
+        self._on_end = on_end
         self._session_id = start.session_id
         self._settings = settings
         self._where = where  # agent, target, session: for the log
@@ -209,6 +211,7 @@ class GrpcDuplexCall:
         if self._closed:
             return
         self._closed = True
+        self._on_end(self)
         self._pump.cancel()  # it puts nothing more: the inbox is this method's now
         self._stream.cancel()
         while not self._inbox.empty():
@@ -226,6 +229,7 @@ class GrpcDuplexRuntime:
         self._metadata = call_metadata(settings, env)
         self._channel: grpc.aio.Channel | None = None
         self._stub: RuntimeServiceAsyncStub | None = None
+        self._calls: set[GrpcDuplexCall] = set()
 
     def _runtime_stub(self) -> tuple[grpc.aio.Channel, RuntimeServiceAsyncStub]:
         # Made in the running loop, at the first call, and shared by every call.
@@ -247,7 +251,9 @@ class GrpcDuplexRuntime:
                 exc.cause,
             )
             return FailedCall(DuplexFailure(DUPLEX_ERROR, UNREACHABLE))
-        call = GrpcDuplexCall(stub.Converse(metadata=self._metadata), start, self._settings, where)
+        stream = stub.Converse(metadata=self._metadata)
+        call = GrpcDuplexCall(stream, start, self._settings, where, on_end=self._calls.discard)
+        self._calls.add(call)
         try:
             await call.open(start)
         except BaseException:
@@ -257,7 +263,10 @@ class GrpcDuplexRuntime:
         return call
 
     async def close(self) -> None:
-        """At server stop: the channel (its calls' streams end with it)."""
+        """At server stop: the calls still live end (as by their own `close()`: no
+        failure), then the channel closes."""
+        for call in list(self._calls):
+            await call.close()
         if self._channel is not None:
             await self._channel.close()
 
