@@ -42,6 +42,7 @@ from portico.runtime.duplex.grpc_mapping import (
 )
 from portico.runtime.grpc.runtime import GrpcRuntime
 from support.agent_process import AgentProcess
+from support.certs import make_certificates
 from support.duplex_runtimes import grpc_agent, voice_agent_process
 from support.grpc_runtime import RuntimeProcess
 
@@ -349,3 +350,39 @@ async def test_closing_the_runtime_ends_its_live_calls_without_a_failure(
     await to_raw.close()
     for events in streams:
         assert await drain_iterator(events) == []
+
+
+@pytest.fixture(scope="module")
+def tls_raw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RuntimeProcess, Path]]:
+    folder = tmp_path_factory.mktemp("duplex-tls")
+    ca, cert, key = make_certificates(folder)
+    process = RuntimeProcess(folder / "runtime.log", token=TOKEN, tls=(cert, key)).start()
+    yield process, ca
+    process.stop()
+
+
+@pytest.mark.parametrize("with_ca", [True, False])
+async def test_tls_with_a_private_ca_as_the_text_runtime_dials_it(
+    tls_raw: tuple[RuntimeProcess, Path], with_ca: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    process, ca = tls_raw
+    settings = grpc_agent(
+        process.target,
+        grpc_tls=True,
+        grpc_ca_file=str(ca) if with_ca else None,
+        grpc_token_env=TOKEN_ENV,
+        grpc_connect_timeout=1.0,
+    )
+    runtime = GrpcDuplexRuntime("default", settings, env={TOKEN_ENV: TOKEN})
+    with caplog.at_level(logging.WARNING, "portico.runtime.grpc"):
+        call = await runtime.start(start("meta", session_id="call-tls"))
+        await call.send(AudioIn(b"\x01\x00", 0, is_last=True))
+        events = await drain(call)
+    await runtime.close()
+    if with_ca:
+        assert isinstance(events[1], AgentText)
+        assert json.loads(events[1].text)["authorization"] == f"Bearer {TOKEN}"
+    else:
+        assert events == [DuplexFailure(DUPLEX_ERROR, UNREACHABLE)]
+        assert "runtime unreachable: TLS handshake failed" in caplog.text
+    assert TOKEN not in caplog.text
