@@ -4,10 +4,14 @@ sends, in which order, and when its counter-offer goes out."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from portico.agent import AudioFormat, AudioFrame, VoiceCall
+from portico.agent import AudioFormat, AudioFrame, VoiceCall, voice_server
+from portico.contract import runtime_pb2 as pb
 
 CALLER = AudioFormat(sample_rate=8000, channels=2)
 
@@ -110,3 +114,42 @@ async def test_speech_from_two_tasks_goes_out_whole_and_numbered_in_call_order()
     assert sorted(entry[1] for entry in audio) == [b"x"] * 3 + [b"y"] * 3
     assert output.sent[0][0] == "hello"
     assert [entry[0] for entry in output.sent].count("hello") == 1
+
+
+# -- the SDK's reading of a call's stream, fuzzed ----------------------------------------
+
+client_messages = st.one_of(
+    st.builds(
+        lambda data, sequence, last: pb.ClientMessage(
+            audio_input=pb.AudioInputChunk(data=data, sequence=sequence, is_last=last)
+        ),
+        st.binary(max_size=4),
+        st.integers(0, 2**32 - 1),
+        st.booleans(),
+    ),
+    st.builds(lambda text: pb.ClientMessage(content=text), st.text(max_size=4)),
+    st.just(pb.ClientMessage(duplex_start=pb.DuplexStart(codec="pcm16"))),
+    st.just(pb.ClientMessage(client_tool_result=pb.ClientToolResult(call_id="x"))),
+    st.just(pb.ClientMessage()),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(client_messages, max_size=10))
+def test_a_calls_stream_gives_the_handler_its_audio_up_to_the_last_then_the_end(
+    messages: list[pb.ClientMessage],
+) -> None:
+    async def scenario() -> list[AudioFrame | None]:
+        async def stream() -> AsyncIterator[pb.ClientMessage]:
+            for message in messages:
+                yield message
+
+        frames: asyncio.Queue[AudioFrame | None] = asyncio.Queue()
+        await asyncio.wait_for(voice_server._read(stream(), frames, "s"), 5)
+        return [frames.get_nowait() for _ in range(frames.qsize())]
+
+    got = asyncio.run(scenario())
+    audio = [m.audio_input for m in messages if m.HasField("audio_input")]
+    last = next((i for i, chunk in enumerate(audio) if chunk.is_last), len(audio) - 1)
+    expected = [AudioFrame(c.data, c.sequence, c.is_last) for c in audio[: last + 1]]
+    assert got == [*expected, None]
