@@ -6,7 +6,7 @@ backoff and timeouts (docs/runtime-grpc.md)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,9 @@ class Unreachable(Exception):
         self.cause = cause
 
 
+CORE_ERROR = "Internal error from Core"  # grpc.aio's text for a failed batch of its own
+
+
 def classify(error: grpc.aio.AioRpcError | None) -> str:
     """The cause of a connection failure in a few words, from gRPC's status and text."""
     if error is None:
@@ -49,14 +52,25 @@ def status_cause(code: grpc.StatusCode) -> str | None:
 
 
 async def final_cause(
-    call: grpc.aio.StreamStreamCall[Any, Any], fallback: str, *, within: float
+    call: grpc.aio.StreamStreamCall[Any, Any],
+    fallback: str,
+    *,
+    within: float,
+    probe: Callable[[], Awaitable[str | None]] | None = None,
 ) -> str:
     """The cause by the call's final status. A write on a call the runtime is ending
     may fail with a status of its own (`INTERNAL`) before the call's real one
-    (`UNAUTHENTICATED`, say) arrives: that one is what the operator needs."""
+    (`UNAUTHENTICATED`, say) arrives: that one is what the operator needs.
+
+    When the write lost the race outright, grpc.aio ends the call itself with
+    `INTERNAL` "Internal error from Core" and the runtime's status never surfaces;
+    `probe` (a unary call with the same credentials) then names a credential refusal."""
     try:
         async with asyncio.timeout(within):
             code = await call.code()
+            lost_race = code is grpc.StatusCode.INTERNAL and await call.details() == CORE_ERROR
+            if lost_race and probe is not None:
+                return await probe() or fallback
     except (TimeoutError, grpc.aio.AioRpcError):
         return fallback
     return status_cause(code) or fallback
@@ -109,3 +123,15 @@ async def last_connection_error(stub: RuntimeServiceAsyncStub, metadata: Metadat
     except grpc.aio.AioRpcError as error:
         return classify(error)
     return classify(None)
+
+
+async def credential_refusal(
+    stub: RuntimeServiceAsyncStub, metadata: Metadata, within: float
+) -> str | None:
+    """ "unauthenticated" or "permission denied" when the runtime refuses these call
+    credentials on a unary call; None when it takes them or fails otherwise."""
+    try:
+        await stub.Health(pb.HealthRequest(), timeout=within, metadata=metadata)
+    except grpc.aio.AioRpcError as error:
+        return status_cause(error.code())
+    return None

@@ -36,6 +36,7 @@ from portico.runtime.grpc.channel import (
     call_metadata,
     classify,
     connect,
+    credential_refusal,
     final_cause,
     open_channel,
 )
@@ -343,7 +344,14 @@ class GrpcRuntime:
             cause = "stream closed"
             if isinstance(exc, grpc.aio.AioRpcError):  # the call ended: its status is due
                 within = self._settings.grpc_connect_timeout
-                cause = await final_cause(conversation.call, classify(exc), within=within)
+                stub, metadata = self._runtime_stub(), self._metadata
+
+                async def probe() -> str | None:
+                    return await credential_refusal(stub, metadata, within)
+
+                cause = await final_cause(
+                    conversation.call, classify(exc), within=within, probe=probe
+                )
             return reader.fail(f"stream broken: {cause}", broken=True)
         return None
 
