@@ -23,6 +23,7 @@ from portico.bus.updates import InProcessUpdates
 from portico.config import DEFAULT_AGENT, AgentSettings, Settings
 from portico.core.conversations import Conversations
 from portico.core.engine import Engine
+from portico.core.lifecycle import Lifecycle, Phase
 from portico.core.memory import MemoryLimits
 from portico.core.reservations import SessionReservations
 from portico.core.tools import ClientToolBroker
@@ -50,6 +51,9 @@ class LiveConnection(Protocol):
 
     async def going_away(self) -> None:
         """Send what is queued, then close with 1001."""
+
+    def busy(self) -> bool:
+        """A turn (or a request) runs on it: a drain closes it once that ended."""
 
 
 class Services:
@@ -92,13 +96,22 @@ class Services:
         self.updates = InProcessUpdates()
         self.store.set_update_listener(self.updates.publish)
         self.conversations = Conversations(self.engine, self.tools, default_agent=DEFAULT_AGENT)
-        self.ready = False
-        # Set on SIGTERM: no new upgrades or turns; running turns may finish.
-        self.draining = False
+        # Starting, admitting, draining (a stop signal: no new upgrades or turns, running
+        # turns may finish) or stopped: core/lifecycle.py, driven by server/drain.py.
+        self.lifecycle: Lifecycle[LiveConnection] = Lifecycle(drain_timeout=settings.drain_timeout)
         self.connections: weakref.WeakSet[LiveConnection] = weakref.WeakSet()
         self.slots = ConnectionSlots(settings.max_connections)
         self.strangers = Strangers(stranger_budget(settings))
         self.principals = PrincipalSlots(principal_cap(settings))
+
+    @property
+    def ready(self) -> bool:
+        """Started and not draining (backends aside: server/readiness.py)."""
+        return self.lifecycle.admitting
+
+    @property
+    def draining(self) -> bool:
+        return self.lifecycle.phase in (Phase.DRAINING, Phase.STOPPED)
 
     async def identity_of(self, request: web.Request) -> Identity:
         """The caller's identity from `Authorization: Bearer` or, from a browser's

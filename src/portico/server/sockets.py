@@ -397,6 +397,14 @@ class ServerSocket(ABC):
             if self._transport is not None:
                 self._transport.abort()
 
+    def busy(self) -> bool:
+        """Whether the drain must wait before closing this connection."""
+        return not self._closed and self.turn_running()
+
+    def turn_running(self) -> bool:
+        """A turn whose output this connection carries runs now (or, on RPC, a request)."""
+        return False
+
     async def going_away(self) -> None:
         """Server shutdown: what is queued still goes out, then close with 1001."""
         self._closed = True
