@@ -30,9 +30,17 @@ async def test_probes_report_live_and_ready(http: aiohttp.ClientSession, tmp_pat
             assert live.status == 200
         async with http.get(server.http_url + "/readyz") as ready:
             assert ready.status == 200
-            assert await ready.json() == {"status": "ready"}
+            body = await ready.json()
     finally:
         server.stop()
+    assert body["status"] == "ready"
+    # Every backend is named with its state; the embedded ones run in this process.
+    assert body["backends"] == {
+        "archive": {"state": "ready", "reason": "in process"},
+        "bus": {"state": "ready", "reason": "in process"},
+        "session_state": {"state": "ready", "reason": "in process"},
+        "media": {"state": "ready", "reason": "in process"},
+    }
 
 
 async def test_logs_name_connections_and_turns_but_never_bodies(

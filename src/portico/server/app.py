@@ -97,6 +97,7 @@ async def _stop(app: web.Application) -> None:
     await asyncio.gather(*jobs, return_exceptions=True)
     await services.engine.shutdown()
     await services.media.close()
+    await services.shared.close()
     await services.store.close()
 
 

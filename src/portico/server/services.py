@@ -37,6 +37,7 @@ from portico.runtime.openai import OpenAIRuntime
 from portico.runtime.python import PythonRuntime
 from portico.runtime.scripted import ScriptedRuntime
 from portico.server.admission import ConnectionSlots, PrincipalSlots, Strangers
+from portico.server.backends import build_shared_state
 from portico.server.metrics import Metrics
 from portico.store.base import Store
 from portico.store.memory import MemoryStore
@@ -93,6 +94,9 @@ class Services:
                 search_limit=settings.memory_search_limit,
             ),
         )
+        # The bus and session-state ports (docs/replicas.md): built here so /readyz
+        # checks them; the engine and /v1/session do not route through them yet.
+        self.shared = build_shared_state(settings)
         self.updates = InProcessUpdates()
         self.store.set_update_listener(self.updates.publish)
         self.conversations = Conversations(self.engine, self.tools, default_agent=DEFAULT_AGENT)
