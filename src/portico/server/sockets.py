@@ -387,6 +387,9 @@ class ServerSocket(ABC):
 
     async def _close(self, code: int, reason: bytes) -> None:
         """Flush what is queued, then close with `code`; drop a client that never takes it."""
+        # From here on only this task writes: a frame queued later (the answer to a
+        # message that crossed the close) must not follow the close frame.
+        self._writing = False
         try:
             async with asyncio.timeout(self._services.settings.close_timeout):
                 if not self.core.overflowed:
