@@ -2,8 +2,12 @@
 workload (bench/run_grpc.py): CLIENTS concurrent `Converse` streams, each turn one
 `ClientMessage` answered by 50 `chunk`s and a `done`. Prints one JSON line,
 `{"messages_per_s": ...}` (chunks received per second by the client side).
+With `--latency RATE`, instead: turns opened at RATE per second (open loop) over
+LATENCY_STREAMS streams, and the time from the turn's write to its first chunk, p50/p99
+in ms: the hop's own first-chunk cost, which bench/run_grpc.py sets beside Portico's.
 
     python bench/grpc_floor.py --seconds 2
+    python bench/grpc_floor.py --seconds 2 --latency 200
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from portico.contract import runtime_pb2_grpc as pb_grpc
 
 CHUNKS = 50
 CLIENTS = 100
+LATENCY_STREAMS = 32  # as bench/run_grpc.py's latency workload
 READY_TIMEOUT = 30.0
 
 
@@ -71,20 +76,64 @@ async def drive(port: int, seconds: float) -> float:
         return received / (time.monotonic() - start)
 
 
+async def first_chunks(port: int, seconds: float, rate: float) -> dict[str, float]:
+    """Open loop: a turn every 1/rate s on the next idle stream; write -> first chunk."""
+    latencies: list[float] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.RuntimeServiceStub(channel)
+        calls = [stub.Converse() for _ in range(LATENCY_STREAMS)]
+        idle: asyncio.Queue[Any] = asyncio.Queue()
+        for call in calls:
+            idle.put_nowait(call)
+
+        async def turn(call: Any, timed: bool = True) -> None:
+            sent = time.perf_counter()
+            await call.write(pb.ClientMessage(session_id="s", content="x"))
+            message = await call.read()
+            if timed:
+                latencies.append(time.perf_counter() - sent)
+            while not message.HasField("done"):
+                message = await call.read()
+            idle.put_nowait(call)
+
+        # A warm-up turn on each stream: its opening is not the hop's per-turn cost.
+        await asyncio.wait_for(
+            asyncio.gather(*(turn(idle.get_nowait(), timed=False) for _ in calls)),
+            READY_TIMEOUT,
+        )
+        turns = []
+        start = time.perf_counter()
+        for n in range(int(seconds * rate)):
+            await asyncio.sleep(max(0.0, start + n / rate - time.perf_counter()))
+            turns.append(asyncio.ensure_future(turn(await idle.get())))
+        await asyncio.wait_for(asyncio.gather(*turns), READY_TIMEOUT)
+        for call in calls:
+            call.cancel()
+    ordered = sorted(latencies)
+    return {
+        "first_chunk_p50_ms": ordered[len(ordered) // 2] * 1000,
+        "first_chunk_p99_ms": ordered[int(len(ordered) * 0.99)] * 1000,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--latency", type=float, default=0.0, help="turns per second")
     args = parser.parse_args()
     ports: Any = multiprocessing.Queue()
     runtime = multiprocessing.Process(target=serve, args=(ports,), daemon=True)
     runtime.start()
     try:
         port = ports.get(timeout=READY_TIMEOUT)
-        rate = uvloop.run(drive(port, args.seconds))
+        if args.latency:
+            figures = uvloop.run(first_chunks(port, args.seconds, args.latency))
+        else:
+            figures = {"messages_per_s": uvloop.run(drive(port, args.seconds))}
     finally:
         runtime.terminate()
         runtime.join(10)
-    print(json.dumps({"messages_per_s": rate}))
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

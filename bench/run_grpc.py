@@ -142,6 +142,8 @@ def run(plan: Plan, workdir: Path) -> Samples:
             results.setdefault(("floor", "grpc"), []).append(floor)
             log(f"grpc-bench floor   rep {rep + 1}: {floor['messages_per_s']:8.0f} msg/s")
             for rate in plan.rates:
+                bare = measure_floor(plan, "--latency", f"{rate:g}")
+                results.setdefault((f"floor{rate:g}", "grpc"), []).append(bare)
                 for kind in order:
                     sample = measure_latency(servers[kind], plan, rate)
                     results.setdefault((f"latency{rate:g}", kind), []).append(sample)
@@ -156,10 +158,10 @@ def run(plan: Plan, workdir: Path) -> Samples:
     return results
 
 
-def measure_floor(plan: Plan) -> dict[str, float]:
+def measure_floor(plan: Plan, *extra: str) -> dict[str, float]:
     """bench/grpc_floor.py: the same stream shape over bare grpc.aio, no Portico."""
     found = subprocess.run(
-        [sys.executable, str(BENCH / "grpc_floor.py"), "--seconds", str(plan.seconds)],
+        [sys.executable, str(BENCH / "grpc_floor.py"), "--seconds", str(plan.seconds), *extra],
         capture_output=True,
         text=True,
         timeout=plan.seconds + 60,
@@ -252,11 +254,14 @@ def latency_rows(results: Samples, rate: float) -> list[str]:
         results[(f"latency{rate:g}", "scripted")],
         results[(f"latency{rate:g}", "grpc")],
     )
+    bare = results[(f"floor{rate:g}", "grpc")]
     return [
         f"| first chunk p50 at {rate:g}/s, ms | {spread(scripted, 'first_p50_ms', 2)} | "
         f"{spread(grpc, 'first_p50_ms', 2)} | |",
         f"| first chunk p99 at {rate:g}/s, ms | {spread(scripted, 'first_p99_ms', 2)} | "
         f"{spread(grpc, 'first_p99_ms', 2)} | {hop_p99(results, rate):+.2f} ms |",
+        f"| bare grpc.aio write -> first chunk at {rate:g}/s, p50 / p99 ms | - | "
+        f"{spread(bare, 'first_chunk_p50_ms', 2)} / {spread(bare, 'first_chunk_p99_ms', 2)} | |",
     ]
 
 

@@ -20,7 +20,7 @@ import msgspec
 import yaml
 
 from portico import __version__
-from portico.agent.loader import load_handler
+from portico.agent.loader import load_handler, load_voice_handler
 from portico.agent.options import AgentOptions, agent_options
 from portico.client.chat import DEFAULT_URL, ChatOptions, run_chat
 from portico.config import (
@@ -86,6 +86,7 @@ AGENT_OPTION_HELP = {
     "max_history_messages": "messages kept per conversation",
     "max_queued_turns": "turns of one stream waiting behind the running one",
     "grace": "seconds running turns get on SIGTERM",
+    "max_queued_audio_frames": "caller audio frames a voice call holds before its handler reads",
 }
 
 
@@ -96,6 +97,9 @@ def _add_agent_command(commands: Any) -> None:
         "serve", help="serve a handler over the gRPC runtime contract (omnia.runtime.v1)"
     )
     serve.add_argument("handler", help="the handler: module:attr, or a portico.agents entry point")
+    serve.add_argument(
+        "--voice", help="the voice handler for duplex calls: module:attr (docs/agents.md, Voice)"
+    )
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (127.0.0.1)")
     serve.add_argument("--port", type=int, default=50051, help="0 picks a free one (50051)")
     defaults = msgspec.structs.asdict(AgentOptions())
@@ -120,6 +124,7 @@ def _run_agent(args: argparse.Namespace) -> None:
     values["client_tool_timeout"] = values["client_tool_timeout"] or None  # 0: no limit
     options = agent_options(values)
     handler = load_handler(args.handler)
+    voice = load_voice_handler(args.voice) if args.voice else None
     configure_logging(args.log_level.upper())
     asyncio.run(
         serve_agent(
@@ -128,6 +133,7 @@ def _run_agent(args: argparse.Namespace) -> None:
             port=args.port,
             options=options,
             on_ready=lambda line: print(line, flush=True),
+            voice=voice,
         )
     )
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import yaml
 from conftest import Connect, _connector
 
 from support.archive import open_archive
+from support.certs import make_certificates
 from support.frames import frame_kinds, streamed_text
 from support.grpc_runtime import RuntimeProcess
 from support.omnia import OmniaClient, scenario
@@ -584,63 +584,6 @@ async def test_killing_the_runtime_mid_turn_fails_the_turn_and_a_restart_serves_
     await client.expect_silence()
     runtime.start()  # the same port
     assert (await client.ask("again", **scenario("stream")))[-1]["content"] == REPLY
-
-
-def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
-    """A self-signed CA and a certificate it signs for 127.0.0.1: (ca, cert, key)."""
-    ca_key, ca, key, csr, cert, ext = (
-        folder / name for name in ("ca.key", "ca.pem", "key.pem", "req.csr", "cert.pem", "ext")
-    )
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-
-    def openssl(*args: str | Path) -> None:
-        subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=60)
-
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        ca_key,
-        "-out",
-        ca,
-        "-days",
-        "1",
-        "-subj",
-        "/CN=Portico test CA",
-    )
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        key,
-        "-out",
-        csr,
-        "-subj",
-        "/CN=127.0.0.1",
-    )
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        csr,
-        "-CA",
-        ca,
-        "-CAkey",
-        ca_key,
-        "-CAcreateserial",
-        "-out",
-        cert,
-        "-days",
-        "1",
-        "-extfile",
-        ext,
-    )
-    return ca, cert, key
 
 
 TOKEN = "s3cret-runtime-token"

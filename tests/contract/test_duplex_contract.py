@@ -20,7 +20,7 @@ from portico.runtime.duplex.base import (
     Hello,
 )
 from portico.runtime.duplex.scripted import ScriptedDuplexRuntime, VoiceScript
-from support.duplex_runtimes import openai_realtime_runtime
+from support.duplex_runtimes import grpc_duplex_runtime, openai_realtime_runtime
 from support.duplex_runtimes_embedded import embedded_runtime
 
 WITHIN = 10.0  # seconds any single wait may take before the test fails
@@ -44,10 +44,18 @@ async def openai_realtime() -> AsyncIterator[DuplexRuntime]:
         yield runtime
 
 
+@asynccontextmanager
+async def grpc() -> AsyncIterator[DuplexRuntime]:
+    """The `grpc` runtime and a `portico agent serve` voice agent in another process."""
+    async with grpc_duplex_runtime() as (runtime, _agent):
+        yield runtime
+
+
 FACTORIES: dict[str, Callable[[], AbstractAsyncContextManager[DuplexRuntime]]] = {
     "scripted": scripted,
     "embedded": embedded,
     "openai-realtime": openai_realtime,
+    "grpc": grpc,
 }
 
 

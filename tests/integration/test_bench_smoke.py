@@ -122,4 +122,6 @@ def test_the_grpc_workload_runs_both_runtimes_and_reports_its_rows(tmp_path: Pat
     for name in (turns, "/ws stream, frames/s", "first chunk p99 at 200/s, ms"):
         scripted, grpc, _ = rows[name]
         assert min(float(scripted), float(grpc)) > 0, rows
+    _, bare, _ = rows["bare grpc.aio write -> first chunk at 200/s, p50 / p99 ms"]
+    assert min(float(figure) for figure in bare.split(" / ")) > 0, rows
     assert "Errors: 0." in report

@@ -89,3 +89,20 @@ def test_agent_serve_refuses_an_invalid_limit() -> None:
     assert result.returncode == 2
     assert result.stderr.startswith("portico: invalid agent option: Expected `int` >= 1")
     assert "max_queued_turns" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("support.voice_agents:not_a_coroutine", "an async generator function"),
+        ("support.voice_agents:nothing", "has no attribute nothing"),
+        ("support.agents:handler", "expected a coroutine function"),
+    ],
+)
+def test_agent_serve_refuses_a_voice_handler_it_cannot_load(spec: str, words: str) -> None:
+    result = portico("agent", "serve", "support.agents:handler", "--voice", spec, "--port", "0")
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("portico: ")
+    assert spec in line
+    assert words in line

@@ -4,7 +4,9 @@
 
 prints `listening on PORT` once it serves. Each turn plays the scenario named by
 the message's reserved `mock_scenario` metadata key (`SCENARIOS` below), so a test
-scripts the runtime to behave well or badly per message. `Invoke` is the control
+scripts the runtime to behave well or badly per message. A stream opening with
+`duplex_start` is a voice call playing the `DUPLEX_SCENARIOS` entry its
+`system_instruction` names. `Invoke` is the control
 channel: `{"healthy": false, "status": "..."}` changes what `Health` answers,
 `{"resume": "unavailable" | "unimplemented" | "unspecified" | "normal"}` what
 `HasConversation` answers (normal: RESUMABLE for a session seen on `Converse`,
@@ -211,6 +213,107 @@ SCENARIOS: dict[str, Callable[[Turn], Awaitable[None]]] = {
 }
 
 
+# -- duplex calls (the stream's first message is `duplex_start`) --------------------------
+
+
+def hello(**media: Any) -> Out:
+    return Out(
+        runtime_hello=pb.RuntimeHello(capabilities=["audio"], media=pb.MediaNegotiation(**media))
+    )
+
+
+async def d_hello_then_empty(turn: Turn) -> None:
+    await turn.send(hello())
+    await turn.send(Out())
+    await asyncio.Event().wait()
+
+
+async def d_error_then_done(turn: Turn) -> None:
+    await turn.send(hello())
+    await turn.send(error("PROVIDER_UNAVAILABLE", "the voice model is down"))
+    await turn.send(done(final_content="must be ignored"))
+    await asyncio.Event().wait()
+
+
+async def d_error_masked(turn: Turn) -> None:
+    await turn.send(hello())
+    await turn.send(error("BACKEND_EXPLODED", "a secret detail"))
+
+
+async def d_silent(turn: Turn) -> None:
+    await asyncio.Event().wait()
+
+
+async def d_stall_mid_turn(turn: Turn) -> None:
+    await turn.send(hello())
+    await turn.send(media("a", 0, b"\x01\x00", last=False))
+    await asyncio.Event().wait()
+
+
+async def d_abort(turn: Turn) -> None:
+    await turn.send(hello())
+    await turn.stream.context.abort(grpc.StatusCode.UNAVAILABLE, "runtime going away")
+
+
+async def d_hang_up(turn: Turn) -> None:
+    await turn.send(hello())
+    await turn.send(chunk("goodbye"))
+    await turn.send(done())
+
+
+async def d_meta(turn: Turn) -> None:
+    """Reports what reached it: the start, the token, then every frame until is_last."""
+    start = turn.opening.duplex_start
+    auth = dict(turn.stream.context.invocation_metadata() or ()).get("authorization", "")
+    await turn.send(hello(codec="pcm16", sample_rate=24000, channels=1))
+    frames = []
+    while True:
+        try:
+            message = await turn.stream.next_message()
+        except EOFError:
+            break
+        frames.append([message.audio_input.sequence, message.audio_input.data.hex()])
+        if message.audio_input.is_last:
+            break
+    report = {
+        "session_id": turn.opening.session_id,
+        "codec": start.codec,
+        "sample_rate": start.sample_rate,
+        "channels": start.channels,
+        "system_instruction": start.system_instruction,
+        "authorization": auth,
+        "frames": frames,
+    }
+    await turn.send(chunk(json.dumps(report, sort_keys=True)))
+    await turn.send(done())
+
+
+async def d_tool(turn: Turn) -> None:
+    await turn.send(hello())
+    answer = await turn.tool(id="call-1", name="get_time", arguments_json="{}")
+    await turn.send(chunk(f"rejected={answer.is_rejected} reason={answer.rejection_reason}"))
+    await turn.send(done())
+
+
+async def d_video(turn: Turn) -> None:
+    await turn.send(hello(codec="h264", frame_rate=30, resolution=720))
+    await asyncio.Event().wait()
+
+
+DUPLEX_SCENARIOS: dict[str, Callable[[Turn], Awaitable[None]]] = {
+    "hello_then_empty": d_hello_then_empty,
+    "error_then_done": d_error_then_done,
+    "error_masked": d_error_masked,
+    "silent": d_silent,
+    "stall_mid_turn": d_stall_mid_turn,
+    "abort": d_abort,
+    "hang_up": d_hang_up,
+    "meta": d_meta,
+    "tool": d_tool,
+    "video": d_video,
+}
+
+
 class Stream:
     """One `Converse` stream: reads the facade's messages one at a time."""
 
@@ -258,6 +361,10 @@ class Runtime(pb_grpc.RuntimeServiceServicer):
                 if not session_id:
                     session_id = opening.session_id
                     self.open_streams[session_id] = self.open_streams.get(session_id, 0) + 1
+                if opening.HasField("duplex_start"):
+                    scenario = DUPLEX_SCENARIOS[opening.duplex_start.system_instruction]
+                    await scenario(Turn(self, stream, opening))
+                    return
                 self.sessions.add(opening.session_id)
                 stream.turns += 1
                 name = opening.metadata.get("mock_scenario", "stream")

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from portico.config import Settings
 from portico.core.reservations import SessionReservations
-from portico.server.admission import PrincipalSlots, Strangers
-from portico.server.services import principal_cap, stranger_budget
+from portico.server.capacity import PrincipalSlots, Strangers, principal_cap, stranger_budget
 
 
 class FakeStranger:

@@ -7,7 +7,8 @@
 
 In the server: ``PORTICO_RUNTIME=python PORTICO_PLUGIN=mymodule:handler portico serve``.
 In its own process (the gRPC runtime contract, needs the `grpc` extra):
-``portico agent serve mymodule:handler --port 50051``. See docs/agents.md.
+``portico agent serve mymodule:handler --port 50051``; a voice agent adds
+``--voice mymodule:voice`` (`VoiceCall`). See docs/agents.md.
 """
 
 from portico.agent.api import (
@@ -22,11 +23,14 @@ from portico.agent.api import (
     Turn,
     Usage,
 )
+from portico.agent.voice import AudioFormat, AudioFrame, VoiceCall, VoiceHandler
 from portico.core.model import MediaContent
 from portico.errors import AgentError
 
 __all__ = [
     "AgentError",
+    "AudioFormat",
+    "AudioFrame",
     "Handler",
     "HistoryMessage",
     "Media",
@@ -38,4 +42,6 @@ __all__ = [
     "ToolResult",
     "Turn",
     "Usage",
+    "VoiceCall",
+    "VoiceHandler",
 ]

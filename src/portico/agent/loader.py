@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any, cast
 
 from portico.agent.api import Handler
+from portico.agent.voice import VoiceHandler
 from portico.errors import PluginError
 
 ENTRY_POINT_GROUP = "portico.agents"
@@ -26,6 +27,24 @@ def load_handler(spec: str) -> Handler:
     target = _import_target(spec) if ":" in spec else _entry_point(spec)
     check_handler(spec, target)
     return cast(Handler, target)
+
+
+def load_voice_handler(spec: str) -> VoiceHandler:
+    """The voice handler `spec` names, checked to be `async def voice(call): ...`."""
+    spec = spec.strip()
+    target = _import_target(spec) if ":" in spec else _entry_point(spec)
+    if not inspect.iscoroutinefunction(target):
+        raise PluginError(
+            f"voice handler {spec!r}: expected a coroutine function "
+            f"(async def voice(call): ...), got {_voice_shape(target)}"
+        )
+    try:
+        inspect.signature(target).bind(object())
+    except TypeError as exc:
+        raise PluginError(
+            f"voice handler {spec!r}: it must take exactly one argument (the call)"
+        ) from exc
+    return cast(VoiceHandler, target)
 
 
 def _import_target(spec: str) -> Any:
@@ -88,4 +107,12 @@ def _shape(target: Any) -> str:
         return "a plain generator function (declare it async def)"
     if callable(target):
         return f"a {type(target).__name__} that is not an async generator function"
+    return f"a {type(target).__name__}"
+
+
+def _voice_shape(target: Any) -> str:
+    if inspect.isasyncgenfunction(target):
+        return "an async generator function (a voice handler sends with call.speak, not yield)"
+    if callable(target):
+        return f"a {type(target).__name__} that is not a coroutine function"
     return f"a {type(target).__name__}"

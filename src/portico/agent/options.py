@@ -18,6 +18,7 @@ class AgentOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     client_tool_timeout: Seconds | None = 300.0  # a tool call's wait; None: no limit
     max_queued_turns: Positive = 8  # turns of one stream waiting behind the running one
     grace: Annotated[float, msgspec.Meta(ge=0)] = 10.0  # seconds turns get on SIGTERM
+    max_queued_audio_frames: Positive = 256  # a voice call's caller frames not yet read
 
 
 def agent_options(values: dict[str, Any]) -> AgentOptions:

@@ -12,7 +12,9 @@ Rules where the contract is silent (docs/agents.md, "The contract"):
   `max_queued_turns` wait; past that the stream is not read until one starts);
 - a `client_tool_result` whose `call_id` matches no call the running turn waits for
   (late, or made up) is dropped and logged; the turn carries on;
-- `duplex_start` is answered with one `error` `DUPLEX_ERROR` (text agents only);
+- a stream opening with `duplex_start` is a voice call, served to the voice handler
+  (`voice_server.py`); without one, or later on a text stream, `duplex_start` is
+  answered with one `error` `DUPLEX_ERROR`;
 - an unanswered tool call becomes `ToolRejected("timed out")` after
   `client_tool_timeout`, and `ToolRejected("the stream closed")` when the facade
   closes its side first.
@@ -53,6 +55,8 @@ from portico.agent.pump import (
     merge_ready_text,
     run_handler_ready,
 )
+from portico.agent.voice import VoiceHandler
+from portico.agent.voice_server import serve_voice_call
 from portico.contract import runtime_pb2 as pb
 from portico.contract import runtime_pb2_grpc as pb_grpc
 from portico.core.model import ContentPart, new_id, text_of_parts
@@ -61,6 +65,7 @@ from portico.errors import ConfigError
 log = logging.getLogger("portico.agent")
 CONTRACT_VERSION = "1.3.0"
 CAPABILITIES = ("text", "client_tools", "media", "parts")
+VOICE_CAPABILITIES = ("duplex_audio",)  # with a voice handler
 
 
 class Memory:
@@ -92,8 +97,15 @@ class Memory:
 
 
 class AgentService(pb_grpc.RuntimeServiceServicer):
-    def __init__(self, handler: Handler, options: AgentOptions | None = None) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        options: AgentOptions | None = None,
+        *,
+        voice: VoiceHandler | None = None,
+    ) -> None:
         self._handler = handler
+        self._voice = voice
         self._options = options or AgentOptions()
         self._memory = Memory(
             max_conversations=self._options.max_conversations,
@@ -106,10 +118,20 @@ class AgentService(pb_grpc.RuntimeServiceServicer):
     async def Converse(  # type: ignore[override]  # noqa: N802 (the contract's name)
         self, request_iterator: AsyncIterator[pb.ClientMessage], context: Any
     ) -> None:
+        # The first message tells a voice call (`duplex_start`, docs/agents.md "Voice")
+        # from a conversation of text turns.
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        if first.HasField("duplex_start") and self._voice is not None:
+            await serve_voice_call(
+                self._voice, first, request_iterator, context.write, self._options
+            )
+            return
         stream = _Stream(self._handler, self._memory, self._options, context.write)
         self._streams.add(stream)
         try:
-            await stream.run(request_iterator)
+            await stream.run(_prepended(first, request_iterator))
         finally:
             self._streams.discard(stream)
 
@@ -131,7 +153,7 @@ class AgentService(pb_grpc.RuntimeServiceServicer):
             healthy=True,
             status="SERVING",
             contract_version=CONTRACT_VERSION,
-            capabilities=CAPABILITIES,
+            capabilities=CAPABILITIES + (VOICE_CAPABILITIES if self._voice else ()),
         )
 
     async def HasConversation(  # noqa: N802
@@ -145,6 +167,14 @@ class AgentService(pb_grpc.RuntimeServiceServicer):
 
 
 Write = Callable[[pb.ServerMessage], Any]
+
+
+async def _prepended(
+    first: pb.ClientMessage, rest: AsyncIterator[pb.ClientMessage]
+) -> AsyncIterator[pb.ClientMessage]:
+    yield first
+    async for message in rest:
+        yield message
 
 
 class _Stream:
@@ -416,11 +446,13 @@ async def serve_agent(
     port: int = 50051,
     options: AgentOptions | None = None,
     on_ready: Callable[[str], None] = print,
+    voice: VoiceHandler | None = None,
 ) -> None:
-    """Serve `handler` until SIGTERM or SIGINT, then let running turns finish (`grace`)."""
+    """Serve `handler` (and `voice` for calls) until SIGTERM or SIGINT, then let running
+    turns and calls finish (`grace`)."""
     options = options or AgentOptions()
     server = grpc.aio.server()
-    service = AgentService(handler, options)
+    service = AgentService(handler, options, voice=voice)
     pb_grpc.add_RuntimeServiceServicer_to_server(service, server)
     try:
         bound = server.add_insecure_port(f"{host}:{port}")

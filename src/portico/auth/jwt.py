@@ -1,4 +1,4 @@
-"""JSON Web Tokens from an OpenID provider (or any JWKS), verified with PyJWT.
+"""JSON Web Tokens from an OpenID provider (or any JWKS), verified with PyJWT's algorithms.
 
 Keys come from the issuer's discovery document (`jwks_uri`) or an explicit JWKS
 URL. They are cached: a token naming a `kid` the cache lacks refetches the set,
@@ -10,19 +10,17 @@ so a provider that is down or a client inventing `kid`s costs a handshake its
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import aiohttp
 import jwt
-from jwt.types import Options
 
 from portico.auth.base import Identity, IdentityAuthenticator
+from portico.auth.jws import ClaimRules, check_claims, parse_compact, verify_signature
 from portico.auth.jwt_cache import TimeWindow, Verified, VerifiedTokens, token_digest
 from portico.errors import IdentityProviderUnavailable, Unauthenticated
 
@@ -160,43 +158,6 @@ def parse_key_set(document: Any) -> dict[str | None, SigningKey]:
     return keys
 
 
-_SEGMENT = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def unverified_header(credential: str) -> dict[str, Any]:
-    """The JOSE header, read to pick the key. Parsed here rather than by PyJWT, whose
-    reading decodes and checks all three segments and would, with the verification that
-    follows, do it twice per handshake; `jwt.decode` still checks the whole token."""
-    segment = credential.split(".", 1)[0]
-    if credential.count(".") != 2 or not _SEGMENT.fullmatch(segment):
-        raise Unauthenticated("invalid token")
-    try:
-        header = json.loads(base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4)))
-    except ValueError:
-        raise Unauthenticated("invalid token") from None
-    if not isinstance(header, dict):
-        raise Unauthenticated("invalid token")
-    return header
-
-
-_REJECTIONS: tuple[tuple[type[jwt.PyJWTError], str], ...] = (
-    (jwt.ExpiredSignatureError, "token expired"),
-    (jwt.ImmatureSignatureError, "token not yet valid"),
-    (jwt.InvalidIssuerError, "token issuer not accepted"),
-    (jwt.InvalidAudienceError, "token audience not accepted"),
-    (jwt.MissingRequiredClaimError, "token lacks a required claim"),
-    (jwt.InvalidSignatureError, "token signature invalid"),
-)
-
-
-def rejection(exc: jwt.PyJWTError) -> str:
-    """What the client is told: why, never the token or its claims."""
-    for kind, text in _REJECTIONS:
-        if isinstance(exc, kind):
-            return text
-    return "invalid token"
-
-
 class JwtAuth(IdentityAuthenticator):
     def __init__(
         self,
@@ -214,13 +175,10 @@ class JwtAuth(IdentityAuthenticator):
         self.keys = keys
         self.verified = VerifiedTokens(cache_entries)
         self._now = now  # wall clock: `exp` and `nbf` are Unix times
-        self._issuer = issuer or None
-        self._audience = audience or None
+        self._rules = ClaimRules(issuer=issuer or None, audience=audience or None, leeway=leeway)
         self._algorithms = frozenset(algorithms)
-        self._leeway = leeway
         self._principal_claim = principal_claim
         self._session_claim = session_claim
-        self._options: Options = {"require": ["exp"], "verify_aud": bool(audience)}
 
     async def identify(self, credential: str | None) -> Identity:
         if not credential:
@@ -229,30 +187,21 @@ class JwtAuth(IdentityAuthenticator):
         cached = self.verified.get(digest, self._now(), self.keys.cached)
         if cached is not None:
             return cached
-        alg, kid = self._header(credential)
+        token = parse_compact(credential)
+        alg, kid = self._algorithm_and_kid(token.header)
         signing = await self.keys.key_for(kid)
         if signing.alg is not None and signing.alg != alg:
             raise Unauthenticated("token algorithm does not match its key")
-        try:
-            claims = jwt.decode(
-                credential,
-                key=signing.key.key,
-                algorithms=[alg],
-                audience=self._audience,
-                issuer=self._issuer,
-                leeway=self._leeway,
-                options=self._options,
-            )
-        except jwt.PyJWTError as exc:
-            raise Unauthenticated(rejection(exc)) from None
-        window = TimeWindow.of(claims, self._leeway)
-        window.check(self._now())  # the same clock the cache's hits are judged by
-        identity = self._identity(claims)
+        verify_signature(token, alg, signing.key.key)
+        now = self._now()
+        check_claims(token.claims, self._rules, now)
+        window = TimeWindow.of(token.claims, self._rules.leeway)
+        window.check(now)  # the rule the cache's hits are judged by
+        identity = self._identity(token.claims)
         self.verified.put(digest, Verified(identity, window, kid, signing))
         return identity
 
-    def _header(self, credential: str) -> tuple[str, str | None]:
-        header = unverified_header(credential)
+    def _algorithm_and_kid(self, header: dict[str, Any]) -> tuple[str, str | None]:
         alg, kid = header.get("alg"), header.get("kid")
         if not isinstance(alg, str) or alg not in self._algorithms:
             raise Unauthenticated("token algorithm not allowed")

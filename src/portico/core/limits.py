@@ -6,6 +6,8 @@ from __future__ import annotations
 class TokenBucket:
     """`rate` tokens per second, holding at most `burst`; a full bucket to start."""
 
+    __slots__ = ("_burst", "_rate", "_tokens", "_updated")  # two per connection
+
     def __init__(self, *, rate: float, burst: float, now: float) -> None:
         self._rate = rate
         self._burst = burst

@@ -24,6 +24,8 @@ CREDENTIAL_EXPIRED_REASON = "credential expired"
 
 
 class CredentialClock:
+    __slots__ = ("_closing", "_margin", "close_at", "deadline", "identity")  # one per connection
+
     def __init__(self, identity: Identity, *, margin: float, now: float, wall: float) -> None:
         """`wall` is the wall-clock time (Unix seconds) at `now`."""
         self._margin = margin

@@ -23,9 +23,13 @@ class Outbox:
     stays `overflowed`, and the core closes the connection. Never unbounded.
     """
 
+    # Slots and a deque made at the first frame: one per connection, most of them idle
+    # (an empty deque allocates its first block of 64 entries, about 600 bytes).
+    __slots__ = ("_bytes", "_frames", "_max_bytes", "overflowed")
+
     def __init__(self, max_bytes: int) -> None:
         self._max_bytes = max_bytes
-        self._frames: deque[bytes] = deque()
+        self._frames: deque[bytes] | None = None  # None: empty
         self._bytes = 0
         self.overflowed = False
 
@@ -36,6 +40,8 @@ class Outbox:
         if bounded and self._frames and self._bytes >= self._max_bytes:
             self.overflowed = True
             return False
+        if self._frames is None:
+            self._frames = deque()
         self._frames.append(data)
         self._bytes += len(data)
         return True
@@ -45,11 +51,13 @@ class Outbox:
             return None
         data = self._frames.popleft()
         self._bytes -= len(data)
+        if not self._frames:
+            self._frames = None  # an idle connection holds no block
         return data
 
     def drain(self) -> list[bytes]:
-        out = list(self._frames)
-        self._frames.clear()
+        out = list(self._frames) if self._frames else []
+        self._frames = None
         self._bytes = 0
         return out
 

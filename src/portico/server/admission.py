@@ -1,11 +1,11 @@
-"""Who may open a WebSocket: origin, capacity and drain checks, then the credential."""
+"""Who may open a WebSocket: origin, capacity and drain checks, then the credential.
+
+The counters it consults live in server/capacity.py, which `Services` builds: so this
+module imports `Services` and `Services` does not import it."""
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -32,74 +32,6 @@ def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...
         return origin.rstrip("/").lower() in {a.rstrip("/").lower() for a in allowed}
     # Same-origin by default: a page served by this host (the demo page) may connect.
     return urlsplit(origin).netloc.lower() == (host or "").lower()
-
-
-class ConnectionSlots:
-    """Counts open WebSockets across every protocol against `max_connections`."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.open = 0
-
-    @asynccontextmanager
-    async def hold(self) -> AsyncIterator[None]:
-        self.open += 1
-        try:
-            yield
-        finally:
-            self.open -= 1
-
-
-class Stranger(Protocol):
-    def evict(self) -> None:
-        """Close: a newer unauthenticated socket needs the slot."""
-
-
-class Strangers:
-    """Sockets upgraded but not yet authenticated, at most `limit` of them.
-
-    When the budget is full the oldest is evicted to make room, so a stranger can
-    never lock out the next client: a real client authenticates within a round trip,
-    long before `limit` newer strangers arrive behind it (FIFO eviction).
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._waiting: dict[Stranger, None] = {}  # insertion order: oldest first
-
-    def __len__(self) -> int:
-        return len(self._waiting)
-
-    def arrived(self, socket: Stranger) -> None:
-        while len(self._waiting) >= self.limit:
-            oldest = next(iter(self._waiting))
-            del self._waiting[oldest]
-            oldest.evict()
-        self._waiting[socket] = None
-
-    def left(self, socket: Stranger) -> None:
-        """Authenticated, timed out or closed."""
-        self._waiting.pop(socket, None)
-
-
-class PrincipalSlots:
-    """Open connections per principal, across every protocol, against `limit` (None:
-    no cap)."""
-
-    def __init__(self, limit: int | None) -> None:
-        self.limit = limit
-        self._open: Counter[str] = Counter()
-
-    def take(self, principal: str) -> bool:
-        if self.limit is not None and self._open[principal] >= self.limit:
-            return False
-        self._open[principal] += 1
-        return True
-
-    def give(self, principal: str) -> None:
-        self._open[principal] -= 1
-        if self._open[principal] <= 0:
-            del self._open[principal]
 
 
 async def admit(request: web.Request, services: Services) -> Identity:

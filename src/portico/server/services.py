@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from pathlib import Path
 from typing import Protocol
 
@@ -36,8 +35,14 @@ from portico.runtime.echo import EchoRuntime
 from portico.runtime.openai import OpenAIRuntime
 from portico.runtime.python import PythonRuntime
 from portico.runtime.scripted import ScriptedRuntime
-from portico.server.admission import ConnectionSlots, PrincipalSlots, Strangers
 from portico.server.backends import build_shared_state
+from portico.server.capacity import (
+    ConnectionSlots,
+    PrincipalSlots,
+    Strangers,
+    principal_cap,
+    stranger_budget,
+)
 from portico.server.metrics import Metrics
 from portico.store.base import Store
 from portico.store.memory import MemoryStore
@@ -103,7 +108,9 @@ class Services:
         # Starting, admitting, draining (a stop signal: no new upgrades or turns, running
         # turns may finish) or stopped: core/lifecycle.py, driven by server/drain.py.
         self.lifecycle: Lifecycle[LiveConnection] = Lifecycle(drain_timeout=settings.drain_timeout)
-        self.connections: weakref.WeakSet[LiveConnection] = weakref.WeakSet()
+        # Added and removed by run_socket around each connection's life (a plain set:
+        # a WeakSet's weakref and callback cost ~480 bytes per idle connection).
+        self.connections: set[LiveConnection] = set()
         self.slots = ConnectionSlots(settings.max_connections)
         self.strangers = Strangers(stranger_budget(settings))
         self.principals = PrincipalSlots(principal_cap(settings))
@@ -136,18 +143,6 @@ class Services:
 
 
 SERVICES = web.AppKey("services", Services)
-
-
-def principal_cap(settings: Settings) -> int | None:
-    """Connections one principal may hold. Without authentication every client is the
-    one principal `local`: a cap per principal would be a second, smaller
-    `max_connections`, so it applies only when the auth port tells clients apart."""
-    return None if settings.auth == "none" else settings.max_connections_per_principal
-
-
-def stranger_budget(settings: Settings) -> int:
-    """Unauthenticated sockets never hold more than half the connections."""
-    return min(settings.max_unauthenticated_connections, max(1, settings.max_connections // 2))
 
 
 def build_store(settings: Settings) -> Store:

@@ -8,7 +8,6 @@ offers `next_frame()`, `overflowed` and `next_deadline()`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -72,6 +71,29 @@ class ServerSocket(ABC):
     # True where the credential arrives in the first frame (`connect`, `hello`): until
     # `authenticated()`, the socket is a stranger with a deadline and a small budget.
     authenticates_in_band: ClassVar[bool] = False
+    # One per connection, most of them idle: slots, not a dict (docs/performance.md); a
+    # subclass without `__slots__` of its own gets a dict again.
+    __slots__ = (
+        "_armed",
+        "_batched",
+        "_closed",
+        "_closing",
+        "_flush_scheduled",
+        "_frames_out",
+        "_handshake_timer",
+        "_held_principal",
+        "_loop",
+        "_metrics",
+        "_request_protocol",
+        "_sent_close_code",
+        "_services",
+        "_timer",
+        "_timer_task",
+        "_transport",
+        "_waiter",
+        "_writing",
+        "_ws",
+    )
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, services: Services) -> None:
         self._transport = request.transport
@@ -435,7 +457,10 @@ async def run_socket(
         autoping=False,  # the cores decide when a peer is dead, so they see every pong
         compress=settings.ws_compression,
     )
-    async with services.slots.hold():
+    # Plain try blocks, no context managers: their objects would live as long as the
+    # connection, on every idle one (docs/performance.md, idle connections).
+    services.slots.take()
+    try:
         await ws.prepare(request)
         socket = socket_for(ws)
         protocol = socket.protocol
@@ -444,8 +469,12 @@ async def run_socket(
         open_gauge.inc()
         services.connections.add(socket)
         try:
-            with contextlib.suppress(ConnectionResetError):
-                await socket.serve()
+            await socket.serve()
+        except ConnectionResetError:
+            pass
         finally:
+            services.connections.discard(socket)
             open_gauge.dec()
+    finally:
+        services.slots.give()
     return ws

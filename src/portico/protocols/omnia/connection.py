@@ -156,6 +156,20 @@ def memory_facet_of(values: list[str], fixed: str | None) -> str:
 
 
 class OmniaConnection:
+    # One per `/ws` connection, most of them idle: slots, not a dict (docs/performance.md).
+    __slots__ = (
+        "_last_received",
+        "_limits",
+        "_media_bytes",
+        "_messages",
+        "_next_ping",
+        "_outbox",
+        "_stamps",
+        "_told_no_audio",
+        "credential",
+        "session_id",
+    )
+
     def __init__(
         self,
         *,

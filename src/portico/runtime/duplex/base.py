@@ -146,6 +146,23 @@ class DuplexCall(Protocol):
         """End the call (hangup, or the session ended); idempotent."""
 
 
+class FailedCall:
+    """A call that never got going (its runtime unreachable): its events are one
+    `DuplexFailure`; audio sent to it is ignored."""
+
+    def __init__(self, failure: DuplexFailure) -> None:
+        self._failure = failure
+
+    async def send(self, audio: AudioIn) -> None:
+        return None
+
+    async def events(self) -> AsyncIterator[DuplexEvent]:
+        yield self._failure
+
+    async def close(self) -> None:
+        return None
+
+
 @runtime_checkable
 class DuplexRuntime(Protocol):
     async def start(self, start: DuplexStart) -> DuplexCall:

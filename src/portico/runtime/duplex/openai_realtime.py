@@ -42,6 +42,7 @@ from portico.runtime.duplex.base import (
     DuplexFailure,
     DuplexRuntime,
     DuplexStart,
+    FailedCall,
     Hello,
     Interruption,
     SpokenTurnDone,
@@ -263,22 +264,6 @@ class RealtimeCall:
             for event in events:
                 with contextlib.suppress(ConnectionError, RuntimeError):
                     await self._ws.send_str(_encode.encode(event).decode())
-
-
-class FailedCall:
-    """A call that never connected: its events are one `DuplexFailure`."""
-
-    def __init__(self, failure: DuplexFailure) -> None:
-        self._failure = failure
-
-    async def send(self, audio: AudioIn) -> None:
-        return None
-
-    async def events(self) -> AsyncIterator[DuplexEvent]:
-        yield self._failure
-
-    async def close(self) -> None:
-        return None
 
 
 class OpenAIRealtimeRuntime:

@@ -15,8 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 import grpc.aio
@@ -32,7 +31,14 @@ from portico.runtime.base import (
     TurnInput,
     TurnStream,
 )
-from portico.runtime.causes import described_cause
+from portico.runtime.grpc.channel import (
+    Unreachable,
+    call_metadata,
+    classify,
+    connect,
+    final_cause,
+    open_channel,
+)
 from portico.runtime.grpc.mapping import Reading, TurnReader, client_message, tool_result
 
 if TYPE_CHECKING:
@@ -46,45 +52,6 @@ RESUME_VERDICTS: dict[int, ResumeVerdict] = {
     pb.RESUME_STATE_NOT_FOUND: "not_found",
     pb.RESUME_STATE_UNAVAILABLE: "unavailable",
 }
-
-
-class Unreachable(Exception):
-    """No stream could be opened; `cause` is safe to log."""
-
-    def __init__(self, cause: str) -> None:
-        super().__init__(cause)
-        self.cause = cause
-
-
-def classify(error: grpc.aio.AioRpcError | None) -> str:
-    """The cause of a connection failure in a few words, from gRPC's status and text."""
-    if error is None:
-        return "no connection within the connect timeout"
-    code = error.code()
-    return status_cause(code) or described_cause(error.details() or "") or code.name.lower()
-
-
-def status_cause(code: grpc.StatusCode) -> str | None:
-    """The cause a status code alone names (the credential ones), else None."""
-    if code is grpc.StatusCode.UNAUTHENTICATED:
-        return "unauthenticated"
-    if code is grpc.StatusCode.PERMISSION_DENIED:
-        return "permission denied"
-    return None
-
-
-async def final_cause(
-    call: grpc.aio.StreamStreamCall[Any, Any], fallback: str, *, within: float
-) -> str:
-    """The cause by the call's final status. A write on a call the runtime is ending
-    may fail with a status of its own (`INTERNAL`) before the call's real one
-    (`UNAUTHENTICATED`, say) arrives: that one is what the operator needs."""
-    try:
-        async with asyncio.timeout(within):
-            code = await call.code()
-    except (TimeoutError, grpc.aio.AioRpcError):
-        return fallback
-    return status_cause(code) or fallback
 
 
 class Broken(NamedTuple):
@@ -176,11 +143,7 @@ class GrpcRuntime:
         self._name = name
         self._settings = settings
         self._target = settings.grpc_target
-        token = env.get(settings.grpc_token_env) if settings.grpc_token_env else None
-        # Read here, kept out of the settings tree (which `config show` prints) and logs.
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {token}"),) if token else ()
-        )
+        self._metadata = call_metadata(settings, env)
         self._channel: grpc.aio.Channel | None = None
         self._stub: RuntimeServiceAsyncStub | None = None
         self._conversations: dict[str, _Conversation] = {}
@@ -196,45 +159,17 @@ class GrpcRuntime:
     def _runtime_stub(self) -> RuntimeServiceAsyncStub:
         # Created in the running loop, at first use, and shared by every conversation.
         if self._stub is None:
-            self._channel = self._open_channel()
+            self._channel = open_channel(self._settings)
             self._stub = RuntimeServiceStub(self._channel)
         return self._stub
-
-    def _open_channel(self) -> grpc.aio.Channel:
-        settings = self._settings
-        backoff_ms = int(settings.grpc_reconnect_backoff_max * 1000)
-        options = [
-            ("grpc.initial_reconnect_backoff_ms", min(100, backoff_ms)),
-            ("grpc.min_reconnect_backoff_ms", min(100, backoff_ms)),
-            ("grpc.max_reconnect_backoff_ms", backoff_ms),
-            ("grpc.max_receive_message_length", settings.grpc_max_message_bytes),
-        ]
-        if not settings.grpc_tls:
-            return grpc.aio.insecure_channel(self._target, options=options)
-        roots = Path(settings.grpc_ca_file).read_bytes() if settings.grpc_ca_file else None
-        credentials = grpc.ssl_channel_credentials(root_certificates=roots)
-        return grpc.aio.secure_channel(self._target, credentials, options=options)
 
     async def _connect(self) -> RuntimeServiceAsyncStub:
         """The stub once the channel is connected, or `Unreachable` naming the cause."""
         stub = self._runtime_stub()
         assert self._channel is not None
-        try:
-            await asyncio.wait_for(
-                self._channel.channel_ready(), self._settings.grpc_connect_timeout
-            )
-        except TimeoutError:
-            raise Unreachable(await self._last_connection_error(stub)) from None
+        within = self._settings.grpc_connect_timeout
+        await connect(self._channel, stub, within=within, metadata=self._metadata)
         return stub
-
-    async def _last_connection_error(self, stub: RuntimeServiceAsyncStub) -> str:
-        # gRPC keeps why it cannot connect to itself; a call that does not wait for the
-        # connection fails at once with that text.
-        try:
-            await stub.Health(pb.HealthRequest(), timeout=1.0, metadata=self._metadata)
-        except grpc.aio.AioRpcError as error:
-            return classify(error)
-        return classify(None)
 
     async def close(self) -> None:
         """At server stop: every stream, then the channel."""
