@@ -178,7 +178,13 @@ async def test_sigterm_drain_finishes_the_running_turn_then_closes_1001(
     http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     server = draining_server(tmp_path, drain_timeout=20)
-    client, session_id = await start_slow_turn(http, server)
+    # A turn held by its client tool call: it runs until answered, however slow this
+    # machine is, so the socket cannot be closed (turn done) before the checks below.
+    client = await open_client(http, server)
+    session_id = (await client.connected())["session_id"]
+    await client.send({"type": "message", "content": "where?", **scenario("tool")})
+    call_id = (await client.recv())["tool_call"]["id"]
+    await client.send({"type": "tool_call_ack", "tool_call_ack": {"call_id": call_id}})
     assert server.process is not None
     server.process.send_signal(signal.SIGTERM)
 
@@ -190,7 +196,12 @@ async def test_sigterm_drain_finishes_the_running_turn_then_closes_1001(
     await client.send({"type": "message", "content": "more", "session_id": "other-session"})
     assert (await client.recv())["error"]["code"] == "RATE_LIMITED"
 
-    assert await client.turn() == [{"type": "done", "content": "a", "session_id": session_id}]
+    await client.send({"type": "tool_result", "tool_result": {"call_id": call_id, "result": "x"}})
+    assert (await client.turn())[-1] == {
+        "type": "done",
+        "content": 'status=completed result="x" error=',
+        "session_id": session_id,
+    }
     closing = await client.ws.receive(timeout=10)
     assert (closing.type, closing.data) == (aiohttp.WSMsgType.CLOSE, 1001)
     assert server.stop() == 0
