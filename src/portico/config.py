@@ -282,6 +282,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Admission and shutdown (issue: /ws complete).
     max_connections: Count = 10000
     drain_timeout: Seconds = 30.0
+    # Deadline of each backend's check behind /readyz (PostgreSQL query, Redis PING).
+    readiness_timeout: Seconds = 2.0
     origins: tuple[str, ...] = ()  # empty: same-origin only; "*" allows any origin
     # Frames waiting for a connection that does not read; past this it is closed (4008
     # on /ws, where it bounds the backlog: one frame larger than it is still sent).

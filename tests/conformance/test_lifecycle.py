@@ -30,9 +30,17 @@ async def test_probes_report_live_and_ready(http: aiohttp.ClientSession, tmp_pat
             assert live.status == 200
         async with http.get(server.http_url + "/readyz") as ready:
             assert ready.status == 200
-            assert await ready.json() == {"status": "ready"}
+            body = await ready.json()
     finally:
         server.stop()
+    assert body["status"] == "ready"
+    # Every backend is named with its state; the embedded ones run in this process.
+    assert body["backends"] == {
+        "archive": {"state": "ready", "reason": "in process"},
+        "bus": {"state": "ready", "reason": "in process"},
+        "session_state": {"state": "ready", "reason": "in process"},
+        "media": {"state": "ready", "reason": "in process"},
+    }
 
 
 async def test_logs_name_connections_and_turns_but_never_bodies(
@@ -170,7 +178,13 @@ async def test_sigterm_drain_finishes_the_running_turn_then_closes_1001(
     http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     server = draining_server(tmp_path, drain_timeout=20)
-    client, session_id = await start_slow_turn(http, server)
+    # A turn held by its client tool call: it runs until answered, however slow this
+    # machine is, so the socket cannot be closed (turn done) before the checks below.
+    client = await open_client(http, server)
+    session_id = (await client.connected())["session_id"]
+    await client.send({"type": "message", "content": "where?", **scenario("tool")})
+    call_id = (await client.recv())["tool_call"]["id"]
+    await client.send({"type": "tool_call_ack", "tool_call_ack": {"call_id": call_id}})
     assert server.process is not None
     server.process.send_signal(signal.SIGTERM)
 
@@ -182,7 +196,12 @@ async def test_sigterm_drain_finishes_the_running_turn_then_closes_1001(
     await client.send({"type": "message", "content": "more", "session_id": "other-session"})
     assert (await client.recv())["error"]["code"] == "RATE_LIMITED"
 
-    assert await client.turn() == [{"type": "done", "content": "a", "session_id": session_id}]
+    await client.send({"type": "tool_result", "tool_result": {"call_id": call_id, "result": "x"}})
+    assert (await client.turn())[-1] == {
+        "type": "done",
+        "content": 'status=completed result="x" error=',
+        "session_id": session_id,
+    }
     closing = await client.ws.receive(timeout=10)
     assert (closing.type, closing.data) == (aiohttp.WSMsgType.CLOSE, 1001)
     assert server.stop() == 0

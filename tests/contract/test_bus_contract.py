@@ -154,3 +154,21 @@ def _restart_redis() -> None:
             return
         subprocess.run(["sleep", "0.1"], check=True)
     raise RuntimeError("Redis did not come back")
+
+
+async def test_a_working_bus_is_ready(bus: Bus) -> None:
+    health = await bus.health(DEADLINE)
+    assert health.ready, health.reason
+
+
+async def test_a_redis_bus_that_cannot_be_reached_is_not_ready_and_says_why() -> None:
+    from portico.bus.redis_bus import RedisBus
+    from support.replicas import free_port
+
+    unreachable = RedisBus(f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        health = await unreachable.health(DEADLINE)
+    finally:
+        await unreachable.close()
+    assert not health.ready
+    assert "ConnectionError" in health.reason, health.reason

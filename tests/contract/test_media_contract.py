@@ -136,6 +136,11 @@ async def read_all(store: MediaStore, session_id: str, media_id: str) -> bytes |
 # -- tickets ------------------------------------------------------------------------
 
 
+async def test_an_open_media_store_is_ready(store: MediaStore) -> None:
+    health = await store.health(5.0)
+    assert health.ready, health.reason
+
+
 async def test_ticket_round_trip(store: MediaStore) -> None:
     upload_id, ticket = await granted(store)
     assert await store.get_ticket(upload_id) == ticket

@@ -225,3 +225,22 @@ def test_memory_and_redis_agree_on_every_sequence(ops: list[Op]) -> None:
 
     in_memory, in_redis = asyncio.run(both())
     assert in_memory == in_redis
+
+
+async def test_a_working_ledger_store_is_ready(states: SessionStates) -> None:
+    health = await states.health(5.0)
+    assert health.ready, health.reason
+
+
+async def test_a_redis_ledger_that_cannot_be_reached_is_not_ready_and_says_why() -> None:
+    from redis.asyncio import Redis
+
+    from support.replicas import free_port
+
+    client = Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        health = await RedisSessionStates(client, LIMITS).health(5.0)
+    finally:
+        await client.aclose()
+    assert not health.ready
+    assert "ConnectionError" in health.reason, health.reason

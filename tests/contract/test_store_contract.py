@@ -160,6 +160,18 @@ def offsets(messages: list[Message]) -> list[int]:
 # -- sessions -----------------------------------------------------------------------
 
 
+async def test_an_open_store_is_ready(store: Store) -> None:
+    health = await store.health(5.0)
+    assert health.ready, health.reason
+
+
+async def test_a_closed_store_is_not_ready(store: Store) -> None:
+    """A networked or file archive that is not open cannot serve; memory always can."""
+    await store.close()
+    health = await store.health(5.0)
+    assert health.ready is isinstance(store, MemoryStore)
+
+
 async def test_create_session_returns_the_stored_session(store: Store) -> None:
     session = msgspec.structs.replace(
         make_session(),

@@ -24,7 +24,7 @@ async def test_readyz_is_503_while_not_ready_and_200_once_the_archive_is_open(
     async with TestClient(TestServer(app)) as client:
         assert services.ready is True
         assert (await client.get("/readyz")).status == 200
-        services.ready = False  # what shutdown sets while it drains
+        services.lifecycle.stop_requested(0.0)  # what a stop signal does
         response = await client.get("/readyz")
         assert response.status == 503
         assert (await client.get("/healthz")).status == 200

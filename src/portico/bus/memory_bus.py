@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from portico.bus.port import Entry
+from portico.health import IN_PROCESS, Health
 
 
 class _Log:
@@ -52,6 +53,9 @@ class InProcessBus:
         queue = self._queue(replica)
         while True:
             yield await queue.get()
+
+    async def health(self, within: float) -> Health:
+        return IN_PROCESS
 
     async def close(self) -> None:
         self._topics.clear()

@@ -15,6 +15,8 @@ from typing import Protocol
 
 import msgspec
 
+from portico.health import Health
+
 
 class Entry(msgspec.Struct, frozen=True):
     position: str  # opaque, increasing within a topic; resume after it
@@ -37,3 +39,7 @@ class Bus(Protocol):
     def inbox(self, replica: str) -> AsyncIterator[bytes]: ...
 
     async def close(self) -> None: ...
+
+    async def health(self, within: float) -> Health:
+        """Readiness: the bus answers within `within` seconds."""
+        ...

@@ -19,6 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from portico.bus.port import Entry
+from portico.health import Health, probe
 
 log = logging.getLogger("portico.bus")
 _GROUP = "replica"
@@ -98,6 +99,9 @@ class RedisBus:
     async def _ensure_group_quietly(self, key: str) -> None:
         with contextlib.suppress(RedisConnectionError):
             await self._ensure_group(key)
+
+    async def health(self, within: float) -> Health:
+        return await probe(self._redis.ping(), within)
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -680,6 +680,26 @@ class Engine:
         _, pending = await asyncio.wait(tasks, timeout=within)
         return not pending
 
+    @property
+    def running_turns(self) -> int:
+        return len(self._tasks)
+
+    async def wait_turn_end(self, within: float) -> None:
+        """Until one of the running turns ends, or `within` seconds passed."""
+        tasks = list(self._tasks.values())
+        if tasks:
+            await asyncio.wait(tasks, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+        else:
+            await asyncio.sleep(within)
+
+    async def interrupt_all(self) -> None:
+        """Interrupt every running turn (each still archives what it had and sends its
+        one terminal event); waiting RPC messages stay pending."""
+        self._stopping = True
+        await asyncio.gather(
+            *(self._stop(session_id, TurnTrigger.INTERRUPT) for session_id in list(self._tasks))
+        )
+
     async def shutdown(self) -> None:
         """Interrupt every running turn; each still archives what it had."""
         self._stopping = True
@@ -688,9 +708,7 @@ class Engine:
             # The lease is left to expire; the turns end archived, so nothing is orphaned.
             self._leasing.cancel()
             await asyncio.gather(self._leasing, return_exceptions=True)
-        await asyncio.gather(
-            *(self._stop(session_id, TurnTrigger.INTERRUPT) for session_id in list(self._tasks))
-        )
+        await self.interrupt_all()
         await self._background.drain()
         for runtime in self._runtimes.values():
             if isinstance(runtime, Closable):

@@ -24,6 +24,7 @@ import msgspec
 
 from portico.core.model import new_id
 from portico.errors import UploadFailed, UploadTooLarge
+from portico.health import Health
 
 # The same rule as `/ws` session ids; it also keeps `/` out of storage refs.
 SESSION_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
@@ -108,6 +109,11 @@ class MediaStore(Protocol):
         """Create or check the storage; recover what a stopped server left half done."""
 
     async def close(self) -> None: ...
+
+    async def health(self, within: float) -> Health:
+        """Readiness: the storage answers within `within` seconds (object storage: a
+        HEAD of the bucket)."""
+        ...
 
     async def create_ticket(self, upload_id: str, ticket: UploadTicket) -> None: ...
 

@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, Final, TypeVar
 import msgspec
 
 from portico.errors import StoreError, UploadGone, UploadInProgress, UploadNotFound
+from portico.health import IN_PROCESS, Health
 from portico.media.base import (
     MEDIA_ID_PATTERN,
     READ_CHUNK_BYTES,
@@ -130,6 +131,9 @@ class LocalMediaStore:
 
     async def close(self) -> None:
         return None
+
+    async def health(self, within: float) -> Health:
+        return IN_PROCESS
 
     # -- tickets ------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ from portico.errors import (
     UploadNotFound,
     UploadTooLarge,
 )
+from portico.health import Health
 from portico.media.base import (
     MEDIA_ID_PATTERN,
     SESSION_ID_PATTERN,
@@ -208,6 +209,11 @@ class MediaService:
     async def open(self) -> None:
         if self._store is not None:
             await self._store.open()
+
+    async def health(self, within: float) -> Health:
+        if self._store is None:
+            return Health(True, "disabled")
+        return await self._store.health(within)
 
     async def close(self) -> None:
         if self._http is not None:

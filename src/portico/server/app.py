@@ -17,6 +17,7 @@ from portico.bus.memory import InProcessTransportStates
 from portico.config import Settings
 from portico.core.periodic import every
 from portico.server import media_routes, observability
+from portico.server.drain import drain
 from portico.server.http_limits import runner_options
 from portico.server.rpc_ws import rpc_handler
 from portico.server.services import SERVICES, Services
@@ -68,7 +69,7 @@ async def _open(app: web.Application) -> None:
             )
         )
     app[HOUSEKEEPING] = [asyncio.create_task(job) for job in jobs]
-    services.ready = True
+    services.lifecycle.started()
 
 
 def _prune_updates(services: Services) -> Callable[[], Awaitable[int]]:
@@ -79,8 +80,9 @@ def _prune_updates(services: Services) -> Callable[[], Awaitable[int]]:
 
 
 async def _close_sockets(app: web.Application) -> None:
+    """What a drain left open (or everything, when the app stops without one)."""
     services = app[SERVICES]
-    services.ready = False
+    services.lifecycle.stop_requested(asyncio.get_running_loop().time())
     await asyncio.gather(
         *(connection.going_away() for connection in list(services.connections)),
         return_exceptions=True,
@@ -95,6 +97,7 @@ async def _stop(app: web.Application) -> None:
     await asyncio.gather(*jobs, return_exceptions=True)
     await services.engine.shutdown()
     await services.media.close()
+    await services.shared.close()
     await services.store.close()
 
 
@@ -176,31 +179,21 @@ async def serve(settings: Settings, *, on_ready: Callable[[str], None] = print) 
     host, port = runner.addresses[0][:2]
     _tune_garbage_collector()
     on_ready(f"Portico serving http://{host}:{port}/ (Omnia WebSocket: ws://{host}:{port}/ws)")
-    signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
+    services = app[SERVICES]
+    stopping = asyncio.Event()
+
+    def stop_signal() -> None:
+        # Draining from this very moment: /readyz and new upgrades answer 503 at once.
+        # A second signal cuts the drain short (the lifecycle moves its deadline).
+        services.lifecycle.stop_requested(loop.time())
+        stopping.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, signals.put_nowait, sig)
+        loop.add_signal_handler(sig, stop_signal)
     try:
-        await signals.get()
-        # A second signal cuts the drain short.
-        drained = asyncio.create_task(drain(app[SERVICES], settings.drain_timeout))
-        second = asyncio.create_task(signals.get())
-        await asyncio.wait({drained, second}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (drained, second):
-            task.cancel()
+        await stopping.wait()
+        await drain(services)
     finally:
         log.info("shutting down")
         await runner.cleanup()
-
-
-async def drain(services: Services, within: float) -> None:
-    """Stop taking work, then give running turns `within` seconds to finish and archive."""
-    services.draining = True
-    services.ready = False
-    log.info("draining: up to %.1fs for running turns", within)
-    if await services.engine.wait_idle(within):
-        log.info("drained: no turn running")
-    else:
-        log.info("drain timeout: interrupting the turns still running")
-    # Interrupt before the sockets close, so every client gets its turn's terminal frame.
-    await services.engine.shutdown()

@@ -11,6 +11,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from portico.runtime.base import HealthReporter, Runtime
+from portico.server.readiness import check_all, verdict
 from portico.server.services import SERVICES
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -28,14 +29,23 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Readiness: the archive is open and the server is not draining."""
+    """Readiness: admitting, every backend answering, required runtimes healthy."""
     services = request.app[SERVICES]
-    if not services.ready:
-        return web.json_response({"status": "starting or draining"}, status=503)
-    unhealthy = await unhealthy_runtimes(services.runtimes)
-    if unhealthy:
-        return web.json_response({"status": "runtime unhealthy", "agents": unhealthy}, status=503)
-    return web.json_response({"status": "ready"})
+    within = services.settings.readiness_timeout
+    backends, agents = await asyncio.gather(
+        check_all(
+            {
+                "archive": services.store.health(within),
+                "bus": services.shared.bus.health(within),
+                "session_state": services.shared.session_states.health(within),
+                "media": services.media.health(within),
+            },
+            within,
+        ),
+        unhealthy_runtimes(services.runtimes),
+    )
+    status, body = verdict(services.lifecycle.phase, backends, agents)
+    return web.json_response(body, status=status)
 
 
 async def unhealthy_runtimes(runtimes: Mapping[str, Runtime]) -> dict[str, str]:

@@ -111,6 +111,11 @@ class RpcSocket(ServerSocket):
         self._core.check_credential(self._loop.time(), turn_running=running)
         self._after_core()
 
+    def turn_running(self) -> bool:
+        """The principal's turns stream here, and a request's reply must not be lost."""
+        running = bool(self._principal) and self._services.engine.runs_a_turn_for(self._principal)
+        return running or bool(self._in_flight)
+
     def on_overflow(self) -> None:
         self.start_close(CLOSE_SLOW_CONSUMER, "slow consumer")
 

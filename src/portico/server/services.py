@@ -22,6 +22,7 @@ from portico.bus.updates import InProcessUpdates
 from portico.config import DEFAULT_AGENT, AgentSettings, Settings
 from portico.core.conversations import Conversations
 from portico.core.engine import Engine
+from portico.core.lifecycle import Lifecycle, Phase
 from portico.core.memory import MemoryLimits
 from portico.core.reservations import SessionReservations
 from portico.core.tools import ClientToolBroker
@@ -34,6 +35,7 @@ from portico.runtime.echo import EchoRuntime
 from portico.runtime.openai import OpenAIRuntime
 from portico.runtime.python import PythonRuntime
 from portico.runtime.scripted import ScriptedRuntime
+from portico.server.backends import build_shared_state
 from portico.server.capacity import (
     ConnectionSlots,
     PrincipalSlots,
@@ -55,6 +57,9 @@ class LiveConnection(Protocol):
 
     async def going_away(self) -> None:
         """Send what is queued, then close with 1001."""
+
+    def busy(self) -> bool:
+        """A turn (or a request) runs on it: a drain closes it once that ended."""
 
 
 class Services:
@@ -94,18 +99,30 @@ class Services:
                 search_limit=settings.memory_search_limit,
             ),
         )
+        # The bus and session-state ports (docs/replicas.md): built here so /readyz
+        # checks them; the engine and /v1/session do not route through them yet.
+        self.shared = build_shared_state(settings)
         self.updates = InProcessUpdates()
         self.store.set_update_listener(self.updates.publish)
         self.conversations = Conversations(self.engine, self.tools, default_agent=DEFAULT_AGENT)
-        self.ready = False
-        # Set on SIGTERM: no new upgrades or turns; running turns may finish.
-        self.draining = False
+        # Starting, admitting, draining (a stop signal: no new upgrades or turns, running
+        # turns may finish) or stopped: core/lifecycle.py, driven by server/drain.py.
+        self.lifecycle: Lifecycle[LiveConnection] = Lifecycle(drain_timeout=settings.drain_timeout)
         # Added and removed by run_socket around each connection's life (a plain set:
         # a WeakSet's weakref and callback cost ~480 bytes per idle connection).
         self.connections: set[LiveConnection] = set()
         self.slots = ConnectionSlots(settings.max_connections)
         self.strangers = Strangers(stranger_budget(settings))
         self.principals = PrincipalSlots(principal_cap(settings))
+
+    @property
+    def ready(self) -> bool:
+        """Started and not draining (backends aside: server/readiness.py)."""
+        return self.lifecycle.admitting
+
+    @property
+    def draining(self) -> bool:
+        return self.lifecycle.phase in (Phase.DRAINING, Phase.STOPPED)
 
     async def identity_of(self, request: web.Request) -> Identity:
         """The caller's identity from `Authorization: Bearer` or, from a browser's

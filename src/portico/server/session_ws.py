@@ -318,10 +318,12 @@ class SessionSocket(ServerSocket):
         # The engine frees the session after its last event: check once it has.
         self._loop.call_soon(self._check_expiry)
 
-    def _check_expiry(self) -> None:
+    def turn_running(self) -> bool:
         live = self._live
-        running = live is not None and self._services.engine.is_busy(live.id)
-        self._core.check_credential(self._loop.time(), turn_running=running)
+        return live is not None and self._services.engine.is_busy(live.id)
+
+    def _check_expiry(self) -> None:
+        self._core.check_credential(self._loop.time(), turn_running=self.turn_running())
         self._after_core()
 
     # -- handshake ----------------------------------------------------------------------

@@ -409,6 +409,9 @@ class ServerSocket(ABC):
 
     async def _close(self, code: int, reason: bytes) -> None:
         """Flush what is queued, then close with `code`; drop a client that never takes it."""
+        # From here on only this task writes: a frame queued later (the answer to a
+        # message that crossed the close) must not follow the close frame.
+        self._writing = False
         try:
             async with asyncio.timeout(self._services.settings.close_timeout):
                 if not self.core.overflowed:
@@ -418,6 +421,14 @@ class ServerSocket(ABC):
         except (TimeoutError, ConnectionError):
             if self._transport is not None:
                 self._transport.abort()
+
+    def busy(self) -> bool:
+        """Whether the drain must wait before closing this connection."""
+        return not self._closed and self.turn_running()
+
+    def turn_running(self) -> bool:
+        """A turn whose output this connection carries runs now (or, on RPC, a request)."""
+        return False
 
     async def going_away(self) -> None:
         """Server shutdown: what is queued still goes out, then close with 1001."""

@@ -149,10 +149,12 @@ class OmniaSocket(ServerSocket):
             self.start_close(CLOSE_KEEPALIVE_TIMEOUT, "keepalive timeout")
         self._check_expiry()
 
+    def turn_running(self) -> bool:
+        return any(self._services.engine.is_busy(s) for s in self._attached)
+
     def _check_expiry(self) -> None:
         """Close 4401 once the credential's close point passed and no turn runs here."""
-        running = any(self._services.engine.is_busy(s) for s in self._attached)
-        if self._core.expiry_due(self._now(), turn_running=running):
+        if self._core.expiry_due(self._now(), turn_running=self.turn_running()):
             self.start_close(CLOSE_CREDENTIAL_EXPIRED, CREDENTIAL_EXPIRED_REASON)
 
     def _now(self) -> float:

@@ -18,6 +18,8 @@ from typing import Protocol
 
 import msgspec
 
+from portico.health import Health
+
 
 class SessionSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a replica needs to resume a stream; serialisable with msgspec."""
@@ -60,3 +62,7 @@ class SessionStates(Protocol):
     async def set_window(self, session_id: str, epoch: int, deadline: float | None) -> None: ...
 
     async def remove(self, session_id: str) -> None: ...
+
+    async def health(self, within: float) -> Health:
+        """Readiness: the ledger's store answers within `within` seconds."""
+        ...

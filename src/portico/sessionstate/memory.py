@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
+from portico.health import IN_PROCESS, Health
 from portico.sessionstate.base import BufferLimits, SessionSnapshot
 
 
@@ -86,6 +87,9 @@ class InProcessSessionStates:
 
     async def remove(self, session_id: str) -> None:
         self._ledgers.pop(session_id, None)
+
+    async def health(self, within: float) -> Health:
+        return IN_PROCESS
 
     def _existing(self, session_id: str) -> _Ledger:
         ledger = self._ledgers.get(session_id)

@@ -13,6 +13,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
+from portico.health import Health, probe
 from portico.sessionstate.base import BufferLimits, SessionSnapshot
 
 _MISSING, _MOVED, _OVERFLOW, _OUT_OF_ORDER = -1, -2, -3, -4
@@ -156,6 +157,9 @@ class RedisSessionStates:
 
     async def remove(self, session_id: str) -> None:
         await self._redis.delete(*self._keys(session_id))
+
+    async def health(self, within: float) -> Health:
+        return await probe(self._redis.ping(), within)
 
 
 def _checked(result: Any) -> int:

@@ -42,6 +42,7 @@ from portico.core.memory import MemoryEntry, MemoryKey
 from portico.core.model import Message, Session, ToolCallRecord, Turn, Update, UpdateLog
 from portico.core.trace import TraceEvent
 from portico.errors import StoreError
+from portico.health import Health
 
 log = logging.getLogger("portico.store")
 UpdateListener = Callable[[Update], None]
@@ -106,6 +107,10 @@ class Store(Protocol):
         """Connect, create or migrate the schema. Readiness waits on this."""
 
     async def close(self) -> None: ...
+
+    async def health(self, within: float) -> Health:
+        """Readiness: the archive answers a cheap query within `within` seconds."""
+        ...
 
     def set_update_listener(self, listener: UpdateListener | None) -> None:
         """Call `listener` on the event loop with each update once it has committed,

@@ -23,6 +23,7 @@ from portico.core.model import (
 from portico.core.states import TERMINAL_TURN_STATES
 from portico.core.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
+from portico.health import IN_PROCESS, Health
 from portico.store import rows
 from portico.store.base import UpdateListener, current_collector, is_orphaned, publish
 
@@ -54,6 +55,9 @@ class MemoryStore:
 
     async def close(self) -> None:
         return None
+
+    async def health(self, within: float) -> Health:
+        return IN_PROCESS
 
     def set_update_listener(self, listener: UpdateListener | None) -> None:
         self._listener = listener

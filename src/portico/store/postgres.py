@@ -36,6 +36,7 @@ from portico.core.model import (
 from portico.core.states import TurnState
 from portico.core.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
+from portico.health import Health, probe
 from portico.store import rows
 from portico.store.base import (
     UpdateListener,
@@ -697,6 +698,12 @@ class PostgresStore:
                 raise StoreError(f"cannot migrate the PostgreSQL archive: {exc}") from exc
             raise
         self._pool = pool
+
+    async def health(self, within: float) -> Health:
+        """`SELECT 1` on a pooled connection (taking one counts in the deadline)."""
+        if self._pool is None:
+            return Health(False, "not open")
+        return await probe(self._pool.fetchval("SELECT 1", timeout=within), within)
 
     async def close(self) -> None:
         await asyncio.gather(*self._writes, return_exceptions=True)

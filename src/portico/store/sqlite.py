@@ -41,6 +41,7 @@ from portico.core.model import (
 )
 from portico.core.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
+from portico.health import IN_PROCESS, Health
 from portico.store import rows
 from portico.store.base import (
     UpdateListener,
@@ -967,6 +968,10 @@ class SqliteStore:
         )
         if self._path != ":memory:" and not self._read_only:
             self._checkpoints = asyncio.create_task(self._checkpoint_periodically())
+
+    async def health(self, within: float) -> Health:
+        """A file in this process: ready once open (a failing disk fails the writes)."""
+        return IN_PROCESS if self._conn is not None else Health(False, "not open")
 
     async def close(self) -> None:
         if self._checkpoints is not None:
