@@ -36,6 +36,7 @@ from portico.runtime.openai import OpenAIRuntime
 from portico.runtime.python import PythonRuntime
 from portico.runtime.scripted import ScriptedRuntime
 from portico.server.admission import ConnectionSlots, PrincipalSlots, Strangers
+from portico.server.duplex import build_calls
 from portico.server.metrics import Metrics
 from portico.store.base import Store
 from portico.store.memory import MemoryStore
@@ -89,6 +90,7 @@ class Services:
                 search_limit=settings.memory_search_limit,
             ),
         )
+        self.calls = build_calls(settings, resolved, self.store, self.engine, self.metrics)
         self.updates = InProcessUpdates()
         self.store.set_update_listener(self.updates.publish)
         self.conversations = Conversations(self.engine, self.tools, default_agent=DEFAULT_AGENT)
