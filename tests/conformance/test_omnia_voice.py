@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 import yaml
 
@@ -301,6 +302,38 @@ async def test_is_last_ends_the_call_after_the_agents_reply(
     await caller.send({"type": "hangup"})
     messages = await wait_for_messages(voice_server.archive_path, caller.session_id, 2)
     assert [m.content for m in messages] == ["hello there", REPLY]
+
+
+async def test_chunked_caller_audio_is_reassembled_and_a_broken_transfer_refused(
+    dial: Dial,
+) -> None:
+    caller = await dial("?binary=true", token=dial.user())
+
+    async def transfer(payload: bytes, media_id: str, *, first: bool = False) -> None:
+        half = len(payload) // 2
+        for index, part in enumerate((payload[:half], payload[half:])):
+            meta = FORMAT if first and index == 0 else BinaryMetadata()
+            meta = msgspec.structs.replace(meta, total_chunks=2)
+            await caller.ws.send_bytes(
+                encode_frame(
+                    BinaryFrame(chunked=True, sequence=index, media_id=media_id, metadata=meta,
+                                payload=part)
+                )
+            )  # fmt: skip
+
+    await transfer(LOUD, "t1", first=True)
+    await transfer(LOUD, "t2")
+    broken = BinaryFrame(
+        chunked=True, sequence=1, media_id="t3", metadata=BinaryMetadata(total_chunks=2),
+        payload=LOUD,
+    )  # fmt: skip
+    await caller.ws.send_bytes(encode_frame(broken))  # no chunk 0: refused, not applied
+    frames = await caller.until(is_type("error"))
+    assert texts(frames)[-1]["error"]["code"] == "INVALID_MESSAGE"
+    assert "done" not in kinds(frames)  # two payloads heard, not three
+    await transfer(LOUD, "t4")  # the third whole payload: the agent answers
+    assert texts(await caller.until(is_type("done")))[-1]["content"] == REPLY
+    await caller.send({"type": "hangup"})
 
 
 # -- failures ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from portico.calls.parking import InProcessParkingLot
 from portico.calls.rules import CallRules, VoiceTurnRecord
 from portico.calls.service import CallService, LiveCall
 from portico.calls.slots import AudioSessionSlots
-from portico.core.model import Session
+from portico.core.model import Message, Session
 from portico.core.states import TurnState
 from portico.errors import DuplexError, PorticoError, RateLimited, SessionExpired
 from portico.runtime.duplex.base import (
@@ -363,3 +363,35 @@ async def test_an_unknown_agent_takes_no_calls(store: MemoryStore) -> None:
             listener=Listener(),
         )  # fmt: skip
     assert caught.value.code == "MEDIA_NOT_ENABLED"
+
+
+class Recording(ScriptedDuplexRuntime):
+    def __init__(self) -> None:
+        super().__init__(SCRIPT, frame_interval=0)
+        self.starts: list[DuplexStart] = []
+
+    async def start(self, start: DuplexStart) -> DuplexCall:
+        self.starts.append(start)
+        return await super().start(start)
+
+
+async def test_a_call_reads_the_sessions_earlier_turns_as_history(store: MemoryStore) -> None:
+    runtime = Recording()
+    service = service_of(store, runtime)
+    listener = Listener()
+    call = await start(service, listener)
+    for n in range(2):
+        await call.send(AudioIn(LOUD, n))
+    await listener.until(SpokenTurnDone)
+    await call.hangup()
+    await call.wait()
+    await start(service, Listener())  # the same session, a second call
+    reader = runtime.starts[-1].history_reader
+    assert reader is not None
+    (user, reply) = await reader(messages_probe())
+    assert (user.content, reply.content) == ("hello", "Hi")
+    await service.shutdown()
+
+
+def messages_probe() -> Message:
+    return Message(id="probe", session_id="s1", role="user", content="", created_at=0, updated_at=0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -21,6 +22,8 @@ import msgspec
 from portico.calls.parking import InProcessParkingLot, ParkingLot
 from portico.calls.rules import DUPLEX_ERROR, CallRules, VoiceTurnRecord
 from portico.calls.slots import AudioSessionSlots
+from portico.core.compaction import since_latest_summary
+from portico.core.engine import HISTORY_LIMIT
 from portico.core.model import Message, Session, Turn, new_id
 from portico.errors import (
     DuplexError,
@@ -221,7 +224,13 @@ class CallService:
             )
         try:
             session = await self._session(principal, binding, agent, session_id)
-            start = DuplexStart(session_id=session.id, agent=agent, owner=principal, format=format)
+            start = DuplexStart(
+                session_id=session.id,
+                agent=agent,
+                owner=principal,
+                format=format,
+                history_reader=functools.partial(self._history, session.id),
+            )
             try:
                 call = await runtime.start(start)
             except PorticoError:
@@ -246,6 +255,12 @@ class CallService:
         if session.owner != principal or session.binding != binding:
             raise SessionExpired()
         return session
+
+    async def _history(self, session_id: str, before: Message) -> tuple[Message, ...]:
+        """The session's archived conversation (its text turns and earlier voice turns):
+        what a runtime reads as history. The utterance being answered is not in it yet."""
+        found = await self._store.list_messages(session_id, after_offset=0, limit=HISTORY_LIMIT)
+        return tuple(m for m in since_latest_summary(found) if m.id != before.id)
 
     def ended(self, call: LiveCall) -> None:
         """The call's events are over: its slot is free, a parked call leaves the lot."""
