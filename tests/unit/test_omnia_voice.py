@@ -431,3 +431,13 @@ def test_a_resumed_connection_gets_the_format_again_and_its_audio() -> None:
     assert json.loads(first)["type"] == "session_config"
     assert decode_frame(audio).payload == b"x"
     assert isinstance(conn.receive_binary(encode_frame(frame()), now=0.0)[0], CallAudio)
+
+
+def test_a_call_reclaimed_before_its_counter_offer_gets_it_when_it_comes() -> None:
+    conn = connection(voice=VoiceLimits(), resumed=True)
+    sent(conn)
+    conn.call_resumed(None, 0.0)
+    assert sent(conn) == []
+    assert isinstance(conn.receive_binary(encode_frame(frame()), now=0.0)[0], CallAudio)
+    conn.send_duplex_event(HELLO, 0.0)
+    assert [json.loads(item)["type"] for item in sent(conn)] == ["session_config"]

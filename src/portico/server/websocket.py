@@ -229,8 +229,7 @@ class OmniaSocket(ServerSocket):
             # Missing, expired and another principal's call look the same.
             self._core.send_error(SessionExpired(), resume, now=self._now())
             return
-        if call.format is not None:
-            self._core.call_resumed(call.format, self._now())
+        self._core.call_resumed(call.format, self._now())
         call.attach(self._call_listener())
 
     def _call_listener(self) -> Callable[[DuplexEvent | None], None]:

@@ -358,8 +358,9 @@ class OmniaConnection:
         if self.voice is not None:
             self.voice.ended()
 
-    def call_resumed(self, fmt: AudioFormat, now: float) -> None:
-        """This connection reclaimed a parked call in `fmt` (the runtime's format)."""
+    def call_resumed(self, fmt: AudioFormat | None, now: float) -> None:
+        """This connection reclaimed a parked call in `fmt` (the runtime's format; None
+        when its `Hello` is still to come)."""
         if self.voice is not None:
             self._put_voice(self.voice.resumed(fmt, self._stamps.at(now)), lossy=False)
 

@@ -292,12 +292,12 @@ class VoiceWire:
         if self.state is not CallState.REFUSED:
             self._reset()
 
-    def resumed(self, fmt: AudioFormat, stamp: str) -> list[Outbound]:
-        """This connection reclaimed a parked call: it gets the format again, first."""
+    def resumed(self, fmt: AudioFormat | None, stamp: str) -> list[Outbound]:
+        """This connection reclaimed a parked call: it gets the format again, first
+        (or when the runtime's `Hello` comes, if it had not come yet)."""
         self.state = CallState.LIVE
         self._bucket = None
-        self._pending_format = fmt
-        return self._hello(Hello(format=fmt), stamp)
+        return [] if fmt is None else self._hello(Hello(format=fmt), stamp)
 
     def _reset(self) -> None:
         self.state = CallState.IDLE
