@@ -425,6 +425,28 @@ async def test_a_dropped_call_is_reclaimed_with_resume_in_its_window(
                         '{outcome="reclaimed"}') >= 1  # fmt: skip
 
 
+async def test_a_resume_takes_the_call_over_from_a_connection_still_open(dial: Dial) -> None:
+    token = dial.user()
+    first = await dial("?binary=true", token=token)
+    await first.speak(LOUD, first=True)
+    await first.until(is_type("session_config"))
+    # The client reconnected before the server saw its old socket go.
+    second = await dial(f"?binary=true&resume={first.session_id}", token=token)
+    assert second.connected_frame["connected"]["resumed"] is True
+    (moved,) = await first.until(is_type("error"))
+    assert moved["error"] == {  # type: ignore[index]
+        "code": "DUPLEX_ERROR",
+        "message": "the call was resumed on another connection",
+    }
+    await second.until(is_type("session_config"))
+    second.sequence = first.sequence
+    await second.speak(LOUD, LOUD)
+    assert texts(await second.until(is_type("done")))[-1]["content"] == REPLY
+    await first.speak(LOUD)  # the old connection's frames go nowhere now
+    await first.silent()
+    await second.send({"type": "hangup"})
+
+
 async def test_another_principal_cannot_reclaim_a_parked_call(dial: Dial) -> None:
     alice, bob = dial.user(), dial.user()
     caller = await dial("?binary=true", token=alice)

@@ -395,3 +395,24 @@ async def test_a_call_reads_the_sessions_earlier_turns_as_history(store: MemoryS
 
 def messages_probe() -> Message:
     return Message(id="probe", session_id="s1", role="user", content="", created_at=0, updated_at=0)
+
+
+async def test_a_resume_takes_over_a_call_its_owner_still_holds(store: MemoryStore) -> None:
+    service = service_of(store, ScriptedDuplexRuntime(SCRIPT, frame_interval=0))
+    first, released = Listener(), []
+    call = await start(service, first)
+    call.attach(first, lambda: released.append(True))
+    await first.until(Hello)
+    assert service.reclaim("s1", "bob") is None  # not bob's
+    assert released == []
+    assert service.reclaim("s1", "alice") is call
+    assert released == [True]  # the old holder let go
+    second = Listener()
+    call.attach(second)
+    for n in range(2):
+        await call.send(AudioIn(LOUD, n))
+    await second.until(SpokenTurnDone)
+    assert not any(isinstance(e, Transcript) for e in first.events)
+    await call.hangup()
+    assert service.reclaim("s1", "alice") is None  # hung up: nothing to take over
+    await service.shutdown()

@@ -60,6 +60,7 @@ class CallTelemetry(Protocol):
     def call_refused(self, reason: str) -> None: ...
     def call_parked(self) -> None: ...
     def call_unparked(self, reclaimed: bool) -> None: ...
+    def call_moved(self) -> None: ...
     def audio(self, direction: str, size: int) -> None: ...
 
 
@@ -69,6 +70,7 @@ class NoCallTelemetry:
     def call_refused(self, reason: str) -> None: ...
     def call_parked(self) -> None: ...
     def call_unparked(self, reclaimed: bool) -> None: ...
+    def call_moved(self) -> None: ...
     def audio(self, direction: str, size: int) -> None: ...
 
 
@@ -89,6 +91,7 @@ class LiveCall:
         self._service = service
         self._call = call
         self._listener: CallListener | None = listener
+        self._release: Callable[[], None] | None = None
         self._rules = CallRules()
         self.hung_up = False
         self.over = False
@@ -103,11 +106,20 @@ class LiveCall:
     def format(self) -> AudioFormat | None:
         return None if self._rules.hello is None else self._rules.hello.format
 
-    def attach(self, listener: CallListener) -> None:
-        self._listener = listener
+    def attach(self, listener: CallListener, release: Callable[[], None] | None = None) -> None:
+        """`listener` gets the call's events from now on; `release` is called if another
+        connection takes the call over (`?resume` while this one is still open)."""
+        self._listener, self._release = listener, release
 
     def detach(self) -> None:
-        self._listener = None
+        self._listener = self._release = None
+
+    def take_over(self) -> None:
+        """Another connection of the owner resumes the call: the holder lets go."""
+        release = self._release
+        self.detach()
+        if release is not None:
+            release()
 
     async def send(self, audio: AudioIn) -> None:
         if self.over:
@@ -195,6 +207,7 @@ class CallService:
         self._clock = clock
         self._wall = wall
         self._live: set[LiveCall] = set()
+        self._sessions: dict[str, LiveCall] = {}  # the latest call of each session
         self._sweep: asyncio.TimerHandle | None = None
 
     def takes_calls(self, agent: str) -> bool:
@@ -245,6 +258,7 @@ class CallService:
             raise
         live = LiveCall(self, call, session=session, listener=listener)
         self._live.add(live)
+        self._sessions[live.session_id] = live
         self.telemetry.call_started()
         return live
 
@@ -267,6 +281,8 @@ class CallService:
         if call not in self._live:
             return
         self._live.discard(call)
+        if self._sessions.get(call.session_id) is call:
+            del self._sessions[call.session_id]
         self.slots.give(call.owner)
         if self.parking.discard(call.session_id) is call:
             self.telemetry.call_unparked(reclaimed=False)
@@ -285,13 +301,21 @@ class CallService:
         self._arm_sweep()
 
     def reclaim(self, session_id: str, principal: str) -> LiveCall | None:
-        """The principal's parked call of this session, now theirs to listen to."""
+        """The principal's call of this session, now the caller's to listen to: a parked
+        one, or one a connection of theirs still holds (a client that reconnects before
+        the server saw its old socket die: the new connection takes the call over)."""
         call = self.parking.reclaim(session_id, principal, self._clock())
-        if call is None:
+        if call is not None:
+            self.telemetry.call_unparked(reclaimed=True)
+            log.info("call reclaimed session=%s", session_id)
+            return call
+        held = self._sessions.get(session_id)
+        if held is None or held.owner != principal or held.over or held.hung_up:
             return None
-        self.telemetry.call_unparked(reclaimed=True)
-        log.info("call reclaimed session=%s", session_id)
-        return call
+        held.take_over()
+        self.telemetry.call_moved()
+        log.info("call taken over by a new connection session=%s", session_id)
+        return held
 
     def _arm_sweep(self) -> None:
         deadline = self.parking.next_deadline()

@@ -80,6 +80,11 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.audio_sessions_moved = Counter(
+            "portico_audio_sessions_moved",
+            "Voice calls a new connection took over from one still open (?resume)",
+            registry=r,
+        )
         self.audio_frames = Counter(
             "portico_audio_frames",
             "Voice call audio frames, by direction",
@@ -108,6 +113,9 @@ class Metrics:
     def call_unparked(self, reclaimed: bool) -> None:
         self.audio_sessions_parked.dec()
         self.audio_sessions_unparked.labels("reclaimed" if reclaimed else "ended").inc()
+
+    def call_moved(self) -> None:
+        self.audio_sessions_moved.inc()
 
     def audio(self, direction: str, size: int) -> None:
         self.audio_frames.labels(direction).inc()

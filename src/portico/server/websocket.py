@@ -24,6 +24,7 @@ from portico.core.model import new_id
 from portico.core.trace import DISCLOSURE_DISPLAYED
 from portico.errors import (
     DeclareTooLarge,
+    DuplexError,
     InternalError,
     PorticoError,
     RateLimited,
@@ -230,7 +231,17 @@ class OmniaSocket(ServerSocket):
             self._core.send_error(SessionExpired(), resume, now=self._now())
             return
         self._core.call_resumed(call.format, self._now())
-        call.attach(self._call_listener())
+        call.attach(self._call_listener(), self._call_taken)
+
+    def _call_taken(self) -> None:
+        """A newer connection of this principal resumed the call: this one lets go,
+        with one error so its client knows why its call went quiet."""
+        self._call = None
+        self._call_epoch += 1
+        if not self._closed:
+            moved = DuplexError("the call was resumed on another connection")
+            self._core.refuse_call(moved, self._now())
+            self.wake()
 
     def _call_listener(self) -> Callable[[DuplexEvent | None], None]:
         self._call_epoch += 1
@@ -240,6 +251,7 @@ class OmniaSocket(ServerSocket):
         if self._services.draining:
             self._core.refuse_call(RateLimited("the server is draining"), self._now())
             return
+        call_listener = self._call_listener()
         try:
             call = await self._services.calls.start(
                 principal=self._principal,
@@ -247,7 +259,7 @@ class OmniaSocket(ServerSocket):
                 agent=self._agent,
                 session_id=self._core.session_id,
                 format=event.format,
-                listener=self._call_listener(),
+                listener=call_listener,
             )
         except PorticoError as exc:
             self._core.refuse_call(exc, self._now())
@@ -258,6 +270,7 @@ class OmniaSocket(ServerSocket):
             self._services.calls.park(call)  # the socket went while the call started
             return
         self._call = call
+        call.attach(call_listener, self._call_taken)
         await call.send(event.audio)
 
     async def _hang_up_call(self) -> None:
