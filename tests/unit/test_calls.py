@@ -416,3 +416,25 @@ async def test_a_resume_takes_over_a_call_its_owner_still_holds(store: MemorySto
     await call.hangup()
     assert service.reclaim("s1", "alice") is None  # hung up: nothing to take over
     await service.shutdown()
+
+
+async def test_shutdown_hangs_up_every_call_and_archives_its_open_turn(store: MemoryStore) -> None:
+    slow = VoiceScript(
+        turns=(VoiceTurn(hear_frames=2, transcript="hello", reply="Hi", tone_ms=4000),)
+    )
+    service = service_of(store, ScriptedDuplexRuntime(slow, frame_interval=0.02))
+    listener = Listener()
+    call = await start(service, listener)
+    for n in range(2):
+        await call.send(AudioIn(LOUD, n))
+    await listener.until(AudioOut)  # speaking, for seconds
+    parked = await start(service, Listener(), session="s2")
+    service.park(parked)
+    await service.shutdown()
+    assert call.over
+    assert parked.over
+    assert service.slots.in_use == 0
+    (turn,) = await store.list_turns("s1")
+    assert turn.state is TurnState.CANCELLED
+    messages = await store.list_messages("s1", after_offset=0, limit=10)
+    assert [(m.role, m.content) for m in messages] == [("user", "hello"), ("assistant", "Hi")]
