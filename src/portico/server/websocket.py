@@ -125,7 +125,8 @@ class OmniaSocket(ServerSocket):
             memory_facet=memory_facet,
             ai_disclosure=services.engine.ai_disclosure(agent),
             identity=identity,
-            voice=voice_limits(services, agent),
+            # A reclaimed call keeps its own agent's limits, whatever `agent` this names.
+            voice=voice_limits(services, agent if self._call is None else self._call.agent),
             resumed=None if resume is None else self._call is not None,
         )
         if resume is not None:
