@@ -95,6 +95,8 @@ class LiveCall:
         self._rules = CallRules()
         self.hung_up = False
         self.over = False
+        self.failure = ""  # the code the call failed with, if it did
+        self._started = time.monotonic()
         self._sending = asyncio.Lock()  # the port: frames in order, never concurrently
         self._pump = detached(self._run(), name=f"call-{session.id}")
 
@@ -159,6 +161,19 @@ class LiveCall:
                 await self._call.close()
             self.over = True
             self._service.ended(self)
+            outcome = (
+                f"failed:{self.failure}"
+                if self.failure
+                else ("hung_up" if self.hung_up else "ended")
+            )
+            log.info(
+                "call ended session=%s principal=%s agent=%s outcome=%s duration_s=%.1f",
+                self.session_id,
+                self.owner,
+                self.agent,
+                outcome,
+                time.monotonic() - self._started,
+            )
             listener, self._listener = self._listener, None
             if listener is not None:
                 listener(None)
@@ -166,6 +181,8 @@ class LiveCall:
     async def _deliver_step(self, event: DuplexEvent) -> bool:
         step = self._rules.feed(event)
         for forwarded in step.forward:
+            if isinstance(forwarded, DuplexFailure):
+                self.failure = forwarded.code
             if isinstance(forwarded, AudioOut):
                 self._service.telemetry.audio("out", len(forwarded.data))
             if self._listener is not None:
@@ -257,6 +274,14 @@ class CallService:
                 self.telemetry.call_refused("runtime" if exc.code == DUPLEX_ERROR else exc.code)
             raise
         live = LiveCall(self, call, session=session, listener=listener)
+        log.info(
+            "call started session=%s principal=%s agent=%s codec=%s sample_rate=%d",
+            session.id,
+            principal,
+            agent,
+            format.codec,
+            format.sample_rate,
+        )
         self._live.add(live)
         self._sessions[live.session_id] = live
         self.telemetry.call_started()
