@@ -400,6 +400,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 check_openai_agent(name, agent, os.environ if env is None else env)
             if agent is not None and agent.runtime == "grpc":
                 check_grpc_agent(name, agent, os.environ if env is None else env)
+            if agent is not None and agent.duplex_runtime == "scripted" and not agent.duplex_script:
+                raise ConfigError(
+                    f"agent {name!r}: the scripted duplex runtime needs duplex_script"
+                )
 
     def _check_jwt(self) -> None:
         if not self.jwt_issuer and not self.jwt_jwks_url:

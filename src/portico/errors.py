@@ -496,3 +496,10 @@ class VoiceUnavailable(PorticoError):
 
     code = "DUPLEX_ERROR"
     http_status = 503
+
+
+class DuplexError(PorticoError):
+    """A voice call failed or could not start (`/ws`: one error per call)."""
+
+    code = "DUPLEX_ERROR"
+    http_status = 502

@@ -83,7 +83,10 @@ def omnia_document() -> dict[str, Any]:
         description="JSON text frames on GET /ws, wire-compatible with the Omnia "
         "agent-facade protocol. Every server frame carries `timestamp`, when it was "
         "sent (RFC 3339, UTC, to the millisecond), as Omnia's own AsyncAPI document "
-        "requires. Generated from src/portico/protocols/omnia/frames.py.",
+        "requires. A voice call travels on the same socket: caller audio in binary "
+        "frames with the 32-byte OMNI header, agent audio in binary frames (binary=true) "
+        "or `media_chunk`, `?resume=<session id>` re-attaching a parked call "
+        "(docs/voice.md). Generated from src/portico/protocols/omnia/frames.py.",
         client=omnia.ClientFrame,
         server=omnia.ServerFrame,
     )

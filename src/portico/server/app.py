@@ -95,6 +95,7 @@ async def _stop(app: web.Application) -> None:
     for job in jobs:
         job.cancel()
     await asyncio.gather(*jobs, return_exceptions=True)
+    await services.calls.shutdown()  # each call's last voice turn is archived first
     await services.engine.shutdown()
     await services.media.close()
     await services.shared.close()

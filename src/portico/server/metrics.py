@@ -61,6 +61,66 @@ class Metrics:
             registry=r,
         )
 
+        self.audio_sessions_open = Gauge(
+            "portico_audio_sessions_open", "Voice calls now live or parked", registry=r
+        )
+        self.audio_sessions = Counter("portico_audio_sessions", "Voice calls started", registry=r)
+        self.audio_sessions_refused = Counter(
+            "portico_audio_sessions_refused",
+            "Voice calls refused at their start, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.audio_sessions_parked = Gauge(
+            "portico_audio_sessions_parked", "Voice calls parked for ?resume", registry=r
+        )
+        self.audio_sessions_unparked = Counter(
+            "portico_audio_sessions_unparked",
+            "Parked voice calls that left the lot: reclaimed, or not (ended, expired)",
+            ["outcome"],
+            registry=r,
+        )
+        self.audio_sessions_moved = Counter(
+            "portico_audio_sessions_moved",
+            "Voice calls a new connection took over from one still open (?resume)",
+            registry=r,
+        )
+        self.audio_frames = Counter(
+            "portico_audio_frames",
+            "Voice call audio frames, by direction",
+            ["direction"],
+            registry=r,
+        )
+        self.audio_bytes = Counter(
+            "portico_audio_bytes", "Voice call audio bytes, by direction", ["direction"], registry=r
+        )
+
+    # -- CallTelemetry (calls/service.py) ----------------------------------------------
+
+    def call_started(self) -> None:
+        self.audio_sessions.inc()
+        self.audio_sessions_open.inc()
+
+    def call_ended(self) -> None:
+        self.audio_sessions_open.dec()
+
+    def call_refused(self, reason: str) -> None:
+        self.audio_sessions_refused.labels(reason).inc()
+
+    def call_parked(self) -> None:
+        self.audio_sessions_parked.inc()
+
+    def call_unparked(self, reclaimed: bool) -> None:
+        self.audio_sessions_parked.dec()
+        self.audio_sessions_unparked.labels("reclaimed" if reclaimed else "ended").inc()
+
+    def call_moved(self) -> None:
+        self.audio_sessions_moved.inc()
+
+    def audio(self, direction: str, size: int) -> None:
+        self.audio_frames.labels(direction).inc()
+        self.audio_bytes.labels(direction).inc(size)
+
     # -- Telemetry (core/telemetry.py) ------------------------------------------------
 
     def turn_ended(

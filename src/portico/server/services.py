@@ -43,6 +43,7 @@ from portico.server.capacity import (
     principal_cap,
     stranger_budget,
 )
+from portico.server.duplex import build_calls
 from portico.server.metrics import Metrics
 from portico.store.base import Store
 from portico.store.memory import MemoryStore
@@ -102,6 +103,7 @@ class Services:
         # The bus and session-state ports (docs/replicas.md): built here so /readyz
         # checks them; the engine and /v1/session do not route through them yet.
         self.shared = build_shared_state(settings)
+        self.calls = build_calls(settings, resolved, self.store, self.engine, self.metrics)
         self.updates = InProcessUpdates()
         self.store.set_update_listener(self.updates.publish)
         self.conversations = Conversations(self.engine, self.tools, default_agent=DEFAULT_AGENT)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -14,6 +16,7 @@ from portico.auth.base import (
     offered_subprotocols,
     subprotocol_token,
 )
+from portico.calls.service import LiveCall
 from portico.config import DEFAULT_AGENT
 from portico.core.engine import UserMessage
 from portico.core.events import TurnCompleted, TurnEvent, TurnFailed
@@ -21,14 +24,17 @@ from portico.core.model import new_id
 from portico.core.trace import DISCLOSURE_DISPLAYED
 from portico.errors import (
     DeclareTooLarge,
+    DuplexError,
     InternalError,
     PorticoError,
     RateLimited,
+    SessionExpired,
 )
 from portico.protocols.credential import CLOSE_CREDENTIAL_EXPIRED, CREDENTIAL_EXPIRED_REASON
 from portico.protocols.omnia.connection import (
     CLOSE_KEEPALIVE_TIMEOUT,
     CLOSE_SLOW_CONSUMER,
+    SESSION_ID_PATTERN,
     ConnectionLimits,
     DisclosureAcknowledged,
     Event,
@@ -47,6 +53,8 @@ from portico.protocols.omnia.frames import (
     ToolResultFrame,
     UploadReady,
 )
+from portico.protocols.omnia.voice import CallAudio, CallHungUp, CallRequested, VoiceLimits
+from portico.runtime.duplex.base import DuplexEvent
 from portico.server.admission import admit
 from portico.server.services import SERVICES, Services
 from portico.server.sockets import ServerSocket, run_socket
@@ -70,6 +78,17 @@ def connection_limits(services: Services) -> ConnectionLimits:
     )
 
 
+def voice_limits(services: Services, agent: str) -> VoiceLimits | None:
+    """The call limits of a connection to `agent`; None when it takes no calls."""
+    if not services.calls.takes_calls(agent):
+        return None
+    settings = services.settings
+    return VoiceLimits(
+        bytes_per_second=settings.max_audio_bytes_per_second,
+        burst_bytes=settings.audio_burst_bytes,
+    )
+
+
 class OmniaSocket(ServerSocket):
     """One `/ws` connection."""
 
@@ -79,6 +98,8 @@ class OmniaSocket(ServerSocket):
         "_attached",
         "_base_url",
         "_binding",
+        "_call",
+        "_call_epoch",
         "_core",
         "_memory_facet",
         "_principal",
@@ -92,6 +113,7 @@ class OmniaSocket(ServerSocket):
         identity: Identity,
         agent: str,
         memory_facet: str,
+        resume: str | None = None,
     ) -> None:
         super().__init__(request, ws, services)
         # Upload URLs point at this server as the client reached it.
@@ -100,8 +122,13 @@ class OmniaSocket(ServerSocket):
         self._binding = identity.session_value
         self._agent = agent
         self._memory_facet = memory_facet
+        # `?resume=`: this connection takes over the principal's parked call, if any.
+        self._call: LiveCall | None = (
+            None if resume is None else services.calls.reclaim(resume, self._principal)
+        )
+        self._call_epoch = 0  # events of an earlier call of this connection are ignored
         self._core = OmniaConnection(
-            session_id=new_id("sess"),
+            session_id=resume if self._call is not None and resume else new_id("sess"),
             binary=request.query.get("binary", "false").lower() == "true",
             limits=connection_limits(services),
             now=self._loop.time(),
@@ -109,7 +136,12 @@ class OmniaSocket(ServerSocket):
             memory_facet=memory_facet,
             ai_disclosure=services.engine.ai_disclosure(agent),
             identity=identity,
+            # A reclaimed call keeps its own agent's limits, whatever `agent` this names.
+            voice=voice_limits(services, agent if self._call is None else self._call.agent),
+            resumed=None if resume is None else self._call is not None,
         )
+        if resume is not None:
+            self._resume_call(resume)
         # A dict as an ordered set: empty, it costs 64 bytes where an empty set costs 216.
         self._attached: dict[str, None] = {}
         # The minted id is this principal's before its first message (core/reservations.py).
@@ -126,6 +158,10 @@ class OmniaSocket(ServerSocket):
         return f"session={self._core.session_id} principal={self._principal} agent={self._agent}"
 
     def on_closed(self) -> None:
+        if self._call is not None:
+            # Dropped without `hangup`: the call waits for a `?resume` in its window.
+            self._services.calls.park(self._call)
+            self._call = None
         self._services.reservations.release(self._core.session_id)
         for session_id in self._attached:
             self._services.engine.detach(session_id, self._on_turn_event)
@@ -192,6 +228,83 @@ class OmniaSocket(ServerSocket):
                 self._metrics.rate_limited.labels(limit).inc()
             case RefreshOffered(token=token):
                 await self.refresh_credential(token, self._core.refresh)
+            case CallRequested():
+                await self._start_call(event)
+            case CallAudio(audio=audio):
+                if self._call is not None:
+                    await self._call.send(audio)
+            case CallHungUp():
+                await self._hang_up_call()
+
+    # -- voice calls --------------------------------------------------------------
+
+    def _resume_call(self, resume: str) -> None:
+        """After `connected`: the reclaimed call's format, or why there is no call."""
+        call = self._call
+        if call is None:
+            # Missing, expired and another principal's call look the same.
+            self._core.send_error(SessionExpired(), resume, now=self._now())
+            return
+        self._core.call_resumed(call.format, self._now())
+        call.attach(self._call_listener(), self._call_taken)
+
+    def _call_taken(self) -> None:
+        """A newer connection of this principal resumed the call: this one lets go,
+        with one error so its client knows why its call went quiet."""
+        self._call = None
+        self._call_epoch += 1
+        if not self._closed:
+            moved = DuplexError("the call was resumed on another connection")
+            self._core.refuse_call(moved, self._now())
+            self.wake()
+
+    def _call_listener(self) -> Callable[[DuplexEvent | None], None]:
+        self._call_epoch += 1
+        return functools.partial(self._on_call_event, self._call_epoch)
+
+    async def _start_call(self, event: CallRequested) -> None:
+        if self._services.draining:
+            self._core.refuse_call(RateLimited("the server is draining"), self._now())
+            return
+        call_listener = self._call_listener()
+        try:
+            call = await self._services.calls.start(
+                principal=self._principal,
+                binding=self._binding,
+                agent=self._agent,
+                session_id=self._core.session_id,
+                format=event.format,
+                listener=call_listener,
+            )
+        except PorticoError as exc:
+            self._core.refuse_call(exc, self._now())
+            if isinstance(exc, RateLimited):
+                self._metrics.rate_limited.labels("audio_sessions").inc()
+            return
+        if self._closed:
+            self._services.calls.park(call)  # the socket went while the call started
+            return
+        self._call = call
+        call.attach(call_listener, self._call_taken)
+        await call.send(event.audio)
+
+    async def _hang_up_call(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            self._call_epoch += 1  # what the call still says is not for this socket
+            self._core.call_ended()
+            await call.hangup()
+
+    def _on_call_event(self, epoch: int, event: DuplexEvent | None) -> None:
+        if epoch != self._call_epoch or self._closed:
+            return
+        now = self._loop.time()
+        if event is None:
+            self._call = None
+            self._core.call_ended()
+        else:
+            self._core.send_duplex_event(event, now)
+        self.wake()
 
     async def _request_upload(self, event: UploadRequested) -> None:
         request = event.request
@@ -271,6 +384,7 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
         raise web.HTTPNotFound(text=f"unknown agent {agent!r}")
     identity = await admit(request, services)
     memory_facet = upgrade_memory_facet(request, services, agent)
+    resume = upgrade_resume(request, services)
     principal = identity.principal
     if not services.principals.take(principal):
         services.metrics.upgrades_refused.labels("principal").inc()
@@ -281,7 +395,7 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
         return await run_socket(
             request,
             services,
-            lambda ws: OmniaSocket(request, ws, services, identity, agent, memory_facet),
+            lambda ws: OmniaSocket(request, ws, services, identity, agent, memory_facet, resume),
             protocols=selected_subprotocol(request.headers.get("Sec-WebSocket-Protocol")),
         )
     finally:
@@ -298,6 +412,19 @@ def upgrade_memory_facet(request: web.Request, services: Services, agent: str) -
         services.metrics.upgrades_refused.labels("memory_facet").inc()
         refusal = web.HTTPForbidden if exc.http_status == 403 else web.HTTPBadRequest
         raise refusal(text=exc.message) from None
+
+
+def upgrade_resume(request: web.Request, services: Services) -> str | None:
+    """`?resume=<session id>`, or the upgrade's refusal (400) when it is malformed."""
+    values = request.query.getall("resume", [])
+    if not values:
+        return None
+    if len(values) > 1 or not SESSION_ID_PATTERN.fullmatch(values[0]):
+        services.metrics.upgrades_refused.labels("resume").inc()
+        raise web.HTTPBadRequest(
+            text="resume must be one session id: 1 to 128 letters, digits, '_', '.', ':' or '-'"
+        )
+    return values[0]
 
 
 def selected_subprotocol(header: str | None) -> tuple[str, ...]:

@@ -48,8 +48,17 @@ from portico.errors import (
 from portico.protocols.credential import CredentialClock
 from portico.protocols.omnia import frames as f
 from portico.protocols.omnia.binary import decode_frame
-from portico.protocols.outbox import Outbox
+from portico.protocols.omnia.voice import (
+    CallAudio,
+    CallHungUp,
+    CallRequested,
+    Outbound,
+    VoiceLimits,
+    VoiceWire,
+)
+from portico.protocols.outbox import BinaryData, Outbox
 from portico.protocols.timestamps import Timestamps
+from portico.runtime.duplex.base import AudioFormat, AudioOut, DuplexEvent
 
 PROTOCOL_VERSION = 1
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
@@ -95,7 +104,7 @@ class DisclosureAcknowledged(msgspec.Struct, frozen=True):
 class LimitHit(msgspec.Struct, frozen=True):
     """Input was shed by a rate limit (the client already has its RATE_LIMITED)."""
 
-    limit: str  # "messages" or "media_bytes"
+    limit: str  # "messages", "media_bytes" or "audio_bytes"
 
 
 class RefreshOffered(msgspec.Struct, frozen=True):
@@ -111,6 +120,9 @@ Event = (
     | DisclosureAcknowledged
     | LimitHit
     | RefreshOffered
+    | CallRequested
+    | CallAudio
+    | CallHungUp
 )
 
 
@@ -168,6 +180,7 @@ class OmniaConnection:
         "_told_no_audio",
         "credential",
         "session_id",
+        "voice",
     )
 
     def __init__(
@@ -181,9 +194,13 @@ class OmniaConnection:
         memory_facet: str = NO_FACET,
         ai_disclosure: bool | None = None,
         identity: Identity | None = None,
+        voice: VoiceLimits | None = None,
+        resumed: bool | None = None,
     ) -> None:
         """`wall` is the wall-clock time (Unix seconds) at `now`; `identity` the
-        connection's verified credential (its `expires_at` is the deadline)."""
+        connection's verified credential (its `expires_at` is the deadline); `voice`
+        the call limits when the agent takes calls (None: binary media is refused);
+        `resumed` is `connected.resumed` (None: the client asked for no resume)."""
         self.session_id = session_id
         self.credential = CredentialClock(
             identity or Identity(principal=""), margin=limits.credential_margin, now=now, wall=wall
@@ -194,6 +211,9 @@ class OmniaConnection:
         self._next_ping = now + limits.ping_interval
         self._outbox = Outbox(limits.max_send_queue_bytes)
         self._told_no_audio = False
+        self.voice = (
+            None if voice is None else VoiceWire(session_id=session_id, binary=binary, limits=voice)
+        )
         self._messages = TokenBucket(
             rate=limits.messages_per_second, burst=limits.message_burst, now=now
         )
@@ -211,6 +231,7 @@ class OmniaConnection:
                         max_payload_size=limits.max_payload_size,
                         protocol_version=PROTOCOL_VERSION,
                     ),
+                    resumed=resumed,
                     memory_facet=memory_facet or None,
                     ai_disclosure=ai_disclosure,
                 ),
@@ -293,10 +314,16 @@ class OmniaConnection:
             self.send_error(RateLimited("media byte rate exceeded"), now=now)
             return [LimitHit("media_bytes")]
         try:
-            decode_frame(data)
+            frame = decode_frame(data)
         except BinaryFrameError as exc:
             self.send_error(exc, now=now)
             return []
+        if self.voice is not None:
+            voice_events, errors = self.voice.receive(frame, now)
+            for error in errors:
+                self.send_error(error, self.session_id, now=now)
+            limited = any(isinstance(error, RateLimited) for error in errors)
+            return [*voice_events, *([LimitHit("audio_bytes")] if limited else [])]
         if not self._told_no_audio:
             # One refusal per connection, not one per frame of a stream.
             self._told_no_audio = True
@@ -323,8 +350,44 @@ class OmniaConnection:
                 return [UploadRequested(session_id, frame.upload_request)]
             case f.DisclosureAckFrame():
                 return [DisclosureAcknowledged(self.session_id)]
-        # hangup concerns realtime audio, which this server does not run.
+            case f.HangupFrame():
+                return list(self.voice.hangup()) if self.voice is not None else []
         return []
+
+    # -- voice calls ----------------------------------------------------------------
+
+    def send_duplex_event(self, event: DuplexEvent, now: float) -> None:
+        """Queue what one runtime event of this connection's call becomes."""
+        if self.voice is None:
+            return
+        self._put_voice(
+            self.voice.on_event(event, self._stamps.at(now)), lossy=type(event) is AudioOut
+        )
+
+    def refuse_call(self, error: PorticoError, now: float) -> None:
+        """The call asked for by `CallRequested` could not start."""
+        if self.voice is not None:
+            self._put_voice(self.voice.refuse(error, self._stamps.at(now)), lossy=False)
+
+    def call_ended(self) -> None:
+        if self.voice is not None:
+            self.voice.ended()
+
+    def call_resumed(self, fmt: AudioFormat | None, now: float) -> None:
+        """This connection reclaimed a parked call in `fmt` (the runtime's format; None
+        when its `Hello` is still to come)."""
+        if self.voice is not None:
+            self._put_voice(self.voice.resumed(fmt, self._stamps.at(now)), lossy=False)
+
+    def _put_voice(self, frames: list[Outbound], *, lossy: bool) -> None:
+        for frame in frames:
+            data = frame if isinstance(frame, BinaryData) else _encode(frame)
+            if lossy and not self._outbox.has_room(len(data)):
+                # Speech for a client that does not keep up is dropped, not queued.
+                assert self.voice is not None
+                self.voice.audio_dropped += 1
+                continue
+            self._outbox.put(data)
 
     # -- credential ---------------------------------------------------------------
 
