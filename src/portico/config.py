@@ -266,6 +266,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     s3_access_key_id: str | None = None
     s3_secret_access_key: str | None = None
     s3_timeout: Seconds = 10.0  # connect and read deadline of one object storage call
+    # How long the presigned URL a `GET /media/download` redirects to stays valid.
+    s3_download_url_ttl: Seconds = 300.0
     max_upload_bytes: Bytes = 100 * 1024 * 1024
     # What the base64 `data` of a maximal 16 MiB frame decodes to: as large as Omnia takes.
     max_inline_media_bytes: Bytes = 12 * 1024 * 1024
