@@ -692,6 +692,34 @@ async def test_object_storage_down_is_a_defined_error_and_service_resumes(
         store.stop()
 
 
+async def test_the_python_client_uploads_and_downloads(
+    http: aiohttp.ClientSession, media_server: ServerProcess
+) -> None:
+    """`portico.client.media` confirms exactly when the upload URL is object storage's."""
+    from portico.client.media import MediaError, download_media, upload_media
+
+    data = os.urandom(3000)
+    session_id = new_session()
+    media = await upload_media(
+        http,
+        media_server.http_url,
+        data,
+        session_id=session_id,
+        filename="notes.bin",
+        mime_type="application/octet-stream",
+        token=ALICE,
+    )
+    assert ids_of(media["storage_ref"])[0] == session_id
+    assert (await info(http, media_server, media["storage_ref"])).status == 200
+    _, media_id = ids_of(media["storage_ref"])
+    assert await download_media(http, media_server.http_url, session_id, media_id, token=ALICE) == (
+        data
+    )
+    with pytest.raises(MediaError) as refused:
+        await download_media(http, media_server.http_url, session_id, media_id, token=BOB)
+    assert (refused.value.status, refused.value.code) == (404, "MEDIA_NOT_FOUND")
+
+
 # -- expiry -------------------------------------------------------------------------
 
 

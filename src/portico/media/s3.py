@@ -229,7 +229,9 @@ class S3MediaStore:
             connect_timeout=self._timeout,
             read_timeout=self._timeout,
             retries={"total_max_attempts": 2, "mode": "standard"},
-            s3={"addressing_style": "path"},
+            # S3-compatible stores (SeaweedFS, MinIO) name the bucket in the path;
+            # AWS gets the SDK's default (virtual-hosted names).
+            s3={"addressing_style": "path" if self._endpoint_url else "auto"},
             signature_version="s3v4",
         )
         stack = contextlib.AsyncExitStack()

@@ -115,6 +115,16 @@ def create_app(settings: Settings) -> web.Application:
     return app
 
 
+def _object_storage_origin(settings: Settings) -> str:
+    """With `media: s3` the page PUTs uploads to, and follows downloads to, the bucket."""
+    if settings.media != "s3":
+        return ""
+    if settings.s3_endpoint_url is None:
+        return " https://*.amazonaws.com"
+    endpoint = urlsplit(settings.s3_endpoint_url)
+    return f" {endpoint.scheme}://{endpoint.netloc}"
+
+
 def add_page_routes(app: web.Application, settings: Settings) -> None:
     """`/` and `/web/{name}`: the demo chat page. Files are read once, from a fixed list."""
     folder = importlib.resources.files("portico") / "web"
@@ -127,6 +137,7 @@ def add_page_routes(app: web.Application, settings: Settings) -> None:
     # Upload URLs start with the public URL when one is set: the page PUTs there.
     public = urlsplit(settings.public_url or "")
     extra = f" {public.scheme}://{public.netloc}" if public.scheme and public.netloc else ""
+    extra += _object_storage_origin(settings)
     headers = {
         "Content-Security-Policy": PAGE_CSP.format(extra=extra),
         "X-Content-Type-Options": "nosniff",
