@@ -727,6 +727,32 @@ async def test_s3_a_store_gone_silent_fails_each_call_within_the_deadline(
 
 
 @needs_s3
+async def test_s3_urls_for_clients_are_signed_for_the_public_url(
+    tmp_path: Path, seaweed: Seaweed
+) -> None:
+    """Replicas reach the store at one address, clients at another (a proxy here)."""
+    async with TcpRelay(seaweed.s3_port) as relay:
+        public = f"http://127.0.0.1:{relay.port}"
+        store = await s3_store(tmp_path, seaweed, public_url=public)
+        await store.open()
+        try:
+            upload_id, ticket = await granted(store, 6)
+            direct = await store.direct_upload(upload_id, ticket)
+            assert direct is not None
+            assert direct.url.startswith(f"{public}/{S3_BUCKET}/")
+            assert await put_direct(store, upload_id, ticket, b"public")
+            await store.claim_ticket(upload_id, now=NOW)
+            info = await store.confirm(upload_id, created_at=NOW, expires_at=None)
+            url = await store.download_url(info, expires_in=60)
+            assert url is not None
+            assert url.startswith(public)
+            async with aiohttp.ClientSession() as http, http.get(url) as response:
+                assert (response.status, await response.read()) == (200, b"public")
+        finally:
+            await store.close()
+
+
+@needs_s3
 async def test_s3_two_replicas_claim_one_ticket_once(tmp_path: Path, seaweed: Seaweed) -> None:
     """Two stores on one bucket (two replicas): conditional PUT gives one claim."""
     from portico.media.s3 import S3MediaStore

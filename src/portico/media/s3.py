@@ -112,6 +112,7 @@ class S3MediaStore:
         bucket: str,
         prefix: str = "",  # keys start with it: one bucket may hold several stores
         endpoint_url: str | None = None,
+        public_url: str | None = None,  # the store as clients reach it; None: endpoint_url
         region: str = "us-east-1",
         access_key_id: str | None = None,
         secret_access_key: str | None = None,
@@ -123,6 +124,7 @@ class S3MediaStore:
         self._bucket = bucket
         self._prefix = prefix
         self._endpoint_url = endpoint_url
+        self._public_url = public_url
         self._region = region
         self._keys = (access_key_id, secret_access_key)
         self._timeout = timeout
@@ -131,6 +133,7 @@ class S3MediaStore:
         self._part_bytes = part_bytes
         self._stack: contextlib.AsyncExitStack | None = None
         self._s3: Any = None
+        self._signer: Any = None  # signs the URLs clients use (no request of its own)
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -138,6 +141,9 @@ class S3MediaStore:
         if self._s3 is None:
             raise StoreError("media storage is not open")
         return self._s3
+
+    def _presigner(self) -> Any:
+        return self._client() if self._signer is None else self._signer
 
     async def _call(self, call: Awaitable[T]) -> T:
         """One S3 request within the deadline; its failures as `StoreError`."""
@@ -235,16 +241,22 @@ class S3MediaStore:
             signature_version="s3v4",
         )
         stack = contextlib.AsyncExitStack()
-        self._s3 = await stack.enter_async_context(
-            get_session().create_client(
+        session = get_session()
+
+        def client(endpoint_url: str | None) -> Any:
+            return session.create_client(
                 "s3",
-                endpoint_url=self._endpoint_url,
+                endpoint_url=endpoint_url,
                 region_name=self._region,
                 aws_access_key_id=self._keys[0],
                 aws_secret_access_key=self._keys[1],
                 config=config,
             )
-        )
+
+        self._s3 = await stack.enter_async_context(client(self._endpoint_url))
+        if self._public_url is not None:
+            # SigV4 signs the Host: a URL for clients is signed for the host they use.
+            self._signer = await stack.enter_async_context(client(self._public_url))
         self._stack = stack
         try:
             await self._ensure_bucket()
@@ -272,7 +284,7 @@ class S3MediaStore:
             await self._delete(f"tickets/{digest}.claim", key)
 
     async def close(self) -> None:
-        stack, self._stack, self._s3 = self._stack, None, None
+        stack, self._stack, self._s3, self._signer = self._stack, None, None, None
         if stack is not None:
             with contextlib.suppress(*_FAILURES):
                 await stack.aclose()
@@ -361,7 +373,9 @@ class S3MediaStore:
         }
         lifetime = max(1, math.ceil(ticket.expires_at - ticket.created_at))
         url: str = await self._call(
-            self._client().generate_presigned_url("put_object", Params=params, ExpiresIn=lifetime)
+            self._presigner().generate_presigned_url(
+                "put_object", Params=params, ExpiresIn=lifetime
+            )
         )
         return DirectUpload(url=url, headers={"Content-Type": ticket.mime_type})
 
@@ -550,7 +564,7 @@ class S3MediaStore:
             "ResponseContentDisposition": content_disposition(info.filename),
         }
         url: str = await self._call(
-            self._client().generate_presigned_url(
+            self._presigner().generate_presigned_url(
                 "get_object", Params=params, ExpiresIn=max(1, math.ceil(expires_in))
             )
         )

@@ -119,9 +119,10 @@ def _object_storage_origin(settings: Settings) -> str:
     """With `media: s3` the page PUTs uploads to, and follows downloads to, the bucket."""
     if settings.media != "s3":
         return ""
-    if settings.s3_endpoint_url is None:
+    url = settings.s3_public_url or settings.s3_endpoint_url
+    if url is None:
         return " https://*.amazonaws.com"
-    endpoint = urlsplit(settings.s3_endpoint_url)
+    endpoint = urlsplit(url)
     return f" {endpoint.scheme}://{endpoint.netloc}"
 
 

@@ -156,6 +156,7 @@ def build_media(
         store = S3MediaStore(
             bucket=settings.s3_bucket,
             endpoint_url=settings.s3_endpoint_url,
+            public_url=settings.s3_public_url,
             region=settings.s3_region,
             access_key_id=settings.s3_access_key_id,
             secret_access_key=settings.s3_secret_access_key,
