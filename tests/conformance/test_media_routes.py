@@ -323,6 +323,11 @@ async def test_request_upload_download(
     assert started - 1 <= created <= time.time() + 1
     assert expires - created == pytest.approx(86400.0)  # the default media_ttl
 
+    session_id, media_id = ids_of(granted["storage_ref"])
+    url = f"{media_server.http_url}/media/download/{session_id}/{media_id}"
+    async with http.get(url, headers=bearer(ALICE), allow_redirects=False) as response:
+        # Object storage serves the bytes itself (spec/replicas.md), local storage streams.
+        assert response.status == (307 if on_s3(media_server) else 200)
     response = await download(http, media_server, granted["storage_ref"])
     assert response.status == 200
     assert await response.read() == data
