@@ -37,6 +37,7 @@ SHORT_UPLOAD_URL_TTL = 0.4
 SHORT_MEDIA_TTL = 0.8
 SHORT_SWEEP_INTERVAL = 0.2
 PUBLIC_URL = "https://chat.example.com/portico"
+SHORT_BUCKET = "portico-short"
 GRANT_KEYS = {"upload_id", "upload_url", "storage_ref", "expires_at", "method", "headers"}
 API_KEYS = f"{ALICE}=alice,{BOB}=bob"
 # What ends a successful upload: Portico's PUT (204), or confirm-upload (200, the info).
@@ -103,14 +104,20 @@ def s3_media_server(media_server: ServerProcess) -> ServerProcess:
     return media_server
 
 
-@pytest.fixture(scope="session")
-def short_media_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="session", params=["local", pytest.param("s3", marks=needs_s3)])
+def short_media_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    backend = {}
+    if request.param == "s3":
+        backend = s3_settings(request.getfixturevalue("seaweed"), SHORT_BUCKET)
     process = _start(
         tmp_path_factory.mktemp("portico-media-short"),
         upload_url_ttl=str(SHORT_UPLOAD_URL_TTL),
         media_ttl=str(SHORT_MEDIA_TTL),
         media_sweep_interval=str(SHORT_SWEEP_INTERVAL),
         public_url=PUBLIC_URL,
+        **backend,
     )
     yield process
     process.stop()
@@ -748,15 +755,31 @@ async def test_media_expires_and_is_swept(
     assert (await info(http, short_media_server, granted["storage_ref"])).status == 404
     assert (await download(http, short_media_server, granted["storage_ref"])).status == 404
     deadline = time.monotonic() + 5
-    while any(media_id in p.name for p in stored_files(short_media_server)):
+    while await stored_media(short_media_server, media_id):
         assert time.monotonic() < deadline, "the sweeper did not delete the expired media"
         await asyncio.sleep(SHORT_SWEEP_INTERVAL)
+
+
+async def stored_media(server: ServerProcess, media_id: str) -> list[str]:
+    """What the server's storage still holds of `media_id` (files, or bucket keys)."""
+    if not on_s3(server):
+        return [p.name for p in stored_files(server) if media_id in p.name]
+    endpoint = server.env["PORTICO_S3_ENDPOINT_URL"]
+    seaweed = Seaweed(Path("."), s3_port=int(endpoint.rsplit(":", 1)[1]))
+    keys: list[str] = []
+    for prefix in ("objects/", "records/", "media-expiry/"):
+        keys += [k for k in await bucket_keys(seaweed, SHORT_BUCKET, prefix) if media_id in k]
+    return keys
 
 
 async def test_public_url_is_the_base_of_upload_urls(
     http: aiohttp.ClientSession, short_media_server: ServerProcess
 ) -> None:
     granted = await grant(http, short_media_server)
+    if on_s3(short_media_server):  # the bucket's URL; public_url is not its base
+        assert is_direct(granted)
+        assert not granted["upload_url"].startswith(PUBLIC_URL)
+        return
     assert granted["upload_url"] == f"{PUBLIC_URL}/media/upload/{granted['upload_id']}"
 
 
