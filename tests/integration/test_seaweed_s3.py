@@ -97,3 +97,46 @@ async def test_a_sigv4_presigned_put_signs_the_length_and_type(seaweed: Seaweed)
             async with http.put(url, data=b"hello", headers={"Content-Type": "text/plain"}) as r:
                 statuses.append(r.status)
     assert statuses == [403, 403, 200]
+
+
+async def test_media_a_replica_produces_is_read_on_another(seaweed: Seaweed) -> None:
+    """Streamed media the engine archives (`MediaService.keep`, e.g. the demo's `beep`)
+    goes through the port's `write`: another replica on the bucket reads and serves it."""
+    from portico.media.s3 import S3MediaStore
+    from portico.media.service import MediaService
+    from portico.store.memory import MemoryStore
+
+    def replica(holder: str) -> MediaService:
+        store = S3MediaStore(
+            bucket="portico-produced",
+            endpoint_url=seaweed.endpoint_url,
+            access_key_id=ACCESS_KEY,
+            secret_access_key=SECRET_KEY,
+            holder=holder,
+        )
+        return MediaService(store, archive=MemoryStore())
+
+    first, second = replica("replica-1"), replica("replica-2")
+    await first.open()
+    await second.open()
+    try:
+        sound = b"RIFF" + bytes(range(256)) * 40
+        part = await first.keep(
+            principal="alice",
+            session_id="s1",
+            mime_type="audio/wav",
+            data=sound,
+            filename="beep.wav",
+        )
+        assert part is not None
+        assert part.storage_ref is not None
+        assert await second.read(session_id="s1", media=part) == sound
+        media_id = part.storage_ref.rsplit("/", 1)[1]
+        info, body = await second.download(principal="alice", session_id="s1", media_id=media_id)
+        assert isinstance(body, str)  # a presigned URL: the bucket serves the bytes
+        async with aiohttp.ClientSession() as http, http.get(body) as response:
+            assert (response.status, await response.read()) == (200, sound)
+        assert (info.owner, info.mime_type, info.size_bytes) == ("alice", "audio/wav", len(sound))
+    finally:
+        await first.close()
+        await second.close()

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import math
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable
 from typing import Any, Final, TypeVar
 
 import aiohttp
@@ -212,7 +212,7 @@ class S3MediaStore:
                 self._client().delete_object(Bucket=self._bucket, Key=self._prefix + key)
             )
 
-    async def _list(self, prefix: str) -> AsyncIterator[str]:
+    async def _list(self, prefix: str) -> AsyncGenerator[str, None]:
         """Keys under `prefix` in order, one page (one deadline) at a time."""
         token: str | None = None
         while True:
@@ -279,9 +279,10 @@ class S3MediaStore:
 
     async def _release_own_claims(self) -> None:
         """An earlier run of this replica died mid-upload: its attempts are over."""
-        async for key in self._list(f"claims/{self._holder}/"):
-            digest = key.rsplit("/", 1)[1]
-            await self._delete(f"tickets/{digest}.claim", key)
+        async with contextlib.aclosing(self._list(f"claims/{self._holder}/")) as claims:
+            async for key in claims:
+                digest = key.rsplit("/", 1)[1]
+                await self._delete(f"tickets/{digest}.claim", key)
 
     async def close(self) -> None:
         stack, self._stack, self._s3, self._signer = self._stack, None, None, None
@@ -621,17 +622,19 @@ class S3MediaStore:
 
     async def sweep(self, *, now: float, ticket_grace: float = 0.0) -> int:
         deleted = 0
-        async for key in self._list("ticket-expiry/"):
-            if not _due(key, now - ticket_grace):
-                break
-            deleted += await self._sweep_ticket(key, now)
-        async for key in self._list("media-expiry/"):
-            if not _due(key, now):
-                break
-            media_id = key.rsplit("/", 1)[1]
-            had = await self._head(f"records/{media_id}.json") is not None
-            await self._delete(f"records/{media_id}.json", f"objects/{media_id}", key)
-            deleted += had
+        async with contextlib.aclosing(self._list("ticket-expiry/")) as tickets:
+            async for key in tickets:
+                if not _due(key, now - ticket_grace):
+                    break  # keys sort by expiry: the rest is not due either
+                deleted += await self._sweep_ticket(key, now)
+        async with contextlib.aclosing(self._list("media-expiry/")) as media:
+            async for key in media:
+                if not _due(key, now):
+                    break
+                media_id = key.rsplit("/", 1)[1]
+                had = await self._head(f"records/{media_id}.json") is not None
+                await self._delete(f"records/{media_id}.json", f"objects/{media_id}", key)
+                deleted += had
         return deleted
 
     async def _sweep_ticket(self, key: str, now: float) -> int:
