@@ -27,9 +27,9 @@ import aiohttp
 import pytest
 from conftest import ALICE, BOB
 
-from support.omnia import OmniaClient
+from support.omnia import OmniaClient, scenario
 from support.seaweed import ACCESS_KEY, SECRET_KEY, Seaweed
-from support.server import ServerProcess
+from support.server import SCRIPT, ServerProcess
 
 MiB = 1024 * 1024
 MAX_UPLOAD = 8 * MiB
@@ -665,6 +665,37 @@ async def test_replicas_on_one_bucket_serve_each_others_media(
     finally:
         first.stop()
         second.stop()
+
+
+@needs_s3
+async def test_a_ws_upload_goes_to_the_bucket_and_the_agent_reads_it(
+    http: aiohttp.ClientSession, tmp_path: Path, seaweed: Seaweed
+) -> None:
+    """`/ws` `upload_ready` names the presigned URL; after the confirm, a message part
+    with the `storage_ref` reaches the runtime through the S3 store."""
+    settings = {**s3_settings(seaweed, "portico-routes"), "runtime": "scripted"}
+    server = _start(tmp_path / "portico", script=str(SCRIPT), **settings)
+    try:
+        ws = await http.ws_connect(server.ws_url, headers=bearer(ALICE))
+        client = OmniaClient(ws)
+        await client.connected()
+        data = b"\x89PNG\r\n\x1a\n" + os.urandom(2000)
+        request = {"filename": "photo.png", "mime_type": "image/png", "size_bytes": len(data)}
+        await client.send({"type": "upload_request", "upload_request": request})
+        ready = await client.recv()
+        assert ready["type"] == "upload_ready", ready
+        granted = ready["upload_ready"]
+        assert is_direct(granted)
+        assert (await put(http, server, granted, data)).status == 200
+        media = {"storage_ref": granted["storage_ref"], "mime_type": "image/png"}
+        part = {"type": "image", "media": media}
+        await client.send({"type": "message", "parts": [part], **scenario("media_info")})
+        frames = await client.turn()
+        assert frames[0]["content"].startswith(f"image image/png {len(data)} bytes"), frames
+        assert frames[-1]["type"] == "done"
+        await ws.close()
+    finally:
+        server.stop()
 
 
 @needs_s3
