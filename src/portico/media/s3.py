@@ -324,12 +324,15 @@ class S3MediaStore:
         claimed = await self._put_new(f"tickets/{digest}.claim", claim)
         if not claimed and not await self._take_stale_claim(digest, claim, now):
             raise UploadInProgress()
-        await self._put(f"claims/{self._holder}/{digest}", b"")
         try:
+            await self._put(f"claims/{self._holder}/{digest}", b"")
             # The attempt that held it before may have stored the body in between.
             await self._refuse_used(digest)
-        except UploadGone:
-            await self._delete(f"tickets/{digest}.claim", f"claims/{self._holder}/{digest}")
+        except BaseException:
+            # No attempt follows a failed claim: it must not hold the ticket.
+            await asyncio.shield(
+                self._forget(f"tickets/{digest}.claim", f"claims/{self._holder}/{digest}")
+            )
             raise
         return ticket
 
