@@ -397,8 +397,12 @@ class S3MediaStore:
             self._check_arrived(ticket, head)
             info = self._info_of(ticket, created_at, expires_at)
             await self._commit(upload_id, info)
+        except UploadFailed:
+            await asyncio.shield(self._forget(final, staged))  # the body was not the one
+            raise
         except BaseException:
-            await asyncio.shield(self._forget(final, staged))
+            # The store failed, not the body: a confirm retried later may still take it.
+            await asyncio.shield(self._forget(final))
             raise
         with contextlib.suppress(StoreError):
             await self._delete(staged)  # a leftover goes with the ticket's sweep
