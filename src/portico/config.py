@@ -266,6 +266,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     s3_access_key_id: str | None = None
     s3_secret_access_key: str | None = None
     s3_timeout: Seconds = 10.0  # connect and read deadline of one object storage call
+    # How long the presigned URL a `GET /media/download` redirects to stays valid.
+    s3_download_url_ttl: Seconds = 300.0
+    # The store's base URL as clients reach it (presigned URLs start with it), when
+    # s3_endpoint_url is an address only the replicas reach. None: s3_endpoint_url.
+    s3_public_url: str | None = None
     max_upload_bytes: Bytes = 100 * 1024 * 1024
     # What the base64 `data` of a maximal 16 MiB frame decodes to: as large as Omnia takes.
     max_inline_media_bytes: Bytes = 12 * 1024 * 1024
@@ -437,6 +442,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError("media=s3 needs s3_bucket (PORTICO_S3_BUCKET=portico-media)")
         if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
             raise ConfigError("s3_access_key_id and s3_secret_access_key go together")
+        for name in ("s3_endpoint_url", "s3_public_url"):
+            url = getattr(self, name)
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{name} must start with http:// or https://")
         if importlib.util.find_spec("aiobotocore") is None:
             raise ConfigError("media=s3 needs aiobotocore: pip install 'portico[s3]'")
 

@@ -74,7 +74,11 @@ class Seaweed:
             [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
              f"-dir={self.directory}", f"-master.port={ports[0]}",
              f"-volume.port={ports[1]}", "-filer", f"-filer.port={ports[2]}",
-             "-s3", f"-s3.port={self.s3_port}", f"-s3.config={config}", "-metricsPort=0"],
+             "-s3", f"-s3.port={self.s3_port}", f"-s3.config={config}", "-metricsPort=0",
+             # Each bucket takes volumes of its own: room for a few test buckets.
+             "-volume.max=64", "-master.volumeSizeLimitMB=64",
+             # Its catalog listeners take fixed ports: two servers at once would clash.
+             "-s3.port.iceberg=0", "-s3.port.lance=0"],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self._wait_ready()

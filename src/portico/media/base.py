@@ -6,9 +6,12 @@ expiring) and media (bytes plus metadata, addressed by session and media id).
 It enforces sizes and atomicity; who may do what (owners, sessions, limits,
 clocks) is decided by `MediaService`, which passes `now` in.
 
-Portico receives every upload itself (`PUT /media/upload/{id}`), whatever the
-backend: a cloud backend streams the body on to its bucket, so size limits and
-single use hold in one place and clients need no `confirm-upload` step.
+A backend either receives uploads through Portico (`PUT /media/upload/{id}`,
+`write`) or hands the client a URL of its own (`direct_upload`, a presigned PUT)
+and then takes the body in with `confirm`, which checks what arrived: object
+stores do not all enforce the size a URL was signed for. `write` works on every
+backend, so media Portico produces (streamed audio it archives) go in the same
+way. `download_url` likewise lets a backend serve bytes itself (a presigned GET).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import secrets
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from datetime import UTC, datetime
 from typing import Final, Protocol
+from urllib.parse import quote
 
 import msgspec
 
@@ -104,6 +108,21 @@ class MediaInfo(msgspec.Struct, frozen=True, kw_only=True):
         return self.expires_at is not None and self.expires_at <= now
 
 
+class DirectUpload(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a client sends an upload's body itself, and the headers it must send."""
+
+    url: str
+    headers: dict[str, str]
+
+
+def content_disposition(filename: str) -> str:
+    """`attachment` with an ASCII fallback and the exact name per RFC 6266/5987."""
+    fallback = "".join(
+        char if " " <= char <= "~" and char not in '"\\' else "_" for char in filename
+    )
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"
+
+
 class MediaStore(Protocol):
     async def open(self) -> None:
         """Create or check the storage; recover what a stopped server left half done."""
@@ -145,8 +164,27 @@ class MediaStore(Protocol):
         cancellation, nothing is stored and the ticket stays claimed.
         """
 
+    async def direct_upload(self, upload_id: str, ticket: UploadTicket) -> DirectUpload | None:
+        """A URL the client uploads the ticket's body to itself, valid until the ticket
+        expires; None: the body goes to Portico's `PUT /media/upload/{id}`."""
+
+    async def confirm(
+        self, upload_id: str, *, created_at: float, expires_at: float | None
+    ) -> MediaInfo:
+        """Take the body a client sent to a claimed ticket's `direct_upload` URL.
+
+        The same outcomes as `write`: a body longer than `size_bytes` raises
+        `UploadTooLarge`, a shorter one (or none, or another content type)
+        `UploadFailed`; on failure nothing is stored, what arrived is deleted and
+        the ticket stays claimed. A backend without direct uploads raises `UploadFailed`.
+        """
+
     async def info(self, session_id: str, media_id: str) -> MediaInfo | None:
         """The media's record, None unless it exists in that session."""
+
+    async def download_url(self, info: MediaInfo, *, expires_in: float) -> str | None:
+        """A URL the owner's client fetches the bytes from itself for `expires_in`
+        seconds; None: Portico streams them (`stream`)."""
 
     async def stream(
         self, session_id: str, media_id: str, *, chunk_size: int = READ_CHUNK_BYTES

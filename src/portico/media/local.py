@@ -28,11 +28,12 @@ from typing import Any, BinaryIO, Final, TypeVar
 
 import msgspec
 
-from portico.errors import StoreError, UploadGone, UploadInProgress, UploadNotFound
+from portico.errors import StoreError, UploadFailed, UploadGone, UploadInProgress, UploadNotFound
 from portico.health import IN_PROCESS, Health
 from portico.media.base import (
     MEDIA_ID_PATTERN,
     READ_CHUNK_BYTES,
+    DirectUpload,
     MediaInfo,
     UploadTicket,
     exactly,
@@ -288,6 +289,17 @@ class LocalMediaStore:
             raise
         with contextlib.suppress(FileNotFoundError):
             os.rename(self._ticket_path(upload_id, UPLOADING), self._ticket_path(upload_id, USED))
+
+    async def direct_upload(self, upload_id: str, ticket: UploadTicket) -> DirectUpload | None:
+        return None  # bodies come to `PUT /media/upload/{id}`
+
+    async def confirm(
+        self, upload_id: str, *, created_at: float, expires_at: float | None
+    ) -> MediaInfo:
+        raise UploadFailed("this server takes uploads at their upload URL; nothing to confirm")
+
+    async def download_url(self, info: MediaInfo, *, expires_in: float) -> str | None:
+        return None  # the download route streams the file
 
     async def info(self, session_id: str, media_id: str) -> MediaInfo | None:
         if not MEDIA_ID_PATTERN.fullmatch(media_id):

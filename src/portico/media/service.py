@@ -179,6 +179,7 @@ class MediaService:
         fetch_private: bool = False,  # let `url` parts reach non-public addresses
         max_pending_uploads: int | None = None,  # unused upload URLs per principal
         reservations: SessionReservations | None = None,
+        download_url_ttl: float = 300.0,  # seconds a backend's own download URL is valid
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
@@ -194,6 +195,7 @@ class MediaService:
         self._http: aiohttp.ClientSession | None = None
         self._max_pending = max_pending_uploads
         self._reservations = reservations or SessionReservations()
+        self._download_url_ttl = download_url_ttl
         # principal -> upload id -> expiry: the URLs it holds, in this process.
         self._pending: dict[str, dict[str, float]] = {}
 
@@ -252,13 +254,14 @@ class MediaService:
             store, principal, session_id, filename, mime_type, size_bytes
         )
         pending[upload_id] = ticket.expires_at
+        direct = await store.direct_upload(upload_id, ticket)
         base = self._public_url or base_url.rstrip("/")
         return UploadGrant(
             upload_id=upload_id,
-            upload_url=f"{base}/media/upload/{upload_id}",
+            upload_url=f"{base}/media/upload/{upload_id}" if direct is None else direct.url,
             storage_ref=storage_ref(session_id, ticket.media_id),
             expires_at=iso8601(ticket.expires_at),
-            headers={"Content-Type": mime_type},
+            headers={"Content-Type": mime_type} if direct is None else direct.headers,
         )
 
     async def upload(
@@ -282,6 +285,23 @@ class MediaService:
             )
         except BaseException:
             # A failed attempt gives the ticket back: the URL works again until it expires.
+            await asyncio.shield(store.release_ticket(upload_id))
+            raise
+        self._pending.get(ticket.owner, {}).pop(upload_id, None)
+        return info
+
+    async def confirm_upload(self, *, upload_id: str) -> MediaInfo:
+        """Take in the body a client sent to a presigned upload URL, checked against its
+        ticket. The upload id is the credential, as for the `PUT`."""
+        store = self._storage()
+        if not UPLOAD_ID_PATTERN.fullmatch(upload_id):
+            raise UploadNotFound()
+        ticket = await store.claim_ticket(upload_id, now=self._clock())
+        try:
+            now = self._clock()
+            info = await store.confirm(upload_id, created_at=now, expires_at=self._expiry(now))
+        except BaseException:
+            # A failed confirm gives the ticket back: the client may PUT and confirm again.
             await asyncio.shield(store.release_ticket(upload_id))
             raise
         self._pending.get(ticket.owner, {}).pop(upload_id, None)
@@ -364,12 +384,20 @@ class MediaService:
 
     async def download(
         self, *, principal: str, session_id: str, media_id: str, binding: str | None = None
-    ) -> tuple[MediaInfo, AsyncGenerator[bytes, None]]:
-        """The caller's media and its bytes, opened (close the generator when done)."""
+    ) -> tuple[MediaInfo, AsyncGenerator[bytes, None] | str]:
+        """The caller's media and either its bytes, opened (close the generator when
+        done), or a URL the storage serves them at for a while (a presigned GET)."""
         info = await self.info(
             principal=principal, session_id=session_id, media_id=media_id, binding=binding
         )
-        body = await self._storage().stream(session_id, media_id)
+        store = self._storage()
+        ttl = self._download_url_ttl
+        if info.expires_at is not None:
+            ttl = min(ttl, info.expires_at - self._clock())  # never outlives the media
+        url = await store.download_url(info, expires_in=ttl)
+        if url is not None:
+            return info, url
+        body = await store.stream(session_id, media_id)
         if body is None:
             raise MediaNotFound()
         return info, body

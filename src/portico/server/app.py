@@ -119,6 +119,17 @@ def create_app(settings: Settings) -> web.Application:
     return app
 
 
+def _object_storage_origin(settings: Settings) -> str:
+    """With `media: s3` the page PUTs uploads to, and follows downloads to, the bucket."""
+    if settings.media != "s3":
+        return ""
+    url = settings.s3_public_url or settings.s3_endpoint_url
+    if url is None:
+        return " https://*.amazonaws.com"
+    endpoint = urlsplit(url)
+    return f" {endpoint.scheme}://{endpoint.netloc}"
+
+
 def add_page_routes(app: web.Application, settings: Settings) -> None:
     """`/` and `/web/{name}`: the demo chat page. Files are read once, from a fixed list."""
     folder = importlib.resources.files("portico") / "web"
@@ -131,6 +142,7 @@ def add_page_routes(app: web.Application, settings: Settings) -> None:
     # Upload URLs start with the public URL when one is set: the page PUTs there.
     public = urlsplit(settings.public_url or "")
     extra = f" {public.scheme}://{public.netloc}" if public.scheme and public.netloc else ""
+    extra += _object_storage_origin(settings)
     headers = {
         "Content-Security-Policy": PAGE_CSP.format(extra=extra),
         "X-Content-Type-Options": "nosniff",

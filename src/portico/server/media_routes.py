@@ -13,7 +13,6 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
-from urllib.parse import quote
 
 import aiohttp
 import msgspec
@@ -27,7 +26,7 @@ from portico.errors import (
     PorticoError,
     UploadFailed,
 )
-from portico.media.base import MediaInfo
+from portico.media.base import MediaInfo, content_disposition
 from portico.media.service import MediaDescription, MediaService
 from portico.server.http_limits import UploadTooSlow, paced_body
 from portico.server.services import SERVICES
@@ -200,12 +199,8 @@ async def media_info(request: web.Request) -> web.StreamResponse:
     return _json(MediaDescription.of(info))
 
 
-def content_disposition(filename: str) -> str:
-    """`attachment` with an ASCII fallback and the exact name per RFC 6266/5987."""
-    fallback = "".join(
-        char if " " <= char <= "~" and char not in '"\\' else "_" for char in filename
-    )
-    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{quote(filename, safe='')}"
+# The presigned URL is the owner's for a while: no cache may keep or share it.
+REDIRECT_HEADERS: Final = {"Cache-Control": "private, no-store", "Referrer-Policy": "no-referrer"}
 
 
 def download_headers(info: MediaInfo) -> dict[str, str]:
@@ -229,6 +224,9 @@ async def download(request: web.Request) -> web.StreamResponse:
         session_id=request.match_info["session_id"],
         media_id=request.match_info["media_id"],
     )
+    if isinstance(body, str):
+        # The storage serves the bytes itself (a presigned URL, spec/replicas.md).
+        return web.Response(status=307, headers={"Location": body, **REDIRECT_HEADERS})
     async with contextlib.aclosing(body):
         response = web.StreamResponse(headers=download_headers(info))
         response.content_length = info.size_bytes
@@ -243,9 +241,28 @@ async def download(request: web.Request) -> web.StreamResponse:
     return response
 
 
+@_json_errors
+async def confirm_upload(request: web.Request) -> web.StreamResponse:
+    uploads = request.app[SERVICES].metrics.uploads
+    try:
+        info = await _media(request).confirm_upload(upload_id=request.match_info["upload_id"])
+    except UploadFailed:
+        uploads.labels("failed").inc()
+        raise
+    uploads.labels("stored").inc()
+    log.info(
+        "media confirmed session=%s media=%s size_bytes=%d",
+        info.session_id,
+        info.media_id,
+        info.size_bytes,
+    )
+    return _json(MediaDescription.of(info))
+
+
 def add_routes(app: web.Application) -> None:
     # Registered with media off too, so clients get MEDIA_NOT_ENABLED, not a bare 404.
     app.router.add_post("/media/request-upload", request_upload)
     app.router.add_put("/media/upload/{upload_id}", upload)
+    app.router.add_post("/media/confirm-upload/{upload_id}", confirm_upload)
     app.router.add_get("/media/info/{session_id}/{media_id}", media_info, allow_head=False)
     app.router.add_get("/media/download/{session_id}/{media_id}", download, allow_head=False)

@@ -26,7 +26,8 @@ from portico.core.lifecycle import Lifecycle, Phase
 from portico.core.memory import MemoryLimits
 from portico.core.reservations import SessionReservations
 from portico.core.tools import ClientToolBroker
-from portico.errors import ConfigError, IdentityProviderUnavailable, Unauthenticated
+from portico.errors import IdentityProviderUnavailable, Unauthenticated
+from portico.media.base import MediaStore
 from portico.media.local import LocalMediaStore
 from portico.media.service import MediaService
 from portico.runtime.base import Runtime
@@ -161,12 +162,23 @@ def build_store(settings: Settings) -> Store:
 def build_media(
     settings: Settings, archive: Store, reservations: SessionReservations | None = None
 ) -> MediaService:
+    store: MediaStore | None = None
     if settings.media == "s3":
-        # The settings exist (docs/storage.md); the S3 MediaStore is not written yet.
-        raise ConfigError("media=s3: the S3 media store is not implemented yet (issue 16)")
-    store = (
-        LocalMediaStore(Path(settings.data_dir) / MEDIA_DIR) if settings.media == "local" else None
-    )
+        # Imported here: aiobotocore is an optional extra (`portico[s3]`).
+        from portico.media.s3 import S3MediaStore
+
+        store = S3MediaStore(
+            bucket=settings.s3_bucket,
+            endpoint_url=settings.s3_endpoint_url,
+            public_url=settings.s3_public_url,
+            region=settings.s3_region,
+            access_key_id=settings.s3_access_key_id,
+            secret_access_key=settings.s3_secret_access_key,
+            timeout=settings.s3_timeout,
+            holder=settings.replica_id or None,
+        )
+    elif settings.media == "local":
+        store = LocalMediaStore(Path(settings.data_dir) / MEDIA_DIR)
     return MediaService(
         store,
         archive=archive,
@@ -179,6 +191,7 @@ def build_media(
         fetch_private=settings.media_fetch_private,
         max_pending_uploads=settings.max_pending_uploads_per_principal,
         reservations=reservations,
+        download_url_ttl=settings.s3_download_url_ttl,
     )
 
 

@@ -1992,10 +1992,21 @@ async function mediaError(response) {
 }
 
 /**
+ * True when `grant.upload_url` is not the server's own `/media/upload/{id}` but object
+ * storage's (a presigned URL, `media: s3`): the client then confirms the upload.
+ */
+export function needsConfirm(grant) {
+  const path = new URL(grant.upload_url, globalThis.location?.href ?? "http://localhost/").pathname;
+  return !path.endsWith(`/media/upload/${grant.upload_id}`);
+}
+
+/**
  * Upload `file` (a File or Blob) for `sessionId` and return the message part naming it:
  * `{type, media: {storage_ref, mime_type, filename, size_bytes}}`. Two requests: the upload
  * URL (with the credential), then the bytes (the URL is the credential, only the headers
- * the grant lists).
+ * the grant lists). When the bytes went to object storage, a third:
+ * `POST /media/confirm-upload/{id}`, whose answer ends the upload (the store's bucket must
+ * allow this page's origin to PUT: its CORS rules, docs/storage.md).
  */
 export async function uploadFile(file, { sessionId, token = null, baseUrl = "" }) {
   const mimeType = file.type || "application/octet-stream";
@@ -2018,6 +2029,13 @@ export async function uploadFile(file, { sessionId, token = null, baseUrl = "" }
     body: file,
   });
   if (!put.ok) throw await mediaError(put);
+  if (needsConfirm(grant)) {
+    const confirmed = await fetch(
+      `${baseUrl}/media/confirm-upload/${encodeURIComponent(grant.upload_id)}`,
+      { method: "POST" },
+    );
+    if (!confirmed.ok) throw await mediaError(confirmed);
+  }
   return {
     type: partType(mimeType),
     media: { storage_ref: grant.storage_ref, mime_type: mimeType, filename, size_bytes: file.size },
@@ -2032,7 +2050,11 @@ export function parseStorageRef(ref) {
     : null;
 }
 
-/** The bytes of stored media as a Blob (owner only: the credential goes along). */
+/**
+ * The bytes of stored media as a Blob (owner only: the credential goes along). With
+ * `media: s3` the server answers 307 to a presigned URL; the browser follows it and, the
+ * origin being another, leaves the Authorization header behind (the URL is the credential).
+ */
 export async function fetchMedia(storageRef, { token = null, baseUrl = "" } = {}) {
   const ref = parseStorageRef(storageRef);
   if (!ref) throw new Error(`not a storage reference: ${storageRef}`);
