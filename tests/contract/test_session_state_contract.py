@@ -161,6 +161,54 @@ async def test_a_removed_session_is_gone(states: SessionStates) -> None:
     assert await states.load(SID) is None
 
 
+async def test_a_claim_clears_the_window_deadline(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    await states.set_window(SID, epoch, 1234.5)
+    await states.claim(SID)
+    snap = await states.load(SID)
+    assert snap is not None
+    assert snap.window_deadline is None
+
+
+async def test_a_ledger_created_over_another_fences_the_old_numbering(
+    states: SessionStates,
+) -> None:
+    """A continued conversation starts a new numbering under the same id: whoever
+    held the old one must not write into the new one."""
+    old = await states.create(SID, capabilities=b"")
+    await states.record_sent(SID, old, 1, b"m1")
+    new = await states.create(SID, capabilities=b"again")
+    assert new > old
+    with pytest.raises(SessionMoved):
+        await states.record_sent(SID, old, 1, b"stale")
+    snap = await states.load(SID)
+    assert snap is not None
+    assert (snap.epoch, snap.next_seq, snap.unacknowledged) == (new, 1, ())
+
+
+async def test_handled_and_new_capabilities_are_one_step(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"before")
+    assert await states.record_handled(SID, epoch, 1, capabilities=b"after")
+    # A duplicate changes nothing, capabilities included.
+    assert not await states.record_handled(SID, epoch, 1, capabilities=b"again")
+    new = await states.claim(SID)
+    with pytest.raises(SessionMoved):
+        await states.record_handled(SID, epoch, 2, capabilities=b"stale")
+    snap = await states.load(SID)
+    assert snap is not None
+    assert (snap.handled, snap.capabilities, snap.epoch) == (1, b"after", new)
+
+
+async def test_a_fenced_remove_spares_a_newer_holder(states: SessionStates) -> None:
+    old = await states.create(SID, capabilities=b"")
+    new = await states.claim(SID)
+    await states.remove(SID, old)  # the old holder's window passed: not its session now
+    assert await states.load(SID) is not None
+    await states.remove(SID, new)
+    assert await states.load(SID) is None
+    await states.remove(SID, new)  # already gone: nothing to do
+
+
 async def test_another_replica_resumes_with_the_backlog_and_fences_the_first(
     redis_pair: tuple[RedisSessionStates, RedisSessionStates],
 ) -> None:

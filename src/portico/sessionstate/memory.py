@@ -27,12 +27,15 @@ class InProcessSessionStates:
         self._ledgers: dict[str, _Ledger] = {}
 
     async def create(self, session_id: str, *, capabilities: bytes) -> int:
-        self._ledgers[session_id] = _Ledger(capabilities=capabilities)
-        return 1
+        previous = self._ledgers.get(session_id)
+        epoch = 1 if previous is None else previous.epoch + 1
+        self._ledgers[session_id] = _Ledger(capabilities=capabilities, epoch=epoch)
+        return epoch
 
     async def claim(self, session_id: str) -> int:
         ledger = self._existing(session_id)
         ledger.epoch += 1
+        ledger.window_deadline = None
         return ledger.epoch
 
     async def load(self, session_id: str) -> SessionSnapshot | None:
@@ -72,20 +75,26 @@ class InProcessSessionStates:
         while ledger.buffer and ledger.buffer[0][0] <= seq:
             ledger.buffer_bytes -= len(ledger.buffer.popleft()[1])
 
-    async def record_handled(self, session_id: str, epoch: int, seq: int) -> bool:
+    async def record_handled(
+        self, session_id: str, epoch: int, seq: int, *, capabilities: bytes | None = None
+    ) -> bool:
         ledger = self._current(session_id, epoch)
         if seq <= ledger.handled:
             return False
         if seq != ledger.handled + 1:
             raise ProtocolViolation(f"seq {seq} skips ahead: expected {ledger.handled + 1}")
         ledger.handled = seq
+        if capabilities is not None:
+            ledger.capabilities = capabilities
         return True
 
     async def set_window(self, session_id: str, epoch: int, deadline: float | None) -> None:
         self._current(session_id, epoch).window_deadline = deadline
 
-    async def remove(self, session_id: str) -> None:
-        self._ledgers.pop(session_id, None)
+    async def remove(self, session_id: str, epoch: int | None = None) -> None:
+        ledger = self._ledgers.get(session_id)
+        if ledger is not None and (epoch is None or ledger.epoch == epoch):
+            del self._ledgers[session_id]
 
     def _existing(self, session_id: str) -> _Ledger:
         ledger = self._ledgers.get(session_id)

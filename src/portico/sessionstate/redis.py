@@ -24,15 +24,18 @@ if not e then return -1 end
 if tonumber(e) ~= tonumber(ARGV[1]) then return -2 end
 """
 
+# A ledger created over an older one carries its epoch on: the old holders stay fenced.
 _CREATE = """
+local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0') + 1
 redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('HSET', KEYS[1], 'epoch', 1, 'next_seq', 1, 'handled', 0, 'peer_acked', 0,
+redis.call('HSET', KEYS[1], 'epoch', epoch, 'next_seq', 1, 'handled', 0, 'peer_acked', 0,
            'bytes', 0, 'capabilities', ARGV[1])
-return 1
+return epoch
 """
 
 _CLAIM = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+redis.call('HDEL', KEYS[1], 'window')
 return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 """
 
@@ -72,7 +75,7 @@ return 1
 """
 )
 
-# ARGV: epoch, seq
+# ARGV: epoch, seq, and optionally the capabilities replaced in the same step
 _HANDLED = (
     _FENCE
     + """
@@ -81,6 +84,16 @@ local handled = tonumber(redis.call('HGET', KEYS[1], 'handled'))
 if seq <= handled then return 0 end
 if seq ~= handled + 1 then return -4 end
 redis.call('HSET', KEYS[1], 'handled', seq)
+if ARGV[3] then redis.call('HSET', KEYS[1], 'capabilities', ARGV[3]) end
+return 1
+"""
+)
+
+# ARGV: epoch
+_REMOVE = (
+    _FENCE
+    + """
+redis.call('DEL', KEYS[1], KEYS[2])
 return 1
 """
 )
@@ -107,14 +120,14 @@ class RedisSessionStates:
         self._ack = redis.register_script(_ACK)
         self._handled = redis.register_script(_HANDLED)
         self._window = redis.register_script(_WINDOW)
+        self._remove = redis.register_script(_REMOVE)
 
     def _keys(self, session_id: str) -> list[str]:
         key = f"{self._prefix}session:{session_id}"
         return [key, key + ":unacked"]
 
     async def create(self, session_id: str, *, capabilities: bytes) -> int:
-        await self._create(keys=self._keys(session_id), args=[capabilities])
-        return 1
+        return int(await self._create(keys=self._keys(session_id), args=[capabilities]))
 
     async def claim(self, session_id: str) -> int:
         return _checked(await self._claim(keys=self._keys(session_id)))
@@ -147,15 +160,25 @@ class RedisSessionStates:
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
         _checked(await self._ack(keys=self._keys(session_id), args=[epoch, seq]))
 
-    async def record_handled(self, session_id: str, epoch: int, seq: int) -> bool:
-        return _checked(await self._handled(keys=self._keys(session_id), args=[epoch, seq])) == 1
+    async def record_handled(
+        self, session_id: str, epoch: int, seq: int, *, capabilities: bytes | None = None
+    ) -> bool:
+        args: list[bytes | int | str] = [epoch, seq]
+        if capabilities is not None:
+            args.append(capabilities)
+        return _checked(await self._handled(keys=self._keys(session_id), args=args)) == 1
 
     async def set_window(self, session_id: str, epoch: int, deadline: float | None) -> None:
         args: list[bytes | int | str] = [epoch, "" if deadline is None else repr(deadline)]
         _checked(await self._window(keys=self._keys(session_id), args=args))
 
-    async def remove(self, session_id: str) -> None:
-        await self._redis.delete(*self._keys(session_id))
+    async def remove(self, session_id: str, epoch: int | None = None) -> None:
+        if epoch is None:
+            await self._redis.delete(*self._keys(session_id))
+            return
+        code = int(await self._remove(keys=self._keys(session_id), args=[epoch]))
+        if code not in (_MISSING, _MOVED):  # gone or held by a newer epoch: nothing to do
+            _checked(code)
 
 
 def _checked(result: Any) -> int:
