@@ -13,14 +13,13 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from portico.bus.memory import InProcessTransportStates
 from portico.config import Settings
 from portico.core.periodic import every
 from portico.server import media_routes, observability
 from portico.server.http_limits import runner_options
 from portico.server.rpc_ws import rpc_handler
 from portico.server.services import SERVICES, Services
-from portico.server.session_ws import TRANSPORTS, LiveSession, session_handler
+from portico.server.session_ws import LIVE_SESSIONS, session_handler
 from portico.server.startup import check_startup, listen_failure
 from portico.server.websocket import omnia_handler
 
@@ -95,14 +94,14 @@ async def _stop(app: web.Application) -> None:
     await asyncio.gather(*jobs, return_exceptions=True)
     await services.engine.shutdown()
     await services.media.close()
+    await services.session_states.close()
     await services.store.close()
 
 
 def create_app(settings: Settings) -> web.Application:
     app = web.Application()
     app[SERVICES] = Services(settings)
-    transports: InProcessTransportStates[LiveSession] = InProcessTransportStates()
-    app[TRANSPORTS] = transports
+    app[LIVE_SESSIONS] = {}
     app.router.add_get("/ws", omnia_handler)
     app.router.add_get("/v1/session", session_handler)
     app.router.add_get("/v1/rpc", rpc_handler)

@@ -37,6 +37,8 @@ from portico.runtime.python import PythonRuntime
 from portico.runtime.scripted import ScriptedRuntime
 from portico.server.admission import ConnectionSlots, PrincipalSlots, Strangers
 from portico.server.metrics import Metrics
+from portico.sessionstate.base import BufferLimits, SessionStates
+from portico.sessionstate.memory import InProcessSessionStates
 from portico.store.base import Store
 from portico.store.memory import MemoryStore
 from portico.store.sqlite import SqliteStore
@@ -89,6 +91,7 @@ class Services:
                 search_limit=settings.memory_search_limit,
             ),
         )
+        self.session_states = build_session_states(settings)
         self.updates = InProcessUpdates()
         self.store.set_update_listener(self.updates.publish)
         self.conversations = Conversations(self.engine, self.tools, default_agent=DEFAULT_AGENT)
@@ -131,6 +134,22 @@ def principal_cap(settings: Settings) -> int | None:
 def stranger_budget(settings: Settings) -> int:
     """Unauthenticated sockets never hold more than half the connections."""
     return min(settings.max_unauthenticated_connections, max(1, settings.max_connections // 2))
+
+
+def build_session_states(settings: Settings) -> SessionStates:
+    """Where `/v1/session` streams live: this process, or Redis for every replica."""
+    limits = BufferLimits(
+        max_messages=settings.resend_buffer_messages, max_bytes=settings.resend_buffer_bytes
+    )
+    if settings.session_state == "redis":
+        # Imported here: redis-py is an optional extra (`portico[redis]`).
+        from redis.asyncio import Redis
+
+        from portico.sessionstate.redis import RedisSessionStates
+
+        client = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        return RedisSessionStates(client, limits, prefix=settings.redis_key_prefix)
+    return InProcessSessionStates(limits)
 
 
 def build_store(settings: Settings) -> Store:

@@ -53,6 +53,10 @@ class InProcessSessionStates:
         )
 
     async def record_sent(self, session_id: str, epoch: int, seq: int, data: bytes) -> None:
+        self.record_sent_now(session_id, epoch, seq, data)
+
+    def record_sent_now(self, session_id: str, epoch: int, seq: int, data: bytes) -> None:
+        """`record_sent` in the caller's step: one process needs no task per message."""
         ledger = self._current(session_id, epoch)
         if seq != ledger.next_seq:
             raise ProtocolViolation(f"server seq {seq} is not the next ({ledger.next_seq})")
@@ -107,3 +111,6 @@ class InProcessSessionStates:
         if epoch != ledger.epoch:
             raise SessionMoved()
         return ledger
+
+    async def close(self) -> None:
+        self._ledgers.clear()

@@ -180,6 +180,9 @@ class RedisSessionStates:
         if code not in (_MISSING, _MOVED):  # gone or held by a newer epoch: nothing to do
             _checked(code)
 
+    async def close(self) -> None:
+        await self._redis.aclose()
+
 
 def _checked(result: Any) -> int:
     """A script's status as the error the port promises, or its (non-negative) value."""
