@@ -85,7 +85,8 @@ class SessionLedger:
         # order and speed of a plain buffer (no task, no await per message).
         self._now = states if isinstance(states, InProcessSessionStates) else None
         self._lock = asyncio.Lock()
-        self._pending: deque[tuple[int, bytes]] = deque()
+        # Messages to record, in order, and callbacks to run once those before them are.
+        self._pending: deque[tuple[int, bytes] | Notice] = deque()
         self._flushing: asyncio.Task[None] | None = None
 
     # -- outbound -------------------------------------------------------------------------
@@ -106,15 +107,25 @@ class SessionLedger:
         if self._flushing is None:
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
-    @property
-    def idle(self) -> bool:
-        """Every message handed to `send` is recorded (and written)."""
-        return not self._pending
+    def after_recorded(self, callback: Notice) -> None:
+        """Run `callback` once every message handed to `send` so far is recorded and
+        written: a binary frame never overtakes its item's `audio_start`."""
+        if self.stopped:
+            return
+        if not self._pending:
+            callback()
+        else:
+            self._pending.append(callback)
 
     async def _flush(self) -> None:
         try:
             while self._pending and not self.stopped:
-                seq, data = self._pending[0]
+                entry = self._pending[0]
+                if callable(entry):
+                    self._pending.popleft()
+                    entry()
+                    continue
+                seq, data = entry
                 async with self._lock:
                     await self.states.record_sent(self.session_id, self.epoch, seq, data)
                 self._pending.popleft()

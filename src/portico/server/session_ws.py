@@ -58,7 +58,7 @@ from portico.protocols.session.connection import (
     Timing,
 )
 from portico.protocols.session.media import MediaItems, choose_audio
-from portico.runtime.base import ClientTool
+from portico.runtime.base import ClientTool, MediaChunk
 from portico.server.admission import check_admission
 from portico.server.services import SERVICES, Services
 from portico.server.session_ledger import SessionLedger, SessionProfile, decode_profile
@@ -298,13 +298,19 @@ class LiveSession:
         if start is not None:
             self._number(start)
         frame = self.media.frame(turn_id, chunk)
-        # A frame never overtakes a numbered message still on its way to the port
-        # (its `audio_start`): it is dropped instead, and its item ends `lost`.
-        if self.socket is None or not self.ledger.idle or not self.socket.write_binary(frame):
-            self.media.dropped(turn_id, chunk)
+        # Written after the numbered messages before it (its `audio_start`) are: at once
+        # on the in-process port, after their round trips on Redis.
+        self.ledger.after_recorded(lambda: self._binary(turn_id, chunk, frame))
         end = self.media.finish(turn_id, chunk)
         if end is not None:
             self._number(end)
+
+    def _binary(self, turn_id: str, chunk: MediaChunk, frame: bytes) -> None:
+        if self.socket is None or not self.socket.write_binary(frame):
+            # Known in time only while the item is open; a frame dropped after its
+            # `audio_end` was numbered (the Redis port's delay) shows as a gap in the
+            # item's Sequence, which is how a client judges an item complete anyway.
+            self.media.dropped(turn_id, chunk)
 
     def _end_items(self) -> None:
         if "audio" in self.capabilities:
