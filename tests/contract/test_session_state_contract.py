@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
-from portico.sessionstate.base import BufferLimits, SessionStates
+from portico.sessionstate.base import ENDED_TURNS_KEPT, BufferLimits, SessionStates
 from portico.sessionstate.memory import InProcessSessionStates
 from portico.sessionstate.redis import RedisSessionStates
 from support.redis import redis_client, run_prefix
@@ -207,6 +207,27 @@ async def test_a_fenced_remove_spares_a_newer_holder(states: SessionStates) -> N
     await states.remove(SID, new)
     assert await states.load(SID) is None
     await states.remove(SID, new)  # already gone: nothing to do
+
+
+async def test_the_latest_ended_turns_are_kept_newest_first(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    await states.record_sent(SID, epoch, 1, b"c", ends_turn="")
+    await states.record_sent(SID, epoch, 2, b"d", ends_turn="t1")
+    await states.record_sent(SID, epoch, 3, b"d", ends_turn="t2")
+    snap = await states.load(SID)
+    assert snap is not None
+    assert snap.ended_turns == ("t2", "t1")
+
+
+async def test_only_the_latest_ended_turns_are_kept(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    for seq in range(1, ENDED_TURNS_KEPT + 3):
+        await states.record_sent(SID, epoch, seq, b"d", ends_turn=f"t{seq}")
+        await states.record_ack(SID, epoch, seq)
+    snap = await states.load(SID)
+    assert snap is not None
+    assert len(snap.ended_turns) == ENDED_TURNS_KEPT
+    assert snap.ended_turns[0] == f"t{ENDED_TURNS_KEPT + 2}"
 
 
 async def test_another_replica_resumes_with_the_backlog_and_fences_the_first(

@@ -42,6 +42,7 @@ class SessionProfile(msgspec.Struct, frozen=True, kw_only=True):
     audio: f.AudioChoice | None = None
     tools: tuple[f.ToolSpec, ...] = ()
     context: dict[str, Any] = msgspec.field(default_factory=dict)
+    opened_at: float = 0.0  # wall clock: this numbering's turns are the ones after it
 
     def encode(self) -> bytes:
         return _ENCODER.encode(self)
@@ -86,24 +87,27 @@ class SessionLedger:
         self._now = states if isinstance(states, InProcessSessionStates) else None
         self._lock = asyncio.Lock()
         # Messages to record, in order, and callbacks to run once those before them are.
-        self._pending: deque[tuple[int, bytes] | Notice] = deque()
+        self._pending: deque[tuple[int, bytes, str] | Notice] = deque()
         self._flushing: asyncio.Task[None] | None = None
 
     # -- outbound -------------------------------------------------------------------------
 
-    def send(self, seq: int, data: bytes) -> None:
-        """Record message `seq`, then hand it to `on_recorded` (which writes it)."""
+    def send(self, seq: int, data: bytes, ends_turn: str = "") -> None:
+        """Record message `seq`, then hand it to `on_recorded` (which writes it).
+        `ends_turn`: the message is that turn's terminal one."""
         if self.stopped:
             return
         if self._now is not None and not self._pending:
             try:
-                self._now.record_sent_now(self.session_id, self.epoch, seq, data)
+                self._now.record_sent_now(
+                    self.session_id, self.epoch, seq, data, ends_turn=ends_turn
+                )
             except Exception as exc:
                 self._failed(exc)
                 return
             self.on_recorded(seq, data)
             return
-        self._pending.append((seq, data))
+        self._pending.append((seq, data, ends_turn))
         if self._flushing is None:
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
@@ -125,9 +129,11 @@ class SessionLedger:
                     self._pending.popleft()
                     entry()
                     continue
-                seq, data = entry
+                seq, data, ends_turn = entry
                 async with self._lock:
-                    await self.states.record_sent(self.session_id, self.epoch, seq, data)
+                    await self.states.record_sent(
+                        self.session_id, self.epoch, seq, data, ends_turn=ends_turn
+                    )
                 self._pending.popleft()
                 self.on_recorded(seq, data)
         except Exception as exc:

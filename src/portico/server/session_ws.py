@@ -61,6 +61,7 @@ from portico.protocols.session.media import MediaItems, choose_audio
 from portico.runtime.base import ClientTool, MediaChunk
 from portico.server.admission import check_admission
 from portico.server.services import SERVICES, Services
+from portico.server.session_catchup import answer_turns, unfinished_turns
 from portico.server.session_ledger import SessionLedger, SessionProfile, decode_profile
 from portico.server.sockets import ServerSocket, run_socket
 from portico.sessionstate.base import SessionSnapshot
@@ -243,13 +244,15 @@ class LiveSession:
             if "audio" in self.capabilities:
                 self._media_chunk(event)
             return  # without `audio` the client gets no binary frames: media are dropped
+        ends_turn = ""
         if isinstance(event, TurnCompleted | TurnFailed):
             # Items the agent left open (a cancelled turn) end before the turn does.
             for end in self.media.end_all(event.turn_id):
                 self._number(end)
+            ends_turn = event.turn_id
         frame = session_frame(event)
         if frame is not None:
-            self._number(frame)
+            self._number(frame, ends_turn)
         if isinstance(event, TurnCompleted | TurnFailed) and self.socket is not None:
             self.socket.turn_ended()
 
@@ -263,11 +266,15 @@ class LiveSession:
         """
         self._number(frame)
 
-    def _number(self, frame: Numbered) -> None:
+    def _number(self, frame: Numbered, ends_turn: str = "") -> None:
         if self.ended:
             return
         seq, data = self.channel.number(frame)
-        self.ledger.send(seq, data)
+        self.ledger.send(seq, data, ends_turn)
+
+    def end_turn(self, frame: Numbered, turn_id: str) -> None:
+        """A turn's terminal message this replica did not run (see session_catchup)."""
+        self._number(frame, turn_id)
 
     def _recorded(self, seq: int, data: bytes) -> None:
         """The port holds message `seq`: keep it for a resend here, and write it."""
@@ -500,7 +507,15 @@ class SessionSocket(ServerSocket):
         snapshot = await states.load(session_id)
         if snapshot is None or snapshot.epoch != epoch:
             raise SessionMoved()  # yet another connection claimed it in between
-        return self._live_session(profile, session_id, snapshot)
+        # The claim fenced the previous holder: the turns it did not end in the
+        # ledger are this replica's to answer now.
+        unfinished = await unfinished_turns(
+            self._services.store, session_id, since=profile.opened_at, ended=snapshot.ended_turns
+        )
+        live = self._live_session(profile, session_id, snapshot)
+        if unfinished:
+            _spawn(answer_turns(live, self._services.store, unfinished))
+        return live
 
     def _mine(self, owner: str, binding: str) -> bool:
         return owner == self._principal and binding == self._binding
@@ -555,6 +570,7 @@ class SessionSocket(ServerSocket):
             audio=choose_audio(hello.audio) if "audio" in capabilities else None,
             tools=hello.tools if "tools" in capabilities else (),
             context=dict(hello.context or {}) if "context" in capabilities else {},
+            opened_at=time.time(),
         )
         states = self._services.session_states
         epoch = await states.create(session_id, capabilities=profile.encode())

@@ -31,6 +31,12 @@ class SessionSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     unacknowledged: tuple[tuple[int, bytes], ...]  # the resend buffer, in order
     capabilities: bytes = b""  # the negotiated capabilities, as encoded on the wire
     window_deadline: float | None = None  # when a dropped session may no longer resume
+    # The latest turns whose terminal message is recorded (newest first, at most
+    # ENDED_TURNS_KEPT): a replica taking the session over answers the others.
+    ended_turns: tuple[str, ...] = ()
+
+
+ENDED_TURNS_KEPT = 64
 
 
 class BufferLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,8 +56,11 @@ class SessionStates(Protocol):
 
     async def load(self, session_id: str) -> SessionSnapshot | None: ...
 
-    async def record_sent(self, session_id: str, epoch: int, seq: int, data: bytes) -> None:
-        """Keep `data` as server message `seq` (the next one) until it is acknowledged."""
+    async def record_sent(
+        self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""
+    ) -> None:
+        """Keep `data` as server message `seq` (the next one) until it is acknowledged;
+        `ends_turn`: it is that turn's terminal message (`ended_turns`, same step)."""
         ...
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None: ...

@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
-from portico.sessionstate.base import BufferLimits, SessionSnapshot
+from portico.sessionstate.base import ENDED_TURNS_KEPT, BufferLimits, SessionSnapshot
 
 
 @dataclass
@@ -19,6 +19,7 @@ class _Ledger:
     buffer: deque[tuple[int, bytes]] = field(default_factory=deque)
     buffer_bytes: int = 0
     window_deadline: float | None = None
+    ended_turns: deque[str] = field(default_factory=lambda: deque(maxlen=ENDED_TURNS_KEPT))
 
 
 class InProcessSessionStates:
@@ -50,12 +51,17 @@ class InProcessSessionStates:
             unacknowledged=tuple(ledger.buffer),
             capabilities=ledger.capabilities,
             window_deadline=ledger.window_deadline,
+            ended_turns=tuple(reversed(ledger.ended_turns)),
         )
 
-    async def record_sent(self, session_id: str, epoch: int, seq: int, data: bytes) -> None:
-        self.record_sent_now(session_id, epoch, seq, data)
+    async def record_sent(
+        self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""
+    ) -> None:
+        self.record_sent_now(session_id, epoch, seq, data, ends_turn=ends_turn)
 
-    def record_sent_now(self, session_id: str, epoch: int, seq: int, data: bytes) -> None:
+    def record_sent_now(
+        self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""
+    ) -> None:
         """`record_sent` in the caller's step: one process needs no task per message."""
         ledger = self._current(session_id, epoch)
         if seq != ledger.next_seq:
@@ -68,6 +74,8 @@ class InProcessSessionStates:
         ledger.buffer.append((seq, data))
         ledger.buffer_bytes += len(data)
         ledger.next_seq += 1
+        if ends_turn:
+            ledger.ended_turns.append(ends_turn)
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
         ledger = self._current(session_id, epoch)

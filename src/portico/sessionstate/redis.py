@@ -1,8 +1,9 @@
 """Session state in Redis: any replica resumes a `/v1/session`, and it outlives its replica.
 
-One hash per session (epoch, positions, buffered bytes, capabilities, window) and one
-list holding the unacknowledged messages. The list holds exactly server seqs
-`peer_acked + 1 .. next_seq - 1`, so it needs no seq per entry. Every write is one Lua
+One hash per session (epoch, positions, buffered bytes, capabilities, window), one
+list holding the unacknowledged messages and one the latest ended turns. The first
+list holds exactly server seqs `peer_acked + 1 .. next_seq - 1`, so it needs no seq
+per entry. Every write is one Lua
 script: the epoch check (fencing), the bound check and the change are atomic.
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
-from portico.sessionstate.base import BufferLimits, SessionSnapshot
+from portico.sessionstate.base import ENDED_TURNS_KEPT, BufferLimits, SessionSnapshot
 
 _MISSING, _MOVED, _OVERFLOW, _OUT_OF_ORDER = -1, -2, -3, -4
 
@@ -27,7 +28,7 @@ if tonumber(e) ~= tonumber(ARGV[1]) then return -2 end
 # A ledger created over an older one carries its epoch on: the old holders stay fenced.
 _CREATE = """
 local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0') + 1
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 redis.call('HSET', KEYS[1], 'epoch', epoch, 'next_seq', 1, 'handled', 0, 'peer_acked', 0,
            'bytes', 0, 'capabilities', ARGV[1])
 return epoch
@@ -39,7 +40,7 @@ redis.call('HDEL', KEYS[1], 'window')
 return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 """
 
-# ARGV: epoch, seq, data, max_messages, max_bytes
+# ARGV: epoch, seq, data, max_messages, max_bytes, ended turn ('' for none), turns kept
 _SENT = (
     _FENCE
     + """
@@ -52,6 +53,10 @@ if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[4]) or held + size > tonumber(AR
 end
 redis.call('RPUSH', KEYS[2], ARGV[3])
 redis.call('HSET', KEYS[1], 'next_seq', nxt + 1, 'bytes', held + size)
+if ARGV[6] ~= '' then
+  redis.call('LPUSH', KEYS[3], ARGV[6])
+  redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[7]) - 1)
+end
 return 1
 """
 )
@@ -93,7 +98,7 @@ return 1
 _REMOVE = (
     _FENCE
     + """
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 return 1
 """
 )
@@ -124,7 +129,7 @@ class RedisSessionStates:
 
     def _keys(self, session_id: str) -> list[str]:
         key = f"{self._prefix}session:{session_id}"
-        return [key, key + ":unacked"]
+        return [key, key + ":unacked", key + ":turns"]
 
     async def create(self, session_id: str, *, capabilities: bytes) -> int:
         return int(await self._create(keys=self._keys(session_id), args=[capabilities]))
@@ -137,7 +142,8 @@ class RedisSessionStates:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hgetall(keys[0])
             pipe.lrange(keys[1], 0, -1)
-            fields, unacked = await pipe.execute()
+            pipe.lrange(keys[2], 0, -1)
+            fields, unacked, turns = await pipe.execute()
         if not fields:
             return None
         acked = int(fields[b"peer_acked"])
@@ -150,11 +156,22 @@ class RedisSessionStates:
             unacknowledged=tuple((acked + 1 + i, data) for i, data in enumerate(unacked)),
             capabilities=fields[b"capabilities"],
             window_deadline=None if window is None else float(window),
+            ended_turns=tuple(turn.decode() for turn in turns),
         )
 
-    async def record_sent(self, session_id: str, epoch: int, seq: int, data: bytes) -> None:
+    async def record_sent(
+        self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""
+    ) -> None:
         limits = self._limits
-        args: list[bytes | int | str] = [epoch, seq, data, limits.max_messages, limits.max_bytes]
+        args: list[bytes | int | str] = [
+            epoch,
+            seq,
+            data,
+            limits.max_messages,
+            limits.max_bytes,
+            ends_turn,
+            ENDED_TURNS_KEPT,
+        ]
         _checked(await self._sent(keys=self._keys(session_id), args=args))
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
