@@ -9,9 +9,11 @@ the archive holds each user message and its reply exactly once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from support.postgres import create_schema, drop_schemas, require_postgres, sche
 from support.redis import session_state
 from support.server import SCRIPT, ServerProcess
 from support.session import SessionProbe
+from support.slowtcp import SlowRelay
 
 HELLO = "Hello world"  # the scripted default reply
 MEDIUM = "y" * 120  # the `medium` scenario: 120 chunks, then done
@@ -49,14 +52,17 @@ def state_env() -> Iterator[dict[str, str]]:
         yield env
 
 
-@pytest.fixture
-async def pair(tmp_path: Path, state_env: dict[str, str]) -> AsyncIterator[Pair]:
+@asynccontextmanager
+async def replica_pair(
+    root: Path, state_env: dict[str, str], a_env: dict[str, str] | None = None
+) -> AsyncIterator[Pair]:
+    """Replicas A and B on a fresh PostgreSQL schema; `a_env`: A's own settings."""
     require_postgres()
     schema = await create_schema()
     database_url = schema_url(schema)
     servers = [
         ServerProcess(
-            tmp_path / name,
+            root / name,
             args=("--store", "postgres", "--runtime", "scripted", "--script", str(SCRIPT)),
             env={
                 "PORTICO_DATABASE_URL": database_url,
@@ -64,6 +70,7 @@ async def pair(tmp_path: Path, state_env: dict[str, str]) -> AsyncIterator[Pair]
                 "PORTICO_REPLICA_LEASE": str(LEASE),
                 "PORTICO_RESUME_WINDOW": "30",
                 **state_env,
+                **((a_env or {}) if name == "a" else {}),
             },
         )
         for name in ("a", "b")
@@ -76,6 +83,12 @@ async def pair(tmp_path: Path, state_env: dict[str, str]) -> AsyncIterator[Pair]
         for server in servers:
             server.stop()
         await drop_schemas([schema])
+
+
+@pytest.fixture
+async def pair(tmp_path: Path, state_env: dict[str, str]) -> AsyncIterator[Pair]:
+    async with replica_pair(tmp_path, state_env) as running:
+        yield running
 
 
 @pytest.fixture
@@ -265,11 +278,26 @@ async def test_a_session_outlives_its_replica_killed_with_sigkill(
         await on_b.ws.close()
 
 
+@pytest.mark.parametrize("redis_delay", [0.0, 0.3], ids=["direct", "slow-redis-on-a"])
 async def test_a_turn_running_on_a_killed_replica_ends_interrupted_once_on_the_other(
-    http: aiohttp.ClientSession, pair: Pair
+    http: aiohttp.ClientSession, tmp_path: Path, state_env: dict[str, str], redis_delay: float
 ) -> None:
     """The turn dies with its replica; the client resumed on B gets its one terminal
-    frame there (interrupted, once the lease lapsed), and the session goes on."""
+    frame there (interrupted, once the lease lapsed), and the session goes on.
+
+    With A's Redis slow, a message A wrote before the session state held it would be
+    numbered again by B (the client would see one seq twice): A writes only what is
+    recorded."""
+    with contextlib.ExitStack() as stack:
+        a_env = {}
+        if redis_delay:
+            relay = stack.enter_context(SlowRelay(("127.0.0.1", 6379), delay=redis_delay))
+            a_env = {"PORTICO_REDIS_URL": f"redis://127.0.0.1:{relay.port}/0"}
+        async with replica_pair(tmp_path, state_env, a_env) as pair:
+            await interrupted_on_the_other(http, pair)
+
+
+async def interrupted_on_the_other(http: aiohttp.ClientSession, pair: Pair) -> None:
     async with asyncio.timeout(4 * WITHIN):
         on_a = await SessionProbe.connect(http, Pair.url(pair.a))
         session_id = (await on_a.hello())["session_id"]
