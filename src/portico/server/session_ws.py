@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -75,6 +75,10 @@ CREDENTIAL_QUERY_KEYS = frozenset({"token", "access_token", "credential", "autho
 LIVE_SESSIONS = web.AppKey("live_sessions", dict[str, "LiveSession"])
 CLOSE_BACKEND_FAILED = 1011
 _TASKS: set[asyncio.Task[None]] = set()
+
+
+def _nothing() -> None:
+    return None
 
 
 def _spawn(coro: Coroutine[Any, Any, None]) -> None:
@@ -167,6 +171,9 @@ class LiveSession:
         self.ended = False
         self._sessions = sessions
         self._expiry: asyncio.TimerHandle | None = None
+        # Stops the engine's events for this copy once it is dropped (set by the socket
+        # that built it: the session does not know the engine).
+        self.release: Callable[[], None] = _nothing
         ledger.on_recorded = self._recorded
         ledger.on_moved = self.moved
         ledger.on_overflow = self._overflowed
@@ -231,6 +238,7 @@ class LiveSession:
             self._expiry = None
         if self._sessions.get(self.id) is self:
             del self._sessions[self.id]
+        self.release()
 
     def on_turn_event(self, event: TurnEvent) -> None:
         """Number every event into the session; write it once the port holds it."""
@@ -608,7 +616,9 @@ class SessionSocket(ServerSocket):
         )
         self._epoch = snapshot.epoch
         self._sessions[session_id] = live
-        self._services.engine.attach(session_id, live.on_turn_event)
+        engine = self._services.engine
+        engine.attach(session_id, live.on_turn_event)
+        live.release = lambda: engine.detach(session_id, live.on_turn_event)
         return live
 
     # -- the session-state port ---------------------------------------------------------
