@@ -95,17 +95,16 @@ class SessionLedger:
     def send(self, seq: int, data: bytes, ends_turn: str = "") -> None:
         """Record message `seq`, then hand it to `on_recorded` (which writes it).
         `ends_turn`: the message is that turn's terminal one."""
-        if self.stopped:
-            return
-        if self._now is not None and not self._pending:
+        now = self._now
+        if now is not None and not self._pending and not self.stopped:
             try:
-                self._now.record_sent_now(
-                    self.session_id, self.epoch, seq, data, ends_turn=ends_turn
-                )
+                now.record_sent_now(self.session_id, self.epoch, seq, data, ends_turn)
             except Exception as exc:
                 self._failed(exc)
                 return
             self.on_recorded(seq, data)
+            return
+        if self.stopped:
             return
         self._pending.append((seq, data, ends_turn))
         if self._flushing is None:

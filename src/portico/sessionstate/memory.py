@@ -9,7 +9,7 @@ from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, Sess
 from portico.sessionstate.base import ENDED_TURNS_KEPT, BufferLimits, SessionSnapshot
 
 
-@dataclass
+@dataclass(slots=True)
 class _Ledger:
     capabilities: bytes
     epoch: int = 1
@@ -25,6 +25,7 @@ class _Ledger:
 class InProcessSessionStates:
     def __init__(self, limits: BufferLimits) -> None:
         self._limits = limits
+        self._max_messages, self._max_bytes = limits.max_messages, limits.max_bytes
         self._ledgers: dict[str, _Ledger] = {}
 
     async def create(self, session_id: str, *, capabilities: bytes) -> int:
@@ -57,23 +58,27 @@ class InProcessSessionStates:
     async def record_sent(
         self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""
     ) -> None:
-        self.record_sent_now(session_id, epoch, seq, data, ends_turn=ends_turn)
+        self.record_sent_now(session_id, epoch, seq, data, ends_turn)
 
     def record_sent_now(
-        self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""
+        self, session_id: str, epoch: int, seq: int, data: bytes, ends_turn: str = ""
     ) -> None:
-        """`record_sent` in the caller's step: one process needs no task per message."""
-        ledger = self._current(session_id, epoch)
+        """`record_sent` in the caller's step: one process needs no task per message.
+        On every numbered message of every session: kept to the fewest lookups."""
+        ledger = self._ledgers.get(session_id)
+        if ledger is None:
+            raise ResumeFailed()
+        if epoch != ledger.epoch:
+            raise SessionMoved()
         if seq != ledger.next_seq:
             raise ProtocolViolation(f"server seq {seq} is not the next ({ledger.next_seq})")
-        if (
-            len(ledger.buffer) >= self._limits.max_messages
-            or ledger.buffer_bytes + len(data) > self._limits.max_bytes
-        ):
+        size = len(data)
+        buffer = ledger.buffer
+        if len(buffer) >= self._max_messages or ledger.buffer_bytes + size > self._max_bytes:
             raise BufferOverflow()
-        ledger.buffer.append((seq, data))
-        ledger.buffer_bytes += len(data)
-        ledger.next_seq += 1
+        buffer.append((seq, data))
+        ledger.buffer_bytes += size
+        ledger.next_seq = seq + 1
         if ends_turn:
             ledger.ended_turns.append(ends_turn)
 
