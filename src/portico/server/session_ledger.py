@@ -179,10 +179,17 @@ class SessionLedger:
         async with self._lock:
             await self.states.set_window(self.session_id, self.epoch, deadline)
 
-    async def remove(self) -> None:
-        """Forget the session in the port, unless a newer epoch holds it by now."""
+    def forget(self) -> asyncio.Task[None] | None:
+        """Forget the session in the port, unless a newer epoch holds it by now: at
+        once in this process's port (a resume right after `end` must fail), else in a
+        task (the caller spawns it)."""
         self.stop()
-        await self.states.remove(self.session_id, self.epoch)
+        if self._now is not None:
+            self._now.remove_now(self.session_id, self.epoch)
+            return None
+        return asyncio.get_running_loop().create_task(
+            self.states.remove(self.session_id, self.epoch)
+        )
 
     def stop(self) -> None:
         """No more writes from this copy (ended, or fenced by another replica)."""

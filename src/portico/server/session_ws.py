@@ -83,7 +83,12 @@ def _nothing() -> None:
 
 def _spawn(coro: Coroutine[Any, Any, None]) -> None:
     """A port write nobody waits for (window, removal); failures are logged."""
-    task = asyncio.get_running_loop().create_task(coro)
+    _keep(asyncio.get_running_loop().create_task(coro))
+
+
+def _keep(task: asyncio.Task[None] | None) -> None:
+    if task is None:
+        return
     _TASKS.add(task)
     task.add_done_callback(_finished)
 
@@ -216,7 +221,7 @@ class LiveSession:
         if self.ended:
             return
         self._drop()
-        _spawn(self.ledger.remove())
+        _keep(self.ledger.forget())
         log.info("session ended session=%s", self.id)
 
     def moved(self) -> None:

@@ -109,6 +109,10 @@ class InProcessSessionStates:
         self._current(session_id, epoch).window_deadline = deadline
 
     async def remove(self, session_id: str, epoch: int | None = None) -> None:
+        self.remove_now(session_id, epoch)
+
+    def remove_now(self, session_id: str, epoch: int | None = None) -> None:
+        """`remove` in the caller's step."""
         ledger = self._ledgers.get(session_id)
         if ledger is not None and (epoch is None or ledger.epoch == epoch):
             del self._ledgers[session_id]
