@@ -25,6 +25,7 @@ from portico.store.postgres import PostgresStore
 from support.archive import ENDED, OPEN
 from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
 from support.redis import session_state
+from support.replicas import REPLICAS, Replicas, require_haproxy
 from support.server import SCRIPT, ServerProcess
 from support.session import SessionProbe
 from support.slowtcp import SlowRelay
@@ -99,16 +100,16 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 async def resume(
     http: aiohttp.ClientSession,
-    server: ServerProcess,
+    url: str,
     old: SessionProbe,
     session_id: str,
     *,
     handled: int | None = None,
 ) -> tuple[SessionProbe, dict[str, Any]]:
-    """Reconnect to `server` with the old probe's position; the new probe and `ready`.
+    """Reconnect to `url` with the old probe's position; the new probe and `ready`.
     `handled`: the client handled only the server messages up to it (the rest were
     still in its socket when the replica died)."""
-    probe = await SessionProbe.connect(http, Pair.url(server))
+    probe = await SessionProbe.connect(http, url)
     last = old.handled if handled is None else handled
     probe.handled, probe.next_seq = last, old.next_seq
     probe.received = [
@@ -194,7 +195,7 @@ async def test_a_session_resumes_on_the_other_replica_with_nothing_lost_or_twice
         await on_a.ws.close()
         await archived(pair.database_url, session_id, 4)  # A finished the turn
 
-        on_b, ready = await resume(http, pair.b, on_a, session_id)
+        on_b, ready = await resume(http, Pair.url(pair.b), on_a, session_id)
         assert ready["last_seq"] == 2  # B knows both client messages were handled
         rest = await frames_until(on_b, 1)
         assert (rest[-1]["type"], rest[-1]["content"]) == ("done", MEDIUM)
@@ -229,7 +230,7 @@ async def test_a_client_message_a_dropped_replica_never_handled_is_taken_once_on
         await on_a.ws.close()
         await archived(pair.database_url, session_id, 2)
 
-        on_b, ready = await resume(http, pair.b, on_a, session_id)
+        on_b, ready = await resume(http, Pair.url(pair.b), on_a, session_id)
         assert ready["last_seq"] == 1
         await on_b.message("one", seq=1)  # a blind resend: a duplicate, no effect
         await on_b.message("two")
@@ -264,7 +265,7 @@ async def test_a_session_outlives_its_replica_killed_with_sigkill(
         pair.a.stop(signal.SIGKILL)  # no goodbye: its socket just dies
 
         # The client had handled only the first turn when the replica went.
-        on_b, ready = await resume(http, pair.b, on_a, session_id, handled=handled)
+        on_b, ready = await resume(http, Pair.url(pair.b), on_a, session_id, handled=handled)
         assert ready["last_seq"] == 2
         rest = await frames_until(on_b, 1)
         assert "".join(frame.get("content", "") for frame in rest[:-1]) == MEDIUM
@@ -310,7 +311,7 @@ async def interrupted_on_the_other(http: aiohttp.ClientSession, pair: Pair) -> N
         await running_turn(pair.database_url, session_id)
         pair.a.stop(signal.SIGKILL)
 
-        on_b, ready = await resume(http, pair.b, on_a, session_id)
+        on_b, ready = await resume(http, Pair.url(pair.b), on_a, session_id)
         assert ready["last_seq"] == 1
         (ended,) = await frames_until(on_b, 1)
         assert (ended["type"], ended["turn_id"]) == ("error", first["turn_id"])
@@ -342,7 +343,7 @@ async def test_a_half_open_connection_on_the_old_replica_is_fenced(
         session_id = (await on_a.hello())["session_id"]
         await on_a.message("one")
         await on_a.turn()
-        on_b, _ = await resume(http, pair.b, on_a, session_id)
+        on_b, _ = await resume(http, Pair.url(pair.b), on_a, session_id)
         # The old connection sends on: its message is not taken, its socket is closed.
         await on_a.message("stale")
         assert (await on_a.closed())[0] == 4409
@@ -352,3 +353,49 @@ async def test_a_half_open_connection_on_the_old_replica_is_fenced(
         messages, _ = await archived(pair.database_url, session_id, 4)
         assert [m.content for m in messages] == ["one", HELLO, "two", HELLO]
         await on_b.ws.close()
+
+
+ROUNDS = 6  # drops and resumes through the balancer
+
+
+async def test_round_robin_resumes_land_on_every_replica_and_lose_nothing(
+    http: aiohttp.ClientSession, tmp_path: Path, state_env: dict[str, str]
+) -> None:
+    """Three replicas behind HAProxy (round robin, no stickiness): each drop's resume
+    lands on whichever replica is next, and the ledger stays exact."""
+    require_haproxy()
+    require_postgres()
+    schema = await create_schema()
+    group = Replicas(tmp_path, database_url=schema_url(schema), env=state_env)
+    try:
+        group.start()
+        url = f"{group.ws_url}/v1/session"
+        async with asyncio.timeout(8 * WITHIN):
+            probe = await SessionProbe.connect(http, url)
+            session_id = (await probe.hello())["session_id"]
+            served: set[str] = set()
+            for n in range(ROUNDS):
+                await probe.message(f"round {n}", metadata={"mock_scenario": "medium"})
+                for _ in range(3):
+                    await probe.recv_numbered()
+                await probe.ws.close()  # the rest of the reply waits in the session state
+                probe, ready = await resume(http, url, probe, session_id)
+                served.add(probe.ws._response.headers.get("X-Served-By", ""))
+                assert ready["last_seq"] == n + 1
+                (*_, done) = await frames_until(probe, 1)
+                assert (done["type"], done["content"]) == ("done", MEDIUM)
+                await probe.ack()
+            assert served == {f"r{i}" for i in range(REPLICAS)}
+            assert_seqs_once(probe)
+            messages, turns = await archived(schema_url(schema), session_id, 2 * ROUNDS)
+            expected = [
+                (role, text)
+                for n in range(ROUNDS)
+                for role, text in (("user", f"round {n}"), ("assistant", MEDIUM))
+            ]
+            assert [(m.role, m.content) for m in messages] == expected
+            assert [t.state.value for t in turns] == ["completed"] * ROUNDS
+            await probe.ws.close()
+    finally:
+        group.stop()
+        await drop_schemas([schema])

@@ -24,9 +24,10 @@ from portico.protocols.session.channel import Numbered
 from portico.store.base import Store
 
 POLL_INTERVAL = 0.25  # seconds between archive reads while a turn runs elsewhere
+GRACE = 2.0  # seconds after a claim during which new turns of others are looked for
 # A turn created this long before its numbering's ledger still counts as its own
 # (clock skew between replicas, a turn started while the ledger was being created).
-SKEW = 5.0
+SKEW = 0.5
 _REPLY_TYPES = ("text", "markdown")  # not the tool-call records a reply sits beside
 INTERRUPTED_MESSAGE = "the turn was interrupted: the replica running it stopped"
 _TERMINAL = frozenset(
@@ -42,38 +43,55 @@ _TERMINAL = frozenset(
 
 class TurnAnswering(Protocol):
     @property
+    def id(self) -> str: ...
+
+    @property
     def ended(self) -> bool: ...
 
     def end_turn(self, frame: Numbered, turn_id: str) -> None: ...
 
 
-async def unfinished_turns(
-    store: Store, session_id: str, *, since: float, ended: tuple[str, ...]
-) -> list[Turn]:
-    """This numbering's turns whose terminal message the ledger does not hold."""
-    done = set(ended)
-    return [
-        turn
-        for turn in await store.list_turns(session_id)
-        if turn.created_at >= since - SKEW
-        and turn.id not in done
-        and turn.state is not TurnState.MERGED  # its message is answered by another turn
-    ]
-
-
-async def answer_turns(session: TurnAnswering, store: Store, turns: list[Turn]) -> None:
-    """Number each turn's terminal message once the archive says how it ended."""
-    for turn in sorted(turns, key=lambda t: t.created_at):
-        while turn.state not in _TERMINAL:
-            await asyncio.sleep(POLL_INTERVAL)
-            if session.ended:
-                return
-            turn = await store.get_turn(turn.id) or turn
-        if session.ended:
+async def catch_up(
+    session: TurnAnswering,
+    store: Store,
+    *,
+    replica_id: str,
+    since: float,
+    ended: tuple[str, ...],
+    grace: float = GRACE,
+) -> None:
+    """Answer this numbering's turns that other replicas run or ran and whose terminal
+    message the ledger does not hold, each once its archive entry ends. New ones are
+    looked for during `grace` seconds: the archive groups its writes, so a turn the
+    previous holder had just started may show up a little after the claim."""
+    loop = asyncio.get_running_loop()
+    stop_looking = loop.time() + grace
+    answered = set(ended)
+    waiting: dict[str, Turn] = {}
+    while not session.ended:
+        looking = loop.time() < stop_looking
+        if looking:
+            for turn in await store.list_turns(session.id):
+                if (
+                    turn.id not in answered
+                    and turn.id not in waiting
+                    and turn.replica != replica_id
+                    and turn.created_at >= since - SKEW
+                    and turn.state is not TurnState.MERGED  # another turn answers it
+                ):
+                    waiting[turn.id] = turn
+        for turn_id, turn in sorted(waiting.items(), key=lambda item: item[1].created_at):
+            current = turn if turn.state in _TERMINAL else await store.get_turn(turn_id)
+            if current is None or current.state not in _TERMINAL:
+                break  # in order: a later turn is not answered before an earlier one
+            del waiting[turn_id]
+            answered.add(turn_id)
+            frame = await terminal_frame(store, current)
+            if frame is not None and not session.ended:
+                session.end_turn(frame, turn_id)
+        if not waiting and not looking:
             return
-        frame = await terminal_frame(store, turn)
-        if frame is not None:
-            session.end_turn(frame, turn.id)
+        await asyncio.sleep(POLL_INTERVAL)
 
 
 async def terminal_frame(store: Store, turn: Turn) -> Numbered | None:

@@ -61,7 +61,7 @@ from portico.protocols.session.media import MediaItems, choose_audio
 from portico.runtime.base import ClientTool, MediaChunk
 from portico.server.admission import check_admission
 from portico.server.services import SERVICES, Services
-from portico.server.session_catchup import answer_turns, unfinished_turns
+from portico.server.session_catchup import catch_up
 from portico.server.session_ledger import SessionLedger, SessionProfile, decode_profile
 from portico.server.sockets import ServerSocket, run_socket
 from portico.sessionstate.base import SessionSnapshot
@@ -520,14 +520,18 @@ class SessionSocket(ServerSocket):
         snapshot = await states.load(session_id)
         if snapshot is None or snapshot.epoch != epoch:
             raise SessionMoved()  # yet another connection claimed it in between
+        live = self._live_session(profile, session_id, snapshot)
         # The claim fenced the previous holder: the turns it did not end in the
         # ledger are this replica's to answer now.
-        unfinished = await unfinished_turns(
-            self._services.store, session_id, since=profile.opened_at, ended=snapshot.ended_turns
+        _spawn(
+            catch_up(
+                live,
+                self._services.store,
+                replica_id=self._services.engine.replica_id,
+                since=profile.opened_at,
+                ended=snapshot.ended_turns,
+            )
         )
-        live = self._live_session(profile, session_id, snapshot)
-        if unfinished:
-            _spawn(answer_turns(live, self._services.store, unfinished))
         return live
 
     def _mine(self, owner: str, binding: str) -> bool:
