@@ -9,6 +9,7 @@ script: the epoch check (fencing), the bound check and the change are atomic.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from redis.asyncio import Redis
@@ -17,6 +18,10 @@ from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, Sess
 from portico.sessionstate.base import ENDED_TURNS_KEPT, BufferLimits, SessionSnapshot
 
 _MISSING, _MOVED, _OVERFLOW, _OUT_OF_ORDER = -1, -2, -3, -4
+# A session nobody resumed is forgotten by Redis itself this long after its window's
+# deadline (the replica whose timer would remove it may be dead); until then, and
+# after, a resume gets the same RESUME_FAILED.
+EXPIRY_GRACE_MS = 60_000
 
 # KEYS[1] the hash, KEYS[2] the buffer list; ARGV[1] the caller's epoch.
 _FENCE = """
@@ -37,10 +42,12 @@ return epoch
 _CLAIM = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 redis.call('HDEL', KEYS[1], 'window')
+for i = 1, 3 do redis.call('PERSIST', KEYS[i]) end
 return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 """
 
-# ARGV: epoch, seq, data, max_messages, max_bytes, ended turn ('' for none), turns kept
+# ARGV: epoch, seq, data, max_messages, max_bytes, ended turn ('' for none), turns kept,
+# expiry grace (ms)
 _SENT = (
     _FENCE
     + """
@@ -56,6 +63,13 @@ redis.call('HSET', KEYS[1], 'next_seq', nxt + 1, 'bytes', held + size)
 if ARGV[6] ~= '' then
   redis.call('LPUSH', KEYS[3], ARGV[6])
   redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[7]) - 1)
+end
+local window = redis.call('HGET', KEYS[1], 'window')
+if window then
+  -- Written while no connection holds the session: expire with it (as _WINDOW set).
+  local expiry = math.floor(tonumber(window) * 1000) + tonumber(ARGV[8])
+  redis.call('PEXPIREAT', KEYS[2], expiry)
+  if ARGV[6] ~= '' then redis.call('PEXPIREAT', KEYS[3], expiry) end
 end
 return 1
 """
@@ -103,12 +117,17 @@ return 1
 """
 )
 
-# ARGV: epoch, deadline ('' for none)
+# ARGV: epoch, deadline ('' for none), expiry (unix ms: the deadline and the grace)
 _WINDOW = (
     _FENCE
     + """
-if ARGV[2] == '' then redis.call('HDEL', KEYS[1], 'window') else
-  redis.call('HSET', KEYS[1], 'window', ARGV[2]) end
+if ARGV[2] == '' then
+  redis.call('HDEL', KEYS[1], 'window')
+  for i = 1, 3 do redis.call('PERSIST', KEYS[i]) end
+else
+  redis.call('HSET', KEYS[1], 'window', ARGV[2])
+  for i = 1, 3 do redis.call('PEXPIREAT', KEYS[i], ARGV[3]) end
+end
 return 1
 """
 )
@@ -171,6 +190,7 @@ class RedisSessionStates:
             limits.max_bytes,
             ends_turn,
             ENDED_TURNS_KEPT,
+            EXPIRY_GRACE_MS,
         ]
         _checked(await self._sent(keys=self._keys(session_id), args=args))
 
@@ -186,7 +206,9 @@ class RedisSessionStates:
         return _checked(await self._handled(keys=self._keys(session_id), args=args)) == 1
 
     async def set_window(self, session_id: str, epoch: int, deadline: float | None) -> None:
-        args: list[bytes | int | str] = [epoch, "" if deadline is None else repr(deadline)]
+        args: list[bytes | int | str] = [epoch, "", 0]
+        if deadline is not None:
+            args = [epoch, repr(deadline), math.floor(deadline * 1000) + EXPIRY_GRACE_MS]
         _checked(await self._window(keys=self._keys(session_id), args=args))
 
     async def remove(self, session_id: str, epoch: int | None = None) -> None:
