@@ -55,7 +55,11 @@ def state_env() -> Iterator[dict[str, str]]:
 
 @asynccontextmanager
 async def replica_pair(
-    root: Path, state_env: dict[str, str], a_env: dict[str, str] | None = None
+    root: Path,
+    state_env: dict[str, str],
+    a_env: dict[str, str] | None = None,
+    *,
+    window: float = 30.0,
 ) -> AsyncIterator[Pair]:
     """Replicas A and B on a fresh PostgreSQL schema; `a_env`: A's own settings."""
     require_postgres()
@@ -69,7 +73,7 @@ async def replica_pair(
                 "PORTICO_DATABASE_URL": database_url,
                 "PORTICO_REPLICA_ID": f"rep-{name}",
                 "PORTICO_REPLICA_LEASE": str(LEASE),
-                "PORTICO_RESUME_WINDOW": "30",
+                "PORTICO_RESUME_WINDOW": str(window),
                 **state_env,
                 **((a_env or {}) if name == "a" else {}),
             },
@@ -353,6 +357,27 @@ async def test_a_half_open_connection_on_the_old_replica_is_fenced(
         messages, _ = await archived(pair.database_url, session_id, 4)
         assert [m.content for m in messages] == ["one", HELLO, "two", HELLO]
         await on_b.ws.close()
+
+
+async def test_the_window_of_a_dead_replicas_session_holds_on_the_other(
+    http: aiohttp.ClientSession, tmp_path: Path, state_env: dict[str, str]
+) -> None:
+    """The window's deadline lives in the session state: with the replica whose timer
+    would end the session dead, B still refuses a resume past it."""
+    window = 1.0
+    async with replica_pair(tmp_path, state_env, window=window) as pair:
+        on_a = await SessionProbe.connect(http, Pair.url(pair.a))
+        session_id = (await on_a.hello())["session_id"]
+        await on_a.message("one")
+        await on_a.turn()
+        await on_a.ws.close()
+        await asyncio.sleep(0.3)  # A writes the deadline when the connection closes
+        pair.a.stop(signal.SIGKILL)
+        await asyncio.sleep(window + 0.3)
+        probe = await SessionProbe.connect(http, Pair.url(pair.b))
+        answer = await probe.hello(session_id=session_id, last_seq=on_a.handled)
+        assert (answer["type"], answer["error"]["code"]) == ("error", "RESUME_FAILED")
+        assert (await probe.closed())[0] == 4404
 
 
 ROUNDS = 6  # drops and resumes through the balancer
