@@ -222,6 +222,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     redis_key_prefix: str = "portico:"  # every key and channel of this deployment starts so
     bus_stream_max_len: Count = 10_000  # entries kept per stream (approximate trim)
     bus_read_block: Seconds = 1.0  # longest a stream read blocks before re-checking
+    # Where `/v1/session` keeps its numbered streams (docs/replicas.md, Session state):
+    # `memory` (this process) or `redis` (redis_url: any replica resumes any session).
+    session_state: Literal["memory", "redis"] = "memory"
 
     # Authentication: `none` (one principal, `local`), `apikey` or `jwt` (docs/auth.md).
     auth: Literal["none", "apikey", "jwt"] = "none"
@@ -450,12 +453,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError("media=s3 needs aiobotocore: pip install 'portico[s3]'")
 
     def _check_bus(self) -> None:
-        if self.bus != "redis":
-            return
-        if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError("bus=redis needs redis_url (PORTICO_REDIS_URL=redis://host:6379/0)")
-        if importlib.util.find_spec("redis") is None:
-            raise ConfigError("bus=redis needs redis-py: pip install 'portico[redis]'")
+        for name, value in (("bus", self.bus), ("session_state", self.session_state)):
+            if value != "redis":
+                continue
+            if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
+                raise ConfigError(
+                    f"{name}=redis needs redis_url (PORTICO_REDIS_URL=redis://host:6379/0)"
+                )
+            if importlib.util.find_spec("redis") is None:
+                raise ConfigError(f"{name}=redis needs redis-py: pip install 'portico[redis]'")
 
     def _check_keepalive(self) -> None:
         """A peer that pings on time must never be closed as idle."""

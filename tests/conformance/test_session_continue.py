@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from support.archive import open_archive, wait_for_messages
+from support.redis import SESSION_STATES, session_state
 from support.rpc import RpcProbe
 from support.server import SCRIPT, ServerProcess
 from support.session import SessionProbe
@@ -37,17 +38,22 @@ ENV = {
 }
 
 
-def start(data_dir: Path) -> ServerProcess:
+def start(data_dir: Path, env: dict[str, str] | None = None) -> ServerProcess:
     return ServerProcess(
-        data_dir, args=("--runtime", "scripted", "--script", str(SCRIPT)), env=ENV
+        data_dir,
+        args=("--runtime", "scripted", "--script", str(SCRIPT)),
+        env={**ENV, **(env or {})},
     ).start()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = start(tmp_path_factory.mktemp("portico-continue"))
-    yield process
-    process.stop()
+@pytest.fixture(scope="module", params=SESSION_STATES)
+def server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerProcess]:
+    with session_state(request.param) as env:
+        process = start(tmp_path_factory.mktemp("portico-continue"), env)
+        yield process
+        process.stop()
 
 
 @pytest.fixture

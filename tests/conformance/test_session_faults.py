@@ -29,6 +29,7 @@ from support.faultproxy import (
     duplicate,
     suppress,
 )
+from support.redis import SESSION_STATES, session_state
 from support.server import SCRIPT, ServerProcess
 from support.session import Closed, SessionProbe
 
@@ -40,21 +41,25 @@ HELLO = "Hello world"  # the scripted default reply
 MEDIUM = "y" * 120  # the `medium` scenario's reply: 120 chunks, then done
 
 
-@pytest.fixture(scope="module")
-def session_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = ServerProcess(
-        tmp_path_factory.mktemp("portico-sessions"),
-        args=("--runtime", "scripted", "--script", str(SCRIPT)),
-        env={
-            "PORTICO_AUTH": "apikey",
-            "PORTICO_API_KEYS": f"{ALICE}=alice,{BOB}=bob",
-            "PORTICO_RESUME_WINDOW": str(WINDOW),
-            "PORTICO_RESEND_BUFFER_MESSAGES": str(BUFFER),
-            "PORTICO_TOOL_ACK_TIMEOUT": str(TOOL_TIMEOUT),
-        },
-    ).start()
-    yield process
-    process.stop()
+@pytest.fixture(scope="module", params=SESSION_STATES)
+def session_server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerProcess]:
+    with session_state(request.param) as state_env:
+        process = ServerProcess(
+            tmp_path_factory.mktemp("portico-sessions"),
+            args=("--runtime", "scripted", "--script", str(SCRIPT)),
+            env={
+                "PORTICO_AUTH": "apikey",
+                "PORTICO_API_KEYS": f"{ALICE}=alice,{BOB}=bob",
+                "PORTICO_RESUME_WINDOW": str(WINDOW),
+                "PORTICO_RESEND_BUFFER_MESSAGES": str(BUFFER),
+                "PORTICO_TOOL_ACK_TIMEOUT": str(TOOL_TIMEOUT),
+                **state_env,
+            },
+        ).start()
+        yield process
+        process.stop()
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from portico.core.states import TurnState
 from portico.protocols.session import frames as f
 from support.archive import open_archive
 from support.faultproxy import FaultProxy
+from support.redis import SESSION_STATES, session_state
 from support.server import SCRIPT, ServerProcess
 
 CLIENTS = 50
@@ -28,19 +29,23 @@ SEED = 20261130
 DEADLINE = 90.0  # seconds for the whole conversation, a bound, not a measure
 
 
-@pytest.fixture(scope="module")
-def stress_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = ServerProcess(
-        tmp_path_factory.mktemp("portico-stress"),
-        args=("--runtime", "scripted", "--script", str(SCRIPT)),
-        env={
-            "PORTICO_RESUME_WINDOW": "60",
-            "PORTICO_RATE_LIMIT_MESSAGES": "1000",
-            "PORTICO_RATE_LIMIT_BURST": "1000",
-        },
-    ).start()
-    yield process
-    process.stop()
+@pytest.fixture(scope="module", params=SESSION_STATES)
+def stress_server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerProcess]:
+    with session_state(request.param) as state_env:
+        process = ServerProcess(
+            tmp_path_factory.mktemp("portico-stress"),
+            args=("--runtime", "scripted", "--script", str(SCRIPT)),
+            env={
+                "PORTICO_RESUME_WINDOW": "60",
+                "PORTICO_RATE_LIMIT_MESSAGES": "1000",
+                "PORTICO_RATE_LIMIT_BURST": "1000",
+                **state_env,
+            },
+        ).start()
+        yield process
+        process.stop()
 
 
 async def chat(client: SessionClient, index: int) -> tuple[str, list[str], list[int]]:

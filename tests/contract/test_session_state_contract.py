@@ -8,6 +8,7 @@ across every holder, and a newer claim fences the older one.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -15,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
-from portico.sessionstate.base import BufferLimits, SessionStates
+from portico.sessionstate.base import ENDED_TURNS_KEPT, BufferLimits, SessionStates
 from portico.sessionstate.memory import InProcessSessionStates
-from portico.sessionstate.redis import RedisSessionStates
+from portico.sessionstate.redis import EXPIRY_GRACE_MS, RedisSessionStates
 from support.redis import redis_client, run_prefix
 
 LIMITS = BufferLimits(max_messages=4, max_bytes=64)
@@ -144,10 +145,11 @@ async def test_a_claim_fences_every_write_of_the_older_epoch(states: SessionStat
 
 async def test_the_window_deadline_is_kept_and_cleared(states: SessionStates) -> None:
     epoch = await states.create(SID, capabilities=b"")
-    await states.set_window(SID, epoch, 1234.5)
+    deadline = time.time() + 1234.5  # a deadline long past is forgotten (Redis: expired)
+    await states.set_window(SID, epoch, deadline)
     snap = await states.load(SID)
     assert snap is not None
-    assert snap.window_deadline == 1234.5
+    assert snap.window_deadline == deadline
     await states.set_window(SID, epoch, None)
     snap = await states.load(SID)
     assert snap is not None
@@ -159,6 +161,75 @@ async def test_a_removed_session_is_gone(states: SessionStates) -> None:
     await states.record_sent(SID, epoch, 1, b"m1")
     await states.remove(SID)
     assert await states.load(SID) is None
+
+
+async def test_a_claim_clears_the_window_deadline(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    await states.set_window(SID, epoch, time.time() + 1234.5)
+    await states.claim(SID)
+    snap = await states.load(SID)
+    assert snap is not None
+    assert snap.window_deadline is None
+
+
+async def test_a_ledger_created_over_another_fences_the_old_numbering(
+    states: SessionStates,
+) -> None:
+    """A continued conversation starts a new numbering under the same id: whoever
+    held the old one must not write into the new one."""
+    old = await states.create(SID, capabilities=b"")
+    await states.record_sent(SID, old, 1, b"m1")
+    new = await states.create(SID, capabilities=b"again")
+    assert new > old
+    with pytest.raises(SessionMoved):
+        await states.record_sent(SID, old, 1, b"stale")
+    snap = await states.load(SID)
+    assert snap is not None
+    assert (snap.epoch, snap.next_seq, snap.unacknowledged) == (new, 1, ())
+
+
+async def test_handled_and_new_capabilities_are_one_step(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"before")
+    assert await states.record_handled(SID, epoch, 1, capabilities=b"after")
+    # A duplicate changes nothing, capabilities included.
+    assert not await states.record_handled(SID, epoch, 1, capabilities=b"again")
+    new = await states.claim(SID)
+    with pytest.raises(SessionMoved):
+        await states.record_handled(SID, epoch, 2, capabilities=b"stale")
+    snap = await states.load(SID)
+    assert snap is not None
+    assert (snap.handled, snap.capabilities, snap.epoch) == (1, b"after", new)
+
+
+async def test_a_fenced_remove_spares_a_newer_holder(states: SessionStates) -> None:
+    old = await states.create(SID, capabilities=b"")
+    new = await states.claim(SID)
+    await states.remove(SID, old)  # the old holder's window passed: not its session now
+    assert await states.load(SID) is not None
+    await states.remove(SID, new)
+    assert await states.load(SID) is None
+    await states.remove(SID, new)  # already gone: nothing to do
+
+
+async def test_the_latest_ended_turns_are_kept_newest_first(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    await states.record_sent(SID, epoch, 1, b"c", ends_turn="")
+    await states.record_sent(SID, epoch, 2, b"d", ends_turn="t1")
+    await states.record_sent(SID, epoch, 3, b"d", ends_turn="t2")
+    snap = await states.load(SID)
+    assert snap is not None
+    assert snap.ended_turns == ("t2", "t1")
+
+
+async def test_only_the_latest_ended_turns_are_kept(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    for seq in range(1, ENDED_TURNS_KEPT + 3):
+        await states.record_sent(SID, epoch, seq, b"d", ends_turn=f"t{seq}")
+        await states.record_ack(SID, epoch, seq)
+    snap = await states.load(SID)
+    assert snap is not None
+    assert len(snap.ended_turns) == ENDED_TURNS_KEPT
+    assert snap.ended_turns[0] == f"t{ENDED_TURNS_KEPT + 2}"
 
 
 async def test_another_replica_resumes_with_the_backlog_and_fences_the_first(
@@ -178,6 +249,29 @@ async def test_another_replica_resumes_with_the_backlog_and_fences_the_first(
     with pytest.raises(SessionMoved):
         await a.record_sent(SID, epoch_a, 3, b"m3")  # a's socket, still alive, stops
     await b.record_sent(SID, epoch_b, 3, b"m3")
+
+
+async def test_redis_forgets_a_session_whose_window_passed_long_ago() -> None:
+    """No replica may be left to remove it: Redis expires it after the window's grace."""
+    prefix = run_prefix()
+    async with redis_client(prefix) as client:
+        states = RedisSessionStates(client, LIMITS, prefix=prefix)
+        epoch = await states.create(SID, capabilities=b"")
+        await states.record_sent(SID, epoch, 1, b"m1")
+        await states.record_ack(SID, epoch, 1)  # the buffer is empty: no list key
+        await states.set_window(SID, epoch, time.time() + 30)
+        await states.record_sent(SID, epoch, 2, b"m2", ends_turn="t2")
+        assert len(await client.keys(prefix + "*")) == 3
+        # Every key of the session expires with it, those written in the window too.
+        for key in await client.keys(prefix + "*"):
+            assert await client.pttl(key) > 0, key
+        await states.claim(SID)  # resumed: kept again, without a deadline
+        for key in await client.keys(prefix + "*"):
+            assert await client.pttl(key) == -1, key
+        epoch = (await states.load(SID)).epoch  # type: ignore[union-attr]
+        await states.set_window(SID, epoch, time.time() - 2 * EXPIRY_GRACE_MS / 1000)
+        assert await states.load(SID) is None
+        assert await client.keys(prefix + "*") == []
 
 
 # -- the two backends agree on any sequence of operations ------------------------------

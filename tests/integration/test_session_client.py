@@ -32,6 +32,7 @@ from portico.client import (
 from portico.protocols.session import frames as f
 from support.archive import assert_ledger, wait_for_messages
 from support.faultproxy import SERVER_TO_CLIENT, FaultProxy, Rule, close, suppress
+from support.redis import SESSION_STATES, session_state
 from support.server import SCRIPT, ServerProcess
 
 SCRIPTED = ("--runtime", "scripted", "--script", str(SCRIPT))
@@ -49,13 +50,18 @@ WITHIN = 10.0  # seconds any single step of a test may take
 TOOL_REPLY = "status={status} result={result} error={error}"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = ServerProcess(
-        tmp_path_factory.mktemp("session-client"), args=SCRIPTED, env=SHORT_ENV
-    ).start()
-    yield process
-    process.stop()
+@pytest.fixture(scope="module", params=SESSION_STATES)
+def server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerProcess]:
+    with session_state(request.param) as state_env:
+        process = ServerProcess(
+            tmp_path_factory.mktemp("session-client"),
+            args=SCRIPTED,
+            env={**SHORT_ENV, **state_env},
+        ).start()
+        yield process
+        process.stop()
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from portico.config import load_settings
 from portico.errors import InvalidMessage
 from portico.server.app import create_app
 from portico.server.services import SERVICES
+from support.redis import SESSION_STATES, session_state
 
 WITHIN = 5.0
 
@@ -26,12 +28,18 @@ async def numbered(ws: aiohttp.ClientWebSocketResponse) -> dict[str, Any]:
             return frame
 
 
+@pytest.fixture(params=SESSION_STATES)
+def state_env(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    with session_state(request.param) as env:
+        yield env
+
+
 async def test_the_answer_to_a_message_of_a_replaced_connection_reaches_the_new_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state_env: dict[str, str]
 ) -> None:
     """A message still being handled when a resume takes the session over: its answer is
     numbered into the session and written to the connection attached now, in order."""
-    app = create_app(load_settings(env={}, flags={"data_dir": str(tmp_path)}))
+    app = create_app(load_settings(env=state_env, flags={"data_dir": str(tmp_path)}))
     services = app[SERVICES]
     handling, release = asyncio.Event(), asyncio.Event()
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 from redis.asyncio import Redis
 
@@ -26,3 +26,42 @@ async def redis_client(prefix: str) -> AsyncIterator[Redis]:
         if keys:
             await client.delete(*keys)
         await client.aclose()
+
+
+# The `/v1/session` suites run against both session-state backends (docs/replicas.md).
+SESSION_STATES = ("memory", "redis")
+
+
+def session_state_env(kind: str, prefix: str) -> dict[str, str]:
+    """A server's environment for `session_state=kind`; Redis keys under `prefix`."""
+    if kind == "memory":
+        return {"PORTICO_SESSION_STATE": "memory"}
+    return {
+        "PORTICO_SESSION_STATE": "redis",
+        "PORTICO_REDIS_URL": REDIS_URL,
+        "PORTICO_REDIS_KEY_PREFIX": prefix,
+    }
+
+
+def drop_keys(prefix: str) -> None:
+    """Remove what a server left under `prefix` (synchronous: for fixture teardown)."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        keys = list(client.scan_iter(match=prefix + "*"))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+@contextmanager
+def session_state(kind: str) -> Iterator[dict[str, str]]:
+    """The environment of a server on `kind`, its Redis keys dropped afterwards."""
+    prefix = run_prefix()
+    try:
+        yield session_state_env(kind, prefix)
+    finally:
+        if kind == "redis":
+            drop_keys(prefix)

@@ -67,7 +67,14 @@ def free_port() -> int:
 class Replicas:
     """The replicas and their balancer; `url` is the only address a client should use."""
 
-    def __init__(self, root: Path, *, database_url: str, args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        database_url: str,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.root = root
         self.port = free_port()
         base_args = ("--store", "postgres", "--runtime", "scripted", "--script", str(SCRIPT), *args)
@@ -79,7 +86,9 @@ class Replicas:
                     "PORTICO_DATABASE_URL": database_url,
                     "PORTICO_REPLICA_ID": f"rep-{index}",
                     "PORTICO_BUS": "redis",
+                    "PORTICO_SESSION_STATE": "redis",
                     "PORTICO_REDIS_URL": "redis://127.0.0.1:6379/0",
+                    **(env or {}),
                 },
             )
             for index in range(REPLICAS)

@@ -15,7 +15,10 @@ from portico.protocols.session.channel import Channel
 from portico.protocols.session.connection import Role, SessionConnection, State, Timing
 from portico.protocols.session.media import MediaItems, choose_audio, item_format
 from portico.runtime.base import MediaChunk
+from portico.server.session_ledger import SessionLedger
 from portico.server.session_ws import LiveSession
+from portico.sessionstate.base import BufferLimits
+from portico.sessionstate.memory import InProcessSessionStates
 
 PCM = f.AudioFormat(codec="pcm16", sample_rate=24000, channels=1)
 
@@ -188,20 +191,6 @@ def test_no_binary_frames_before_the_handshake_or_after_a_close() -> None:
 # -- the session: items across connection changes -------------------------------------------------
 
 
-class _States:
-    def get(self, session_id: str) -> LiveSession | None:
-        return None
-
-    def put(self, session_id: str, state: LiveSession) -> None:
-        return None
-
-    def remove(self, session_id: str) -> None:
-        return None
-
-    def __len__(self) -> int:
-        return 0
-
-
 class _Socket:
     """Stands in for `SessionSocket`: records what the session writes."""
 
@@ -225,7 +214,10 @@ class _Socket:
         return None
 
 
-def live_session(capabilities: tuple[str, ...] = ("audio", "resume")) -> LiveSession:
+async def live_session(capabilities: tuple[str, ...] = ("audio", "resume")) -> LiveSession:
+    """A session on the in-process session-state port (which records in the same step)."""
+    states = InProcessSessionStates(BufferLimits(max_messages=100, max_bytes=1_000_000))
+    epoch = await states.create("s-1", capabilities=b"")
     return LiveSession(
         session_id="s-1",
         owner="alice",
@@ -234,7 +226,8 @@ def live_session(capabilities: tuple[str, ...] = ("audio", "resume")) -> LiveSes
         tools=(),
         context={},
         channel=Channel(max_messages=100, max_bytes=1_000_000),
-        states=_States(),
+        ledger=SessionLedger(states, "s-1", epoch),
+        sessions={},
     )
 
 
@@ -243,7 +236,7 @@ def media(index: int, *, last: bool = False) -> TurnMediaChunk:
 
 
 async def test_a_drop_mid_item_ends_it_lost_and_the_rest_is_a_new_item() -> None:
-    live = live_session()
+    live = await live_session()
     first = _Socket()
     live.attach(first)  # type: ignore[arg-type]
     live.on_turn_event(media(0))
@@ -273,7 +266,7 @@ async def test_a_drop_mid_item_ends_it_lost_and_the_rest_is_a_new_item() -> None
 
 
 async def test_a_full_queue_drops_frames_and_ends_the_item_lost() -> None:
-    live = live_session()
+    live = await live_session()
     socket = _Socket(room=False)
     live.attach(socket)  # type: ignore[arg-type]
     live.on_turn_event(media(0, last=True))
@@ -284,7 +277,7 @@ async def test_a_full_queue_drops_frames_and_ends_the_item_lost() -> None:
 
 
 async def test_a_cancelled_turn_ends_its_open_items_before_done() -> None:
-    live = live_session()
+    live = await live_session()
     socket = _Socket()
     live.attach(socket)  # type: ignore[arg-type]
     live.on_turn_event(media(0))
@@ -297,7 +290,7 @@ async def test_a_cancelled_turn_ends_its_open_items_before_done() -> None:
 
 
 async def test_without_the_capability_media_are_dropped() -> None:
-    live = live_session(("resume",))
+    live = await live_session(("resume",))
     socket = _Socket()
     live.attach(socket)  # type: ignore[arg-type]
     live.on_turn_event(media(0, last=True))

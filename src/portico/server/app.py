@@ -13,7 +13,6 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from portico.bus.memory import InProcessTransportStates
 from portico.config import Settings
 from portico.core.periodic import every
 from portico.server import media_routes, observability
@@ -21,7 +20,7 @@ from portico.server.drain import drain
 from portico.server.http_limits import runner_options
 from portico.server.rpc_ws import rpc_handler
 from portico.server.services import SERVICES, Services
-from portico.server.session_ws import TRANSPORTS, LiveSession, session_handler
+from portico.server.session_ws import LIVE_SESSIONS, session_handler
 from portico.server.startup import check_startup, listen_failure
 from portico.server.websocket import omnia_handler
 
@@ -105,8 +104,7 @@ async def _stop(app: web.Application) -> None:
 def create_app(settings: Settings) -> web.Application:
     app = web.Application()
     app[SERVICES] = Services(settings)
-    transports: InProcessTransportStates[LiveSession] = InProcessTransportStates()
-    app[TRANSPORTS] = transports
+    app[LIVE_SESSIONS] = {}
     app.router.add_get("/ws", omnia_handler)
     app.router.add_get("/v1/session", session_handler)
     app.router.add_get("/v1/rpc", rpc_handler)

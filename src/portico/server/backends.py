@@ -1,5 +1,5 @@
 """The bus and the session-state ledger, as the settings choose them: in this process
-(`bus: memory`), or in Redis (`bus: redis`, `redis_url`) for replicas."""
+(`bus: memory`, `session_state: memory`), or in Redis (`redis_url`) for replicas."""
 
 from __future__ import annotations
 
@@ -25,32 +25,42 @@ class SharedState:
 
 
 def build_shared_state(settings: Settings) -> SharedState:
-    limits = BufferLimits(
-        max_messages=settings.resend_buffer_messages, max_bytes=settings.resend_buffer_bytes
-    )
+    bus, close_bus = _build_bus(settings)
+    states = _build_session_states(settings)
+
+    async def close() -> None:
+        await close_bus()
+        await states.close()
+
+    return SharedState(bus, states, close)
+
+
+def _build_bus(settings: Settings) -> tuple[Bus, Callable[[], Awaitable[None]]]:
     if settings.bus != "redis":
-        return SharedState(
-            InProcessBus(settings.bus_stream_max_len), InProcessSessionStates(limits)
-        )
-    # Imported here: redis-py is an optional extra (`portico[redis]`). Neither client
-    # connects before its first command, so building them costs nothing at start.
-    import redis.asyncio as aioredis
-
+        return InProcessBus(settings.bus_stream_max_len), _nothing
+    # Imported here: redis-py is an optional extra (`portico[redis]`). The client
+    # connects at its first command, so building it costs nothing at start.
     from portico.bus.redis_bus import RedisBus
-    from portico.sessionstate.redis import RedisSessionStates
 
-    prefix = settings.redis_key_prefix
     redis_bus = RedisBus(
         settings.redis_url,
-        prefix=prefix,
+        prefix=settings.redis_key_prefix,
         max_len=settings.bus_stream_max_len,
         block=settings.bus_read_block,
     )
-    client = aioredis.from_url(settings.redis_url)
-    states = RedisSessionStates(client, limits, prefix=prefix)
+    return redis_bus, redis_bus.close
 
-    async def close() -> None:
-        await redis_bus.close()
-        await client.aclose()
 
-    return SharedState(redis_bus, states, close)
+def _build_session_states(settings: Settings) -> SessionStates:
+    """Where `/v1/session` streams live: this process, or Redis for every replica."""
+    limits = BufferLimits(
+        max_messages=settings.resend_buffer_messages, max_bytes=settings.resend_buffer_bytes
+    )
+    if settings.session_state != "redis":
+        return InProcessSessionStates(limits)
+    from redis.asyncio import Redis
+
+    from portico.sessionstate.redis import RedisSessionStates
+
+    client = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
+    return RedisSessionStates(client, limits, prefix=settings.redis_key_prefix)

@@ -101,10 +101,10 @@ class Services:
                 search_limit=settings.memory_search_limit,
             ),
         )
-        # The bus and session-state ports (docs/replicas.md): built here so /readyz
-        # checks them; the engine and /v1/session do not route through them yet.
+        # The bus and session-state ports (docs/replicas.md), as the settings choose.
         self.shared = build_shared_state(settings)
         self.calls = build_calls(settings, resolved, self.store, self.engine, self.metrics)
+        self.session_states = self.shared.session_states
         self.updates = InProcessUpdates()
         self.store.set_update_listener(self.updates.publish)
         self.conversations = Conversations(self.engine, self.tools, default_agent=DEFAULT_AGENT)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
-from portico.bus.base import TransportStates
 from portico.config import DEFAULT_AGENT
 from portico.core.engine import UserMessage
 from portico.core.events import (
@@ -39,6 +39,7 @@ from portico.errors import (
     RateLimited,
     ResumeFailed,
     SessionAgentNotFound,
+    SessionMoved,
     SessionUnauthenticated,
     TooManyConnections,
     Unauthenticated,
@@ -48,6 +49,7 @@ from portico.protocols.session.channel import Channel, Numbered
 from portico.protocols.session.connection import (
     CLOSE_NORMAL,
     CLOSE_REPLACED,
+    Acknowledged,
     CredentialOffered,
     HelloReceived,
     Received,
@@ -56,17 +58,45 @@ from portico.protocols.session.connection import (
     Timing,
 )
 from portico.protocols.session.media import MediaItems, choose_audio
-from portico.runtime.base import ClientTool
+from portico.runtime.base import ClientTool, MediaChunk
 from portico.server.admission import check_admission
 from portico.server.services import SERVICES, Services
+from portico.server.session_catchup import catch_up
+from portico.server.session_ledger import SessionLedger, SessionProfile, decode_profile
 from portico.server.sockets import ServerSocket, run_socket
+from portico.sessionstate.base import SessionSnapshot
 
 log = logging.getLogger("portico.session")
 PROTOCOL = "session"
 SUPPORTED_CAPABILITIES = frozenset({"resume", "tools", "context", "audio"})
 # Credentials never travel in URLs (they end up in logs and browser history).
 CREDENTIAL_QUERY_KEYS = frozenset({"token", "access_token", "credential", "authorization"})
-TRANSPORTS = web.AppKey("session_transports", TransportStates["LiveSession"])
+# The sessions this process serves now (a connection attached, or inside the window).
+LIVE_SESSIONS = web.AppKey("live_sessions", dict[str, "LiveSession"])
+CLOSE_BACKEND_FAILED = 1011
+_TASKS: set[asyncio.Task[None]] = set()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _spawn(coro: Coroutine[Any, Any, None]) -> None:
+    """A port write nobody waits for (window, removal); failures are logged."""
+    _keep(asyncio.get_running_loop().create_task(coro))
+
+
+def _keep(task: asyncio.Task[None] | None) -> None:
+    if task is None:
+        return
+    _TASKS.add(task)
+    task.add_done_callback(_finished)
+
+
+def _finished(task: asyncio.Task[None]) -> None:
+    _TASKS.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("session state write failed: %r", task.exception())
 
 
 def timing(services: Services) -> Timing:
@@ -107,6 +137,11 @@ def session_frame(event: TurnEvent) -> Numbered | None:
 
 
 class LiveSession:
+    """This process's copy of a session it serves: the connection, the engine listener,
+    the media items. Its numbered streams live in the session-state port through
+    `ledger`; the `channel` mirrors them for the sans-I/O core (numbering, dedup, the
+    backlog a resume on this process resends)."""
+
     def __init__(
         self,
         *,
@@ -119,7 +154,9 @@ class LiveSession:
         tools: tuple[ClientTool, ...],
         context: dict[str, Any],
         channel: Channel,
-        states: TransportStates[LiveSession],
+        ledger: SessionLedger,
+        sessions: dict[str, LiveSession],
+        profile: SessionProfile | None = None,
     ) -> None:
         self.id = session_id
         self.owner = owner
@@ -130,11 +167,22 @@ class LiveSession:
         self.media = MediaItems(session_id)
         self.tools = tools
         self.context = context
+        self.profile = profile or SessionProfile(
+            owner=owner, binding=binding, agent=agent, capabilities=capabilities, audio=audio
+        )
         self.channel = channel
+        self.ledger = ledger
         self.socket: SessionSocket | None = None
         self.ended = False
-        self._states = states
+        self._sessions = sessions
         self._expiry: asyncio.TimerHandle | None = None
+        # Stops the engine's events for this copy once it is dropped (set by the socket
+        # that built it: the session does not know the engine).
+        self.release: Callable[[], None] = _nothing
+        ledger.on_recorded = self._recorded
+        ledger.on_moved = self.moved
+        ledger.on_overflow = self._overflowed
+        ledger.on_failure = self._backend_failed
 
     def attach(self, socket: SessionSocket) -> None:
         """A connection takes the session; an older one still attached is replaced (4409)."""
@@ -149,25 +197,56 @@ class LiveSession:
         self._end_items()
 
     def detach(self, socket: SessionSocket, window: float) -> None:
-        """The connection went away: the resume window starts now."""
+        """The connection went away: the resume window starts now, here and in the port
+        (another replica that gets the resume checks the deadline there)."""
         if self.socket is not socket or self.ended:
             return
         self.socket = None
         self._end_items()  # binary frames are never resent: what was in flight is lost
-        self._expiry = asyncio.get_running_loop().call_later(window, self.end)
+        self._expiry = asyncio.get_running_loop().call_later(window, self.expire)
+        _spawn(self._set_window(time.time() + window))
+
+    async def _set_window(self, deadline: float) -> None:
+        try:
+            await self.ledger.window(deadline)
+        except SessionMoved:
+            self.moved()
+
+    def expire(self) -> None:
+        """The window passed without a resume."""
+        self.end()
 
     def end(self) -> None:
         """No resume any more (`end`, window passed, buffer overflow); turns still finish."""
         if self.ended:
             return
-        self.ended = True
-        if self._expiry is not None:
-            self._expiry.cancel()
-        self._states.remove(self.id)
+        self._drop()
+        _keep(self.ledger.forget())
         log.info("session ended session=%s", self.id)
 
+    def moved(self) -> None:
+        """Another replica claimed the session: this copy stops writing, its connection
+        (a half-open one) is closed as replaced, and the port keeps the session."""
+        if self.ended:
+            return
+        self._drop()
+        if self.socket is not None:
+            self.socket.replaced()
+            self.socket = None
+        log.info("session moved to another connection session=%s", self.id)
+
+    def _drop(self) -> None:
+        self.ended = True
+        self.ledger.stop()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        if self._sessions.get(self.id) is self:
+            del self._sessions[self.id]
+        self.release()
+
     def on_turn_event(self, event: TurnEvent) -> None:
-        """Number every event into the channel; write it if a connection is attached."""
+        """Number every event into the session; write it once the port holds it."""
         if self.ended:
             return
         if type(event) is TurnChunk:  # most events by far: skip the checks and the match
@@ -178,13 +257,15 @@ class LiveSession:
             if "audio" in self.capabilities:
                 self._media_chunk(event)
             return  # without `audio` the client gets no binary frames: media are dropped
+        ends_turn = ""
         if isinstance(event, TurnCompleted | TurnFailed):
             # Items the agent left open (a cancelled turn) end before the turn does.
             for end in self.media.end_all(event.turn_id):
                 self._number(end)
+            ends_turn = event.turn_id
         frame = session_frame(event)
         if frame is not None:
-            self._number(frame)
+            self._number(frame, ends_turn)
         if isinstance(event, TurnCompleted | TurnFailed) and self.socket is not None:
             self.socket.turn_ended()
 
@@ -198,19 +279,36 @@ class LiveSession:
         """
         self._number(frame)
 
-    def _number(self, frame: Numbered) -> None:
+    def _number(self, frame: Numbered, ends_turn: str = "") -> None:
         if self.ended:
             return
-        try:
-            data = self.channel.send(frame)
-        except BufferOverflow as exc:
-            # A client that reads but never acknowledges: end the session.
-            if self.socket is not None:
-                self.socket.fail(exc)
-            self.end()
-            return
+        seq, data = self.channel.number(frame)
+        self.ledger.send(seq, data, ends_turn)
+
+    def end_turn(self, frame: Numbered, turn_id: str) -> None:
+        """A turn's terminal message this replica did not run (see session_catchup)."""
+        self._number(frame, turn_id)
+
+    def _recorded(self, seq: int, data: bytes) -> None:
+        """The port holds message `seq`: keep it for a resend here, and write it."""
+        self.channel.keep(seq, data)
         if self.socket is not None:
             self.socket.write(data)
+
+    def _overflowed(self) -> None:
+        # A client that reads but never acknowledges: end the session.
+        if self.socket is not None:
+            self.socket.fail(BufferOverflow())
+        self.end()
+
+    def _backend_failed(self) -> None:
+        """The port refused a write for another reason (Redis unreachable): what this
+        copy holds can no longer be resumed exactly once, so it stops; the client's
+        resume gets what the port kept, or `RESUME_FAILED`."""
+        socket = self.socket
+        self.moved()
+        if socket is not None:
+            socket.backend_failed()
 
     def _media_chunk(self, event: TurnMediaChunk) -> None:
         """`audio_start` (numbered) for a new item, the chunk's binary frame (lossy),
@@ -220,11 +318,19 @@ class LiveSession:
         if start is not None:
             self._number(start)
         frame = self.media.frame(turn_id, chunk)
-        if self.socket is None or not self.socket.write_binary(frame):
-            self.media.dropped(turn_id, chunk)
+        # Written after the numbered messages before it (its `audio_start`) are: at once
+        # on the in-process port, after their round trips on Redis.
+        self.ledger.after_recorded(lambda: self._binary(turn_id, chunk, frame))
         end = self.media.finish(turn_id, chunk)
         if end is not None:
             self._number(end)
+
+    def _binary(self, turn_id: str, chunk: MediaChunk, frame: bytes) -> None:
+        if self.socket is None or not self.socket.write_binary(frame):
+            # Known in time only while the item is open; a frame dropped after its
+            # `audio_end` was numbered (the Redis port's delay) shows as a gap in the
+            # item's Sequence, which is how a client judges an item complete anyway.
+            self.media.dropped(turn_id, chunk)
 
     def _end_items(self) -> None:
         if "audio" in self.capabilities:
@@ -239,10 +345,11 @@ class SessionSocket(ServerSocket):
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, services: Services) -> None:
         super().__init__(request, ws, services)
         self._core = SessionConnection(
-            role=Role.SERVER, timing=timing(services), now=self._loop.time()
+            role=Role.SERVER, timing=timing(services), now=self._loop.time(), ledger=True
         )
-        self._states = request.app[TRANSPORTS]
+        self._sessions = request.app[LIVE_SESSIONS]
         self._live: LiveSession | None = None
+        self._epoch = 0  # the epoch this connection claimed the session under
         self._principal = ""
         self._binding = ""
 
@@ -280,6 +387,11 @@ class SessionSocket(ServerSocket):
         self._core.close(CLOSE_REPLACED, "replaced by a newer connection")
         self._after_core()
 
+    def backend_failed(self) -> None:
+        self._live = None
+        self._core.close(CLOSE_BACKEND_FAILED, "session state unavailable")
+        self._after_core()
+
     def _after_core(self) -> None:
         if self._core.close_request is not None:
             self.start_close(*self._core.close_request)
@@ -301,6 +413,8 @@ class SessionSocket(ServerSocket):
                 await self._hello(event.hello)
             elif isinstance(event, Received):
                 await self._numbered(event.frame)
+            elif isinstance(event, Acknowledged):
+                await self._acknowledged(event.seq)
             elif isinstance(event, CredentialOffered):
                 await self.refresh_credential(event.token, self._core.refresh)
         self._after_core()
@@ -345,20 +459,27 @@ class SessionSocket(ServerSocket):
         except PorticoError as exc:
             self._core.fail(exc)
             return
+        except Exception:
+            log.exception("session state unavailable for a /v1/session hello")
+            self._core.fail(InternalError())
+            return
         self._live = live
         live.attach(self)
+        peer_last_seq = hello.last_seq if hello.session_id else 0
+        if peer_last_seq and not await self._port_ack(live, peer_last_seq):
+            return
         settings = self._services.settings
         ready = f.Ready(
             session_id=live.id,
             resumed=bool(hello.session_id),
-            last_seq=live.channel.handled,
+            last_seq=live.ledger.handled,
             capabilities=live.capabilities,
             audio=live.audio,
             heartbeat_ms=round(settings.heartbeat_interval * 1000),
             resume_window_ms=round(settings.resume_window * 1000),
             ai_disclosure=self._services.engine.ai_disclosure(live.agent),
         )
-        self._core.accept(live.channel, ready, hello.last_seq if hello.session_id else 0)
+        self._core.accept(live.channel, ready, peer_last_seq)
         self._core.bind_credential(identity, now=self._loop.time(), wall=time.time())
         log.info("session %s session=%s", _how(hello), live.id)
 
@@ -371,14 +492,52 @@ class SessionSocket(ServerSocket):
 
     async def _resume(self, hello: f.Hello) -> LiveSession:
         assert hello.session_id is not None
-        live = self._states.get(hello.session_id)
-        # One answer for unknown, foreign, expired and ended: existence never leaks.
-        if live is None or live.ended or not self._mine(live):
+        local = self._sessions.get(hello.session_id)
+        if local is not None and not local.ended:
+            # One answer for unknown, foreign, expired and ended: existence never leaks.
+            if not self._mine(local.owner, local.binding):
+                raise ResumeFailed()
+            if await local.ledger.claim():
+                self._epoch = local.ledger.epoch
+                # What the port holds handled, not what an older connection of this
+                # process received and never got marked: the client resends that.
+                local.channel.handled = local.ledger.handled
+                return local
+            local.moved()  # another replica held it meanwhile: this copy is stale
+        return await self._adopt(hello.session_id)
+
+    async def _adopt(self, session_id: str) -> LiveSession:
+        """Take over a session this process does not hold (it was opened or last
+        resumed on another replica, or this one restarted): from the port alone."""
+        states = self._services.session_states
+        snapshot = await states.load(session_id)
+        profile = None if snapshot is None else decode_profile(snapshot.capabilities)
+        if snapshot is None or profile is None or not self._mine(profile.owner, profile.binding):
             raise ResumeFailed()
+        if snapshot.window_deadline is not None and snapshot.window_deadline <= time.time():
+            raise ResumeFailed()
+        if not self._services.engine.has_agent(profile.agent):
+            raise ResumeFailed()
+        epoch = await states.claim(session_id)
+        snapshot = await states.load(session_id)
+        if snapshot is None or snapshot.epoch != epoch:
+            raise SessionMoved()  # yet another connection claimed it in between
+        live = self._live_session(profile, session_id, snapshot)
+        # The claim fenced the previous holder: the turns it did not end in the
+        # ledger are this replica's to answer now.
+        _spawn(
+            catch_up(
+                live,
+                self._services.store,
+                replica_id=self._services.engine.replica_id,
+                since=profile.opened_at,
+                ended=snapshot.ended_turns,
+            )
+        )
         return live
 
-    def _mine(self, live: LiveSession) -> bool:
-        return live.owner == self._principal and live.binding == self._binding
+    def _mine(self, owner: str, binding: str) -> bool:
+        return owner == self._principal and binding == self._binding
 
     async def _open(self, hello: f.Hello) -> LiveSession:
         agent = hello.agent or DEFAULT_AGENT
@@ -388,7 +547,7 @@ class SessionSocket(ServerSocket):
         await self._services.engine.open_session(
             principal=self._principal, agent=agent, session_id=session_id, binding=self._binding
         )
-        return self._live_session(hello, session_id, agent)
+        return await self._create(hello, session_id, agent)
 
     async def _continue(self, hello: f.Hello) -> LiveSession:
         """A new numbering on an archived conversation: same id, seq from 1, no replay."""
@@ -407,45 +566,134 @@ class SessionSocket(ServerSocket):
             raise ResumeFailed()
         if not self._services.engine.has_agent(stored.agent):
             raise SessionAgentNotFound(stored.agent)
-        previous = self._states.get(stored.id)
+        previous = self._sessions.get(stored.id)
         if previous is not None:
             # Still live here: its numbering ends (its connection is replaced, 4409).
+            socket = previous.socket
             previous.end()
             self._services.engine.detach(previous.id, previous.on_turn_event)
-            if previous.socket is not None:
-                previous.socket.replaced()
-        return self._live_session(hello, stored.id, stored.agent)
+            if socket is not None:
+                socket.replaced()
+        # A holder on another replica is fenced by the new ledger's epoch.
+        return await self._create(hello, stored.id, stored.agent)
 
-    def _live_session(self, hello: f.Hello, session_id: str, agent: str) -> LiveSession:
+    async def _create(self, hello: f.Hello, session_id: str, agent: str) -> LiveSession:
         capabilities = tuple(
             sorted((set(hello.capabilities) & SUPPORTED_CAPABILITIES) | {"resume"})
         )
-        settings = self._services.settings
-        tools = hello.tools if "tools" in capabilities else ()
-        live = LiveSession(
-            session_id=session_id,
+        profile = SessionProfile(
             owner=self._principal,
             binding=self._binding,
             agent=agent,
             capabilities=capabilities,
             audio=choose_audio(hello.audio) if "audio" in capabilities else None,
-            tools=tuple(ClientTool(t.name, t.description, t.parameters) for t in tools),
+            tools=hello.tools if "tools" in capabilities else (),
             context=dict(hello.context or {}) if "context" in capabilities else {},
-            channel=Channel(
-                max_messages=settings.resend_buffer_messages,
-                max_bytes=settings.resend_buffer_bytes,
-            ),
-            states=self._states,
+            opened_at=time.time(),
         )
-        self._states.put(session_id, live)
-        self._services.engine.attach(session_id, live.on_turn_event)
+        states = self._services.session_states
+        epoch = await states.create(session_id, capabilities=profile.encode())
+        empty = SessionSnapshot(epoch=epoch, next_seq=1, handled=0, peer_acked=0, unacknowledged=())
+        return self._live_session(profile, session_id, empty)
+
+    def _live_session(
+        self, profile: SessionProfile, session_id: str, snapshot: SessionSnapshot
+    ) -> LiveSession:
+        settings = self._services.settings
+        channel = Channel.restore(
+            max_messages=settings.resend_buffer_messages,
+            max_bytes=settings.resend_buffer_bytes,
+            next_seq=snapshot.next_seq,
+            handled=snapshot.handled,
+            peer_acked=snapshot.peer_acked,
+            unacknowledged=snapshot.unacknowledged,
+        )
+        ledger = SessionLedger(
+            self._services.session_states, session_id, snapshot.epoch, handled=snapshot.handled
+        )
+        live = LiveSession(
+            session_id=session_id,
+            owner=profile.owner,
+            binding=profile.binding,
+            agent=profile.agent,
+            capabilities=profile.capabilities,
+            audio=profile.audio,
+            tools=tuple(ClientTool(t.name, t.description, t.parameters) for t in profile.tools),
+            context=dict(profile.context),
+            channel=channel,
+            ledger=ledger,
+            sessions=self._sessions,
+            profile=profile,
+        )
+        self._epoch = snapshot.epoch
+        self._sessions[session_id] = live
+        engine = self._services.engine
+        engine.attach(session_id, live.on_turn_event)
+        live.release = lambda: engine.detach(session_id, live.on_turn_event)
         return live
+
+    # -- the session-state port ---------------------------------------------------------
+
+    async def _port_ack(self, live: LiveSession, seq: int) -> bool:
+        """Trim the port's resend buffer; False when the connection failed instead."""
+        try:
+            await live.ledger.acknowledged(self._epoch, seq)
+        except (SessionMoved, ProtocolViolation) as exc:
+            self._port_refused(live, exc)
+            return False
+        except Exception:
+            log.exception("session state unavailable session=%s", live.id)
+            live.moved()
+            self.backend_failed()
+            return False
+        return True
+
+    async def _acknowledged(self, seq: int) -> None:
+        live = self._live
+        if live is not None and not live.ended:
+            await self._port_ack(live, seq)
+
+    def _port_refused(self, live: LiveSession, exc: PorticoError) -> None:
+        if isinstance(exc, SessionMoved):
+            # Claimed by a newer connection: of this process (it handles the resend
+            # now) or of another replica (this copy is stale and stops).
+            if live.ledger.epoch == self._epoch:
+                live.moved()
+            self._core.close(CLOSE_REPLACED, "replaced by a newer connection")
+            return
+        self._core.fail(exc)  # an ack beyond what was sent, a gap: 4400, resumable
+
+    async def _mark(self, live: LiveSession, frame: Numbered) -> bool:
+        """Mark client message `frame.seq` handled in the port, before its effect shows
+        (a `context` message's effect is part of the same step); True: apply it now."""
+        seq = frame.seq
+        if seq is None:  # the core passes only numbered messages on
+            return False
+        profile = None
+        if isinstance(frame, f.Context) and "context" in live.capabilities:
+            profile = msgspec.structs.replace(live.profile, context=dict(frame.context))
+        try:
+            fresh = await live.ledger.mark_handled(
+                self._epoch, seq, None if profile is None else profile.encode()
+            )
+        except (SessionMoved, ProtocolViolation) as exc:
+            self._port_refused(live, exc)
+            return False
+        except Exception:
+            log.exception("session state unavailable session=%s", live.id)
+            live.moved()
+            self.backend_failed()
+            return False
+        if profile is not None and fresh:
+            live.profile = profile
+        self._core.confirm(seq, self._loop.time())
+        return fresh
 
     # -- numbered messages --------------------------------------------------------------
 
     async def _numbered(self, frame: Numbered) -> None:
         live = self._live
-        if live is None or live.ended:
+        if live is None or live.ended or not await self._mark(live, frame):
             return
         try:
             await self._apply(live, frame)
@@ -530,4 +778,4 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
     return await run_socket(request, services, lambda ws: SessionSocket(request, ws, services))
 
 
-__all__ = ["TRANSPORTS", "LiveSession", "SessionSocket", "session_handler"]
+__all__ = ["LIVE_SESSIONS", "LiveSession", "SessionSocket", "session_handler"]

@@ -9,7 +9,9 @@ The exactly-once rule (docs/replicas.md, "Session state"):
   idempotency key, so a replica that dies between the effect and the mark lets the
   next one re-run the message without a second effect;
 - fencing: every connection that takes a session `claim`s it and gets a new epoch; a
-  write carrying an older epoch raises `SessionMoved`, so a stale socket stops.
+  write carrying an older epoch raises `SessionMoved`, so a stale socket stops. A
+  `create` over an existing ledger (a continued conversation's new numbering) carries
+  the epoch on, so the old numbering's holders are fenced too.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ class SessionSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     unacknowledged: tuple[tuple[int, bytes], ...]  # the resend buffer, in order
     capabilities: bytes = b""  # the negotiated capabilities, as encoded on the wire
     window_deadline: float | None = None  # when a dropped session may no longer resume
+    # The latest turns whose terminal message is recorded (newest first, at most
+    # ENDED_TURNS_KEPT): a replica taking the session over answers the others.
+    ended_turns: tuple[str, ...] = ()
+
+
+ENDED_TURNS_KEPT = 64
 
 
 class BufferLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,29 +48,40 @@ class BufferLimits(msgspec.Struct, frozen=True, kw_only=True):
 
 class SessionStates(Protocol):
     async def create(self, session_id: str, *, capabilities: bytes) -> int:
-        """Start a session's ledger; returns its first epoch."""
+        """Start a session's ledger; returns its epoch (1, or past the ledger it replaces)."""
         ...
 
     async def claim(self, session_id: str) -> int:
-        """Take the session for a new connection; a fresh epoch fences the older ones."""
+        """Take the session for a new connection; a fresh epoch fences the older ones.
+        The session has a connection again: its window deadline is cleared."""
         ...
 
     async def load(self, session_id: str) -> SessionSnapshot | None: ...
 
-    async def record_sent(self, session_id: str, epoch: int, seq: int, data: bytes) -> None:
-        """Keep `data` as server message `seq` (the next one) until it is acknowledged."""
+    async def record_sent(
+        self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""
+    ) -> None:
+        """Keep `data` as server message `seq` (the next one) until it is acknowledged;
+        `ends_turn`: it is that turn's terminal message (`ended_turns`, same step)."""
         ...
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None: ...
 
-    async def record_handled(self, session_id: str, epoch: int, seq: int) -> bool:
-        """True if `seq` is the next client message and is now handled; False: duplicate."""
+    async def record_handled(
+        self, session_id: str, epoch: int, seq: int, *, capabilities: bytes | None = None
+    ) -> bool:
+        """True if `seq` is the next client message and is now handled; False: duplicate.
+        `capabilities` (a `context` message's effect) replaces them in the same step."""
         ...
 
     async def set_window(self, session_id: str, epoch: int, deadline: float | None) -> None: ...
 
-    async def remove(self, session_id: str) -> None: ...
+    async def remove(self, session_id: str, epoch: int | None = None) -> None:
+        """Forget the session; with `epoch`, only while that epoch still holds it."""
+        ...
 
     async def health(self, within: float) -> Health:
         """Readiness: the ledger's store answers within `within` seconds."""
         ...
+
+    async def close(self) -> None: ...

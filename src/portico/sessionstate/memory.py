@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
 from portico.health import IN_PROCESS, Health
-from portico.sessionstate.base import BufferLimits, SessionSnapshot
+from portico.sessionstate.base import ENDED_TURNS_KEPT, BufferLimits, SessionSnapshot
 
 
-@dataclass
+@dataclass(slots=True)
 class _Ledger:
     capabilities: bytes
     epoch: int = 1
@@ -20,20 +20,25 @@ class _Ledger:
     buffer: deque[tuple[int, bytes]] = field(default_factory=deque)
     buffer_bytes: int = 0
     window_deadline: float | None = None
+    ended_turns: deque[str] = field(default_factory=lambda: deque(maxlen=ENDED_TURNS_KEPT))
 
 
 class InProcessSessionStates:
     def __init__(self, limits: BufferLimits) -> None:
         self._limits = limits
+        self._max_messages, self._max_bytes = limits.max_messages, limits.max_bytes
         self._ledgers: dict[str, _Ledger] = {}
 
     async def create(self, session_id: str, *, capabilities: bytes) -> int:
-        self._ledgers[session_id] = _Ledger(capabilities=capabilities)
-        return 1
+        previous = self._ledgers.get(session_id)
+        epoch = 1 if previous is None else previous.epoch + 1
+        self._ledgers[session_id] = _Ledger(capabilities=capabilities, epoch=epoch)
+        return epoch
 
     async def claim(self, session_id: str) -> int:
         ledger = self._existing(session_id)
         ledger.epoch += 1
+        ledger.window_deadline = None
         return ledger.epoch
 
     async def load(self, session_id: str) -> SessionSnapshot | None:
@@ -48,20 +53,35 @@ class InProcessSessionStates:
             unacknowledged=tuple(ledger.buffer),
             capabilities=ledger.capabilities,
             window_deadline=ledger.window_deadline,
+            ended_turns=tuple(reversed(ledger.ended_turns)),
         )
 
-    async def record_sent(self, session_id: str, epoch: int, seq: int, data: bytes) -> None:
-        ledger = self._current(session_id, epoch)
+    async def record_sent(
+        self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""
+    ) -> None:
+        self.record_sent_now(session_id, epoch, seq, data, ends_turn)
+
+    def record_sent_now(
+        self, session_id: str, epoch: int, seq: int, data: bytes, ends_turn: str = ""
+    ) -> None:
+        """`record_sent` in the caller's step: one process needs no task per message.
+        On every numbered message of every session: kept to the fewest lookups."""
+        ledger = self._ledgers.get(session_id)
+        if ledger is None:
+            raise ResumeFailed()
+        if epoch != ledger.epoch:
+            raise SessionMoved()
         if seq != ledger.next_seq:
             raise ProtocolViolation(f"server seq {seq} is not the next ({ledger.next_seq})")
-        if (
-            len(ledger.buffer) >= self._limits.max_messages
-            or ledger.buffer_bytes + len(data) > self._limits.max_bytes
-        ):
+        size = len(data)
+        buffer = ledger.buffer
+        if len(buffer) >= self._max_messages or ledger.buffer_bytes + size > self._max_bytes:
             raise BufferOverflow()
-        ledger.buffer.append((seq, data))
-        ledger.buffer_bytes += len(data)
-        ledger.next_seq += 1
+        buffer.append((seq, data))
+        ledger.buffer_bytes += size
+        ledger.next_seq = seq + 1
+        if ends_turn:
+            ledger.ended_turns.append(ends_turn)
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
         ledger = self._current(session_id, epoch)
@@ -73,20 +93,30 @@ class InProcessSessionStates:
         while ledger.buffer and ledger.buffer[0][0] <= seq:
             ledger.buffer_bytes -= len(ledger.buffer.popleft()[1])
 
-    async def record_handled(self, session_id: str, epoch: int, seq: int) -> bool:
+    async def record_handled(
+        self, session_id: str, epoch: int, seq: int, *, capabilities: bytes | None = None
+    ) -> bool:
         ledger = self._current(session_id, epoch)
         if seq <= ledger.handled:
             return False
         if seq != ledger.handled + 1:
             raise ProtocolViolation(f"seq {seq} skips ahead: expected {ledger.handled + 1}")
         ledger.handled = seq
+        if capabilities is not None:
+            ledger.capabilities = capabilities
         return True
 
     async def set_window(self, session_id: str, epoch: int, deadline: float | None) -> None:
         self._current(session_id, epoch).window_deadline = deadline
 
-    async def remove(self, session_id: str) -> None:
-        self._ledgers.pop(session_id, None)
+    async def remove(self, session_id: str, epoch: int | None = None) -> None:
+        self.remove_now(session_id, epoch)
+
+    def remove_now(self, session_id: str, epoch: int | None = None) -> None:
+        """`remove` in the caller's step."""
+        ledger = self._ledgers.get(session_id)
+        if ledger is not None and (epoch is None or ledger.epoch == epoch):
+            del self._ledgers[session_id]
 
     async def health(self, within: float) -> Health:
         return IN_PROCESS
@@ -102,3 +132,6 @@ class InProcessSessionStates:
         if epoch != ledger.epoch:
             raise SessionMoved()
         return ledger
+
+    async def close(self) -> None:
+        self._ledgers.clear()

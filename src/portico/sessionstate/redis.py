@@ -1,22 +1,28 @@
 """Session state in Redis: any replica resumes a `/v1/session`, and it outlives its replica.
 
-One hash per session (epoch, positions, buffered bytes, capabilities, window) and one
-list holding the unacknowledged messages. The list holds exactly server seqs
-`peer_acked + 1 .. next_seq - 1`, so it needs no seq per entry. Every write is one Lua
+One hash per session (epoch, positions, buffered bytes, capabilities, window), one
+list holding the unacknowledged messages and one the latest ended turns. The first
+list holds exactly server seqs `peer_acked + 1 .. next_seq - 1`, so it needs no seq
+per entry. Every write is one Lua
 script: the epoch check (fencing), the bound check and the change are atomic.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from redis.asyncio import Redis
 
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
 from portico.health import Health, probe
-from portico.sessionstate.base import BufferLimits, SessionSnapshot
+from portico.sessionstate.base import ENDED_TURNS_KEPT, BufferLimits, SessionSnapshot
 
 _MISSING, _MOVED, _OVERFLOW, _OUT_OF_ORDER = -1, -2, -3, -4
+# A session nobody resumed is forgotten by Redis itself this long after its window's
+# deadline (the replica whose timer would remove it may be dead); until then, and
+# after, a resume gets the same RESUME_FAILED.
+EXPIRY_GRACE_MS = 60_000
 
 # KEYS[1] the hash, KEYS[2] the buffer list; ARGV[1] the caller's epoch.
 _FENCE = """
@@ -25,19 +31,24 @@ if not e then return -1 end
 if tonumber(e) ~= tonumber(ARGV[1]) then return -2 end
 """
 
+# A ledger created over an older one carries its epoch on: the old holders stay fenced.
 _CREATE = """
-redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('HSET', KEYS[1], 'epoch', 1, 'next_seq', 1, 'handled', 0, 'peer_acked', 0,
+local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0') + 1
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('HSET', KEYS[1], 'epoch', epoch, 'next_seq', 1, 'handled', 0, 'peer_acked', 0,
            'bytes', 0, 'capabilities', ARGV[1])
-return 1
+return epoch
 """
 
 _CLAIM = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+redis.call('HDEL', KEYS[1], 'window')
+for i = 1, 3 do redis.call('PERSIST', KEYS[i]) end
 return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 """
 
-# ARGV: epoch, seq, data, max_messages, max_bytes
+# ARGV: epoch, seq, data, max_messages, max_bytes, ended turn ('' for none), turns kept,
+# expiry grace (ms)
 _SENT = (
     _FENCE
     + """
@@ -50,6 +61,17 @@ if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[4]) or held + size > tonumber(AR
 end
 redis.call('RPUSH', KEYS[2], ARGV[3])
 redis.call('HSET', KEYS[1], 'next_seq', nxt + 1, 'bytes', held + size)
+if ARGV[6] ~= '' then
+  redis.call('LPUSH', KEYS[3], ARGV[6])
+  redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[7]) - 1)
+end
+local window = redis.call('HGET', KEYS[1], 'window')
+if window then
+  -- Written while no connection holds the session: expire with it (as _WINDOW set).
+  local expiry = math.floor(tonumber(window) * 1000) + tonumber(ARGV[8])
+  redis.call('PEXPIREAT', KEYS[2], expiry)
+  if ARGV[6] ~= '' then redis.call('PEXPIREAT', KEYS[3], expiry) end
+end
 return 1
 """
 )
@@ -73,7 +95,7 @@ return 1
 """
 )
 
-# ARGV: epoch, seq
+# ARGV: epoch, seq, and optionally the capabilities replaced in the same step
 _HANDLED = (
     _FENCE
     + """
@@ -82,16 +104,31 @@ local handled = tonumber(redis.call('HGET', KEYS[1], 'handled'))
 if seq <= handled then return 0 end
 if seq ~= handled + 1 then return -4 end
 redis.call('HSET', KEYS[1], 'handled', seq)
+if ARGV[3] then redis.call('HSET', KEYS[1], 'capabilities', ARGV[3]) end
 return 1
 """
 )
 
-# ARGV: epoch, deadline ('' for none)
+# ARGV: epoch
+_REMOVE = (
+    _FENCE
+    + """
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+return 1
+"""
+)
+
+# ARGV: epoch, deadline ('' for none), expiry (unix ms: the deadline and the grace)
 _WINDOW = (
     _FENCE
     + """
-if ARGV[2] == '' then redis.call('HDEL', KEYS[1], 'window') else
-  redis.call('HSET', KEYS[1], 'window', ARGV[2]) end
+if ARGV[2] == '' then
+  redis.call('HDEL', KEYS[1], 'window')
+  for i = 1, 3 do redis.call('PERSIST', KEYS[i]) end
+else
+  redis.call('HSET', KEYS[1], 'window', ARGV[2])
+  for i = 1, 3 do redis.call('PEXPIREAT', KEYS[i], ARGV[3]) end
+end
 return 1
 """
 )
@@ -108,14 +145,14 @@ class RedisSessionStates:
         self._ack = redis.register_script(_ACK)
         self._handled = redis.register_script(_HANDLED)
         self._window = redis.register_script(_WINDOW)
+        self._remove = redis.register_script(_REMOVE)
 
     def _keys(self, session_id: str) -> list[str]:
         key = f"{self._prefix}session:{session_id}"
-        return [key, key + ":unacked"]
+        return [key, key + ":unacked", key + ":turns"]
 
     async def create(self, session_id: str, *, capabilities: bytes) -> int:
-        await self._create(keys=self._keys(session_id), args=[capabilities])
-        return 1
+        return int(await self._create(keys=self._keys(session_id), args=[capabilities]))
 
     async def claim(self, session_id: str) -> int:
         return _checked(await self._claim(keys=self._keys(session_id)))
@@ -125,7 +162,8 @@ class RedisSessionStates:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hgetall(keys[0])
             pipe.lrange(keys[1], 0, -1)
-            fields, unacked = await pipe.execute()
+            pipe.lrange(keys[2], 0, -1)
+            fields, unacked, turns = await pipe.execute()
         if not fields:
             return None
         acked = int(fields[b"peer_acked"])
@@ -138,25 +176,52 @@ class RedisSessionStates:
             unacknowledged=tuple((acked + 1 + i, data) for i, data in enumerate(unacked)),
             capabilities=fields[b"capabilities"],
             window_deadline=None if window is None else float(window),
+            ended_turns=tuple(turn.decode() for turn in turns),
         )
 
-    async def record_sent(self, session_id: str, epoch: int, seq: int, data: bytes) -> None:
+    async def record_sent(
+        self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""
+    ) -> None:
         limits = self._limits
-        args: list[bytes | int | str] = [epoch, seq, data, limits.max_messages, limits.max_bytes]
+        args: list[bytes | int | str] = [
+            epoch,
+            seq,
+            data,
+            limits.max_messages,
+            limits.max_bytes,
+            ends_turn,
+            ENDED_TURNS_KEPT,
+            EXPIRY_GRACE_MS,
+        ]
         _checked(await self._sent(keys=self._keys(session_id), args=args))
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
         _checked(await self._ack(keys=self._keys(session_id), args=[epoch, seq]))
 
-    async def record_handled(self, session_id: str, epoch: int, seq: int) -> bool:
-        return _checked(await self._handled(keys=self._keys(session_id), args=[epoch, seq])) == 1
+    async def record_handled(
+        self, session_id: str, epoch: int, seq: int, *, capabilities: bytes | None = None
+    ) -> bool:
+        args: list[bytes | int | str] = [epoch, seq]
+        if capabilities is not None:
+            args.append(capabilities)
+        return _checked(await self._handled(keys=self._keys(session_id), args=args)) == 1
 
     async def set_window(self, session_id: str, epoch: int, deadline: float | None) -> None:
-        args: list[bytes | int | str] = [epoch, "" if deadline is None else repr(deadline)]
+        args: list[bytes | int | str] = [epoch, "", 0]
+        if deadline is not None:
+            args = [epoch, repr(deadline), math.floor(deadline * 1000) + EXPIRY_GRACE_MS]
         _checked(await self._window(keys=self._keys(session_id), args=args))
 
-    async def remove(self, session_id: str) -> None:
-        await self._redis.delete(*self._keys(session_id))
+    async def remove(self, session_id: str, epoch: int | None = None) -> None:
+        if epoch is None:
+            await self._redis.delete(*self._keys(session_id))
+            return
+        code = int(await self._remove(keys=self._keys(session_id), args=[epoch]))
+        if code not in (_MISSING, _MOVED):  # gone or held by a newer epoch: nothing to do
+            _checked(code)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
 
     async def health(self, within: float) -> Health:
         return await probe(self._redis.ping(), within)

@@ -27,22 +27,54 @@ class Channel:
         self._buffer: deque[tuple[int, bytes]] = deque()
         self._buffer_bytes = 0
 
+    @classmethod
+    def restore(
+        cls,
+        *,
+        max_messages: int,
+        max_bytes: int,
+        next_seq: int,
+        handled: int,
+        peer_acked: int,
+        unacknowledged: tuple[tuple[int, bytes], ...],
+    ) -> Channel:
+        """A channel picked up where a ledger left it (a resume on another replica)."""
+        channel = cls(max_messages=max_messages, max_bytes=max_bytes)
+        channel.next_seq, channel.handled, channel.peer_acked = next_seq, handled, peer_acked
+        for seq, data in unacknowledged:
+            channel.keep(seq, data)
+        return channel
+
     # -- outgoing -----------------------------------------------------------------------
 
     def send(self, frame: Numbered) -> bytes:
         """Number `frame`, keep it until acknowledged, and return its encoding."""
-        if frame.seq != self.next_seq:  # a frame built with its number needs no copy
-            frame = msgspec.structs.replace(frame, seq=self.next_seq)
-        data = encode(frame)
+        seq, data = self.number(frame)
         if (
             len(self._buffer) >= self._max_messages
             or self._buffer_bytes + len(data) > self._max_bytes
         ):
+            self.next_seq -= 1
             raise BufferOverflow()
-        self._buffer.append((self.next_seq, data))
-        self._buffer_bytes += len(data)
-        self.next_seq += 1
+        self.keep(seq, data)
         return data
+
+    def number(self, frame: Numbered) -> tuple[int, bytes]:
+        """Give `frame` the next seq and encode it, without keeping it yet: a server
+        keeps a message only once its ledger (the session-state port) holds it."""
+        seq = self.next_seq
+        if frame.seq != seq:  # a frame built with its number needs no copy
+            frame = msgspec.structs.replace(frame, seq=seq)
+        self.next_seq += 1
+        return seq, encode(frame)
+
+    def keep(self, seq: int, data: bytes) -> None:
+        """Hold message `seq` for a resend until it is acknowledged (bounds checked by
+        `send` or by the ledger that recorded it)."""
+        if seq <= self.peer_acked:
+            return  # acknowledged while it was being recorded: nothing to resend
+        self._buffer.append((seq, data))
+        self._buffer_bytes += len(data)
 
     def acknowledge(self, seq: int) -> None:
         """A cumulative ack: forget everything up to `seq`. A regressing ack is ignored."""

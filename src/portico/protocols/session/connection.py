@@ -89,7 +89,13 @@ class CredentialOffered(msgspec.Struct, frozen=True):
     token: str
 
 
-Event = HelloReceived | ReadyReceived | Received | PeerDead | CredentialOffered
+class Acknowledged(msgspec.Struct, frozen=True):
+    """Ledger mode: the peer acknowledged up to `seq`; the adapter trims its ledger."""
+
+    seq: int
+
+
+Event = HelloReceived | ReadyReceived | Received | PeerDead | CredentialOffered | Acknowledged
 
 _DECODERS: dict[Role, msgspec.json.Decoder[f.ClientFrame | f.ServerFrame]] = {
     Role.SERVER: f.client_frame_decoder,  # type: ignore[dict-item]
@@ -108,8 +114,14 @@ def check_hello(hello: f.Hello) -> None:
 
 
 class SessionConnection:
-    def __init__(self, *, role: Role, timing: Timing, now: float) -> None:
+    def __init__(self, *, role: Role, timing: Timing, now: float, ledger: bool = False) -> None:
+        """`ledger`: the session's positions live outside the connection (the server's
+        session-state port). Acks are then reported (`Acknowledged`), and a message
+        counts as handled, for the acks this side sends, only once the adapter
+        `confirm`s it: an ack never runs ahead of what the ledger holds."""
         self.role = role
+        self._ledger = ledger
+        self._confirmed = 0  # ledger mode: the highest peer seq the ledger holds handled
         self.state = State.AWAIT_HELLO if role is Role.SERVER else State.CLOSED
         self.channel: Channel | None = None
         self.close_request: tuple[int, str] | None = None
@@ -198,6 +210,7 @@ class SessionConnection:
     def accept(self, channel: Channel, ready: f.Ready, peer_last_seq: int) -> None:
         """Server: the hello is good. Send `ready`, then what the client missed."""
         self.channel = channel
+        self._confirmed = channel.handled
         try:
             channel.acknowledge(peer_last_seq)
         except ProtocolViolation as exc:
@@ -284,7 +297,7 @@ class SessionConnection:
             case f.Ack(seq=seq):
                 assert self.channel is not None
                 self.channel.acknowledge(seq)
-                return []
+                return [Acknowledged(seq)] if self._ledger else []
             case f.Ping():
                 self._write_frame(f.Pong())
                 return []
@@ -333,8 +346,16 @@ class SessionConnection:
             return []
         assert self.channel is not None
         fresh = self.channel.receive(seq)
-        self._schedule_ack(now)
+        if not fresh or not self._ledger:
+            self._schedule_ack(now)  # duplicates are acknowledged again
         return [Received(frame)] if fresh else []  # type: ignore[arg-type]
+
+    def confirm(self, seq: int, now: float) -> None:
+        """Ledger mode: the ledger holds client message `seq` handled; acknowledge it."""
+        if self.state is not State.OPEN or seq <= self._confirmed:
+            return
+        self._confirmed = seq
+        self._schedule_ack(now)
 
     # -- acknowledgements and heartbeats ----------------------------------------------------
 
@@ -347,7 +368,8 @@ class SessionConnection:
 
     def _send_ack(self) -> None:
         assert self.channel is not None
-        self._write_frame(f.Ack(seq=self.channel.handled))
+        handled = self._confirmed if self._ledger else self.channel.handled
+        self._write_frame(f.Ack(seq=handled))
         self._unacked = 0
         self._ack_deadline = None
 

@@ -109,8 +109,10 @@ class MediaItems:
         return data
 
     def dropped(self, turn_id: str, chunk: MediaChunk) -> None:
-        """A binary frame of the item never reached the client."""
-        self._open[(turn_id, chunk.media_id)].lost = True
+        """A binary frame of the item never reached the client (ignored once it ended)."""
+        item = self._open.get((turn_id, chunk.media_id))
+        if item is not None:
+            item.lost = True
 
     def finish(self, turn_id: str, chunk: MediaChunk) -> f.AudioEnd | None:
         """`audio_end` when `chunk` is the item's last."""
