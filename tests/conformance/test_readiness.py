@@ -46,7 +46,12 @@ async def test_unreachable_redis_is_503_naming_the_bus_and_the_session_state(
     dead = f"redis://127.0.0.1:{free_port()}/0"
     server = ServerProcess(
         tmp_path / "data",
-        env={"PORTICO_BUS": "redis", "PORTICO_REDIS_URL": dead, "PORTICO_READINESS_TIMEOUT": "1"},
+        env={
+            "PORTICO_BUS": "redis",
+            "PORTICO_SESSION_STATE": "redis",
+            "PORTICO_REDIS_URL": dead,
+            "PORTICO_READINESS_TIMEOUT": "1",
+        },
     ).start()
     try:
         status, body = await readyz(http, server)
@@ -62,7 +67,11 @@ async def test_unreachable_redis_is_503_naming_the_bus_and_the_session_state(
 async def test_a_reachable_redis_is_ready(http: aiohttp.ClientSession, tmp_path: Path) -> None:
     server = ServerProcess(
         tmp_path / "data",
-        env={"PORTICO_BUS": "redis", "PORTICO_REDIS_URL": "redis://127.0.0.1:6379/0"},
+        env={
+            "PORTICO_BUS": "redis",
+            "PORTICO_SESSION_STATE": "redis",
+            "PORTICO_REDIS_URL": "redis://127.0.0.1:6379/0",
+        },
     ).start()
     try:
         status, body = await readyz(http, server)
