@@ -51,6 +51,21 @@ def _no_offset() -> int:
     return 0
 
 
+class ClientReply(msgspec.Struct, frozen=True, kw_only=True):
+    """A `/ws` or `/v1/session` client's ack, nack or result for a tool call."""
+
+    kind: Literal["ack", "nack", "result"]
+    reason: str = ""  # nack
+    result: Any = None
+    error: str | None = None
+
+
+class ToolRelay(Protocol):
+    """Where a reply goes when the call is not held here: the replica running its turn."""
+
+    async def forward_reply(self, principal: str, call_id: str, reply: ClientReply) -> None: ...
+
+
 class ToolBroker(Protocol):
     # Whether a call is archived as `toolcall_input` and `toolcall_output` messages: the
     # turn then splits its reply at the call (docs/storage.md).
@@ -105,6 +120,8 @@ class ClientToolBroker:
         # Calls whose end is being archived: a late reply waits for it instead of racing.
         self._ending: dict[str, asyncio.Future[ToolCallRecord]] = {}
         self._rpc_clients: dict[str, int] = {}
+        # Set when replicas share the bus: replies for calls of turns running elsewhere.
+        self.relay: ToolRelay | None = None
 
     # -- the turn's side ----------------------------------------------------------------
 
@@ -257,6 +274,21 @@ class ClientToolBroker:
         )
 
     # -- /ws and /v1/session clients ----------------------------------------------------
+
+    async def settle(self, principal: str, call_id: str, reply: ClientReply) -> None:
+        """A client's reply, applied here or on the replica whose turn made the call."""
+        if self.relay is not None and call_id not in self._pending:
+            await self.relay.forward_reply(principal, call_id, reply)
+            return
+        await self.settle_here(principal, call_id, reply)
+
+    async def settle_here(self, principal: str, call_id: str, reply: ClientReply) -> None:
+        if reply.kind == "ack":
+            await self.acknowledge(principal, call_id)
+        elif reply.kind == "nack":
+            self.reject(principal, call_id, reply.reason)
+        else:
+            self.answer(principal, call_id, reply.result, reply.error)
 
     def _open_call(self, principal: str, call_id: str) -> _Pending:
         pending = self._pending.get(call_id)

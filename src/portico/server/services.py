@@ -24,11 +24,13 @@ from portico.config import DEFAULT_AGENT, AgentSettings, Settings
 from portico.core.conversations import Conversations
 from portico.core.engine import Engine
 from portico.core.memory import MemoryLimits
+from portico.core.model import new_id
 from portico.core.reservations import SessionReservations
 from portico.core.tools import ClientToolBroker
 from portico.errors import ConfigError, IdentityProviderUnavailable, Unauthenticated
 from portico.media.local import LocalMediaStore
 from portico.media.service import MediaService
+from portico.replication.build import build_link
 from portico.runtime.base import Runtime
 from portico.runtime.demo import DemoRuntime
 from portico.runtime.echo import EchoRuntime
@@ -72,6 +74,12 @@ class Services:
             clock=time.time,
             telemetry=self.metrics,
         )
+        replica_id = settings.replica_id or new_id("rep")
+        # With bus=redis: turn output, control and the turn lock shared by the replicas.
+        self.link = build_link(settings, self.store, replica_id)
+        if self.link is not None:
+            self.link.bind_tools(self.tools)
+            self.tools.relay = self.link
         self.engine = Engine(
             store=self.store,
             tools=self.tools,
@@ -80,7 +88,7 @@ class Services:
             runtimes=self.runtimes,
             agents=resolved,
             context_ttl=settings.context_ttl,
-            replica_id=settings.replica_id,
+            replica_id=replica_id,
             replica_lease=settings.replica_lease,
             reservations=self.reservations,
             memory_limits=MemoryLimits(
@@ -88,6 +96,7 @@ class Services:
                 max_entry_bytes=settings.memory_max_entry_bytes,
                 search_limit=settings.memory_search_limit,
             ),
+            link=self.link,
         )
         self.updates = InProcessUpdates()
         self.store.set_update_listener(self.updates.publish)

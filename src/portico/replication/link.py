@@ -1,0 +1,289 @@
+"""The engine's link to the other replicas over the Bus port (docs/replicas.md).
+
+- Output: every event of a turn running here is published, in emission order, to the
+  session's topic and its owner's topic (one publisher task, so one order).
+- Input: while listeners here want a session or an owner, a reader task follows its
+  topic and hands the entries other replicas published to those listeners, in topic
+  order, each once (`Relay`).
+- Control: a stop or a client's tool reply for a turn running elsewhere is a request
+  sent to that replica's inbox; it applies it and answers in the asker's inbox.
+- One turn per session: `TurnLocks`; its holder is also who control goes to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+from portico.bus.port import Bus
+from portico.core.events import TurnEvent
+from portico.core.model import new_id
+from portico.core.periodic import every
+from portico.core.replicalink import RemoteSink
+from portico.core.states import TurnState
+from portico.core.tools import ClientReply
+from portico.errors import (
+    BusUnavailable,
+    InternalError,
+    InvalidMessage,
+    PorticoError,
+    TurnReplicaGone,
+)
+from portico.replication.codec import (
+    Reply,
+    Request,
+    decode_control,
+    decode_event,
+    encode_control,
+    encode_event,
+)
+from portico.replication.relay import Relay, owner_topic, session_topic
+from portico.replication.turnlock import TurnLocks
+from portico.store.base import Store
+
+log = logging.getLogger("portico.replication")
+CONTROL_TIMEOUT = 5.0  # seconds a replica waits for another one's answer to control
+_UNFINISHED = (TurnState.PENDING, TurnState.RUNNING)
+_REMOTE_ERRORS: dict[str, Callable[[str], PorticoError]] = {
+    InvalidMessage.code: InvalidMessage,
+    TurnReplicaGone.code: TurnReplicaGone,
+}
+
+
+class ToolSettler(Protocol):
+    async def settle_here(self, principal: str, call_id: str, reply: ClientReply) -> None: ...
+
+
+class BusLink:
+    def __init__(
+        self,
+        bus: Bus,
+        locks: TurnLocks,
+        store: Store,
+        *,
+        replica_id: str,
+        lease: float,
+        control_timeout: float = CONTROL_TIMEOUT,
+    ) -> None:
+        self._bus = bus
+        self._locks = locks
+        self._store = store
+        self.replica_id = replica_id
+        self._lease = lease
+        self._control_timeout = control_timeout
+        self._relay = Relay(replica_id)
+        self._sink: RemoteSink | None = None
+        self._tools: ToolSettler | None = None
+        self._readers: dict[str, asyncio.Task[None]] = {}
+        self._outbox: deque[tuple[str, bytes]] = deque()
+        self._queued = asyncio.Event()
+        self._asked: dict[str, asyncio.Future[Reply]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._started = False
+
+    def bind(self, sink: RemoteSink) -> None:
+        self._sink = sink
+
+    def bind_tools(self, tools: ToolSettler) -> None:
+        self._tools = tools
+
+    async def start(self) -> None:
+        self._started = True
+        self._spawn(self._publish_loop(), "bus-publisher")
+        self._spawn(self._inbox_loop(), "bus-inbox")
+        self._spawn(
+            every(self._lease / 3, "turn lock renewal", self._renew, at_once=False), "turn-locks"
+        )
+        for topic in self._relay.topics():  # watched before the start
+            self._start_reader(topic)
+
+    async def close(self) -> None:
+        tasks = [*self._tasks, *self._readers.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._readers.clear()
+        await self._bus.close()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- output ---------------------------------------------------------------------------
+
+    def published(self, session_id: str, owner: str, event: TurnEvent) -> None:
+        payload = encode_event(self.replica_id, event)
+        self._outbox.append((session_topic(session_id), payload))
+        self._outbox.append((owner_topic(owner), payload))
+        self._queued.set()
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await self._queued.wait()
+            self._queued.clear()
+            while self._outbox:
+                topic, payload = self._outbox.popleft()
+                try:
+                    await self._bus.publish(topic, payload)
+                except Exception:
+                    # The local listeners had the event; the other replicas' miss it.
+                    log.warning("bus publish failed topic=%s; event not relayed", topic)
+
+    # -- input ----------------------------------------------------------------------------
+
+    def watch_session(self, session_id: str) -> None:
+        self._watch(session_topic(session_id))
+
+    def unwatch_session(self, session_id: str) -> None:
+        self._unwatch(session_topic(session_id))
+
+    def watch_owner(self, owner: str) -> None:
+        self._watch(owner_topic(owner))
+
+    def unwatch_owner(self, owner: str) -> None:
+        self._unwatch(owner_topic(owner))
+
+    def _watch(self, topic: str) -> None:
+        if self._relay.watch(topic) and self._started:
+            self._start_reader(topic)
+
+    def _unwatch(self, topic: str) -> None:
+        if self._relay.unwatch(topic):
+            reader = self._readers.pop(topic, None)
+            if reader is not None:
+                reader.cancel()
+
+    def _start_reader(self, topic: str) -> None:
+        if topic not in self._readers:
+            task = asyncio.create_task(self._read(topic), name=f"bus-read-{topic}")
+            self._readers[topic] = task
+
+    async def _read(self, topic: str) -> None:
+        deliver = self._deliverer(topic)
+        async for entry in self._bus.subscribe(topic):
+            try:
+                published = decode_event(entry.payload)
+            except Exception:
+                log.warning("undecodable bus entry topic=%s position=%s", topic, entry.position)
+                continue
+            if self._relay.accept(topic, entry.position, published.origin):
+                deliver(published.event)
+
+    def _deliverer(self, topic: str) -> Callable[[TurnEvent], None]:
+        assert self._sink is not None, "bind() the engine first"
+        sink = self._sink
+        kind, _, key = topic.removeprefix("turns:").partition(":")
+        if kind == "session":
+            return lambda event: sink.deliver_to_session(key, event)
+        return lambda event: sink.deliver_to_owner(key, event)
+
+    # -- one turn per session -------------------------------------------------------------
+
+    async def claim(self, session_id: str) -> bool:
+        return await self._locks.acquire(session_id)
+
+    def holds(self, session_id: str) -> bool:
+        return self._locks.holds(session_id)
+
+    def release(self, session_id: str) -> None:
+        self._spawn(self._release(session_id), f"turn-unlock-{session_id}")
+
+    async def _release(self, session_id: str) -> None:
+        try:
+            await self._locks.release(session_id)
+        except Exception:
+            # It lapses by itself within the lease.
+            log.warning("turn lock release failed session=%s", session_id)
+
+    async def _renew(self) -> None:
+        for session_id in await self._locks.renew_all():
+            log.warning("turn lock of session=%s was taken by another replica", session_id)
+
+    # -- control --------------------------------------------------------------------------
+
+    async def stop_elsewhere(self, session_id: str) -> bool:
+        holder = await self._locks.holder(session_id)
+        if holder is None or holder.replica == self.replica_id:
+            return False
+        reply = await self._ask(holder.replica, op="stop", session_id=session_id)
+        return reply.value
+
+    async def forward_reply(self, principal: str, call_id: str, reply: ClientReply) -> None:
+        """A client's tool reply for a call this replica does not hold: to the turn's."""
+        record = await self._store.get_tool_call(call_id)
+        unknown = InvalidMessage(f"no pending tool call {call_id!r}")
+        if record is None:
+            raise unknown
+        holder = await self._locks.holder(record.session_id)
+        if holder is None or holder.replica == self.replica_id:
+            turn = await self._store.get_turn(record.turn_id)
+            if turn is not None and turn.state in _UNFINISHED and turn.replica != self.replica_id:
+                raise TurnReplicaGone()
+            raise unknown
+        await self._ask(
+            holder.replica, op="tool", principal=principal, call_id=call_id, reply=reply
+        )
+
+    async def _ask(self, replica: str, **fields: Any) -> Reply:
+        request = Request(id=new_id("ctl"), reply_to=self.replica_id, **fields)
+        answer: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._asked[request.id] = answer
+        try:
+            try:
+                await self._bus.send(replica, encode_control(request))
+            except Exception as exc:
+                raise BusUnavailable() from exc
+            try:
+                reply = await asyncio.wait_for(answer, self._control_timeout)
+            except TimeoutError:
+                raise TurnReplicaGone() from None
+        finally:
+            self._asked.pop(request.id, None)
+        if reply.error_code:
+            raise _REMOTE_ERRORS.get(reply.error_code, _internal)(reply.error_message)
+        return reply
+
+    async def _inbox_loop(self) -> None:
+        async for payload in self._bus.inbox(self.replica_id):
+            try:
+                message = decode_control(payload)
+            except Exception:
+                log.warning("undecodable control message")
+                continue
+            if isinstance(message, Reply):
+                answer = self._asked.get(message.id)
+                if answer is not None and not answer.done():
+                    answer.set_result(message)
+            else:
+                self._spawn(self._apply(message), f"control-{message.op}")
+
+    async def _apply(self, request: Request) -> None:
+        try:
+            value = await self._apply_here(request)
+            reply = Reply(id=request.id, value=value)
+        except PorticoError as exc:
+            reply = Reply(id=request.id, error_code=exc.code, error_message=exc.message)
+        except Exception:
+            log.exception("control request failed op=%s", request.op)
+            reply = Reply(id=request.id, error_code=InternalError.code, error_message="internal")
+        with contextlib.suppress(Exception):
+            await self._bus.send(request.reply_to, encode_control(reply))
+
+    async def _apply_here(self, request: Request) -> bool:
+        assert self._sink is not None, "bind() the engine first"
+        assert self._tools is not None, "bind_tools() first"
+        if request.op == "stop":
+            return await self._sink.stop_here(request.session_id)
+        assert request.reply is not None
+        await self._tools.settle_here(request.principal, request.call_id, request.reply)
+        return True
+
+
+def _internal(message: str) -> PorticoError:
+    return InternalError(message)
