@@ -496,7 +496,7 @@ class Engine:
         waiting = self._backlog.pop(session_id, [])
         for queued in waiting:
             self._end_waiting(queued, TurnTrigger.CANCEL)
-        return await self.cancel(session_id) or bool(waiting)
+        return await self._stop(session_id, TurnTrigger.CANCEL) or bool(waiting)
 
     async def _check_media(self, message: UserMessage) -> None:
         """Refuse media the runtime could not read, before anything is stored."""
