@@ -109,7 +109,8 @@ async def test_a_tool_call_is_answered_on_the_replica_the_turn_does_not_run_on(
     )
     done = (await runner.turn())[-1]
     assert done["type"] == "done", done
-    assert "status=completed" in done["content"] and "Oslo" in done["content"], done
+    assert "status=completed" in done["content"], done
+    assert "Oslo" in done["content"], done
     assert (await answering.turn())[-1]["content"] == done["content"]
     # The call has ended: a late repeat is refused the way one process refuses it.
     await answering.send({"type": "tool_result", "tool_result": {"call_id": call_id, "result": 1}})
