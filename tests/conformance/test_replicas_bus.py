@@ -174,3 +174,36 @@ async def test_two_replicas_receiving_messages_for_one_session_at_once_run_one_t
             assert [f["type"] for f in frames if f["type"] != "error"] == ["chunk", "done"]
         await first.expect_silence(0.2)  # no second turn; the lock is released meanwhile
         await second.expect_silence(0.2)
+
+
+async def test_an_rpc_client_sees_live_updates_and_chunks_of_a_turn_on_another_replica(
+    http: aiohttp.ClientSession, pair: list[ServerProcess]
+) -> None:
+    a, b = pair
+    rpc = await RpcProbe.open(http, f"ws://127.0.0.1:{a.port}/v1/rpc")
+    try:
+        start = rpc.connected["offset"] if "offset" in rpc.connected else 0
+        runner = await omnia(http, b)
+        session_id = (await runner.connected())["session_id"]
+        await runner.ask("hi")
+        turn = await rpc.wait_turn_end(session_id)
+        assert turn["status"] == "completed", turn
+
+        def reply_done(probe: RpcProbe) -> bool:
+            return any(
+                m["session_id"] == session_id
+                and m["role"] == "assistant"
+                and m["status"] == "completed"
+                for m in probe.entities("message")
+            )
+
+        await rpc.until(reply_done)
+        assert rpc.gaps == []
+        seen = rpc.offsets()
+        assert seen == sorted(set(seen)), seen  # in offset order, each once
+        assert seen == list(range(seen[0], seen[-1] + 1)), seen  # none skipped
+        assert seen[0] >= start
+        texts = [live["delta"] for live in rpc.live if live["session_id"] == session_id]
+        assert texts == ["Hello ", "world"], rpc.live
+    finally:
+        await rpc.close()

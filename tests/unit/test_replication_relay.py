@@ -15,7 +15,7 @@ from portico.core.events import (
     TurnToolCall,
     TurnToolCallTimedOut,
 )
-from portico.core.model import ContentPart
+from portico.core.model import ContentPart, Update
 from portico.core.tools import ClientReply
 from portico.replication.codec import (
     Reply,
@@ -25,6 +25,7 @@ from portico.replication.codec import (
     encode_control,
     encode_event,
 )
+from portico.replication.ordering import UpdateOrder
 from portico.replication.relay import Relay, owner_topic, position_key, session_topic
 from portico.runtime.base import MediaChunk, ToolCall
 
@@ -119,3 +120,58 @@ def test_a_new_watch_after_everyone_left_starts_afresh() -> None:
     relay.watch(TOPIC)
     # A new topic read (Redis recreated the stream after a restart) starts from 1 again.
     assert relay.accept(TOPIC, "1-0", "rep-b")
+
+
+# -- an owner's updates in offset order ----------------------------------------------------
+
+
+def update(offset: int, owner: str = "alice") -> Update:
+    return Update(id=f"u{offset}", owner=owner, offset=offset, items=(), data_list=(), created_at=0)
+
+
+def offsets(updates: list[Update]) -> list[int]:
+    return [u.offset for u in updates]
+
+
+def test_updates_are_delivered_in_offset_order_whatever_order_they_come_in() -> None:
+    order = UpdateOrder()
+    assert order.begin("alice", head=4) == []
+    assert offsets(order.offer(update(6))) == []  # 5 first
+    assert order.missing("alice") == (4, 2)  # read 5..6 from the archive
+    assert offsets(order.offer(update(5))) == [5, 6]
+    assert order.missing("alice") is None
+
+
+def test_an_update_is_delivered_once_from_whichever_source_brings_it_first() -> None:
+    order = UpdateOrder()
+    order.begin("alice", head=0)
+    assert offsets(order.offer(update(1))) == [1]
+    assert order.offer(update(1)) == []  # the archive read brings it again
+    order.announce("alice", 3)
+    assert order.missing("alice") == (1, 2)
+    assert offsets(order.offer(update(2)) + order.offer(update(3))) == [2, 3]
+
+
+def test_what_comes_before_the_first_listener_is_held_then_cut_at_the_head() -> None:
+    order = UpdateOrder()
+    assert order.offer(update(3)) == []
+    assert order.offer(update(5)) == []
+    # The connection reads the log up to 4 itself: from the order, only 5 on.
+    assert offsets(order.begin("alice", head=4)) == [5]
+
+
+def test_a_pruned_range_is_skipped_instead_of_waited_for() -> None:
+    order = UpdateOrder()
+    order.begin("alice", head=0)
+    assert order.offer(update(9)) == []
+    assert offsets(order.skip_to("alice", 9)) == [9]
+
+
+def test_owners_are_ordered_independently() -> None:
+    order = UpdateOrder()
+    order.begin("alice", head=0)
+    order.begin("bob", head=10)
+    assert order.offer(update(2, "alice")) == []
+    assert offsets(order.offer(update(11, "bob"))) == [11]
+    order.end("alice")
+    assert not order.begun("alice")

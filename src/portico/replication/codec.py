@@ -22,7 +22,16 @@ from portico.core.events import (
 )
 from portico.core.tools import ClientReply
 
+
+class UpdateNotice(msgspec.Struct, frozen=True):
+    """An archive update another replica committed: its offset; the archive has it."""
+
+    owner: str
+    offset: int
+
+
 _KINDS: dict[type[Any], str] = {
+    UpdateNotice: "update",
     TurnChunk: "chunk",
     TurnMediaChunk: "media",
     TurnToolCall: "tool_call",
@@ -43,14 +52,14 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
 
 class Published(msgspec.Struct, frozen=True):
     origin: str
-    event: TurnEvent
+    event: TurnEvent | UpdateNotice
 
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope = msgspec.msgpack.Decoder(Envelope)
 
 
-def encode_event(origin: str, event: TurnEvent) -> bytes:
+def encode_event(origin: str, event: TurnEvent | UpdateNotice) -> bytes:
     body = msgspec.Raw(_encoder.encode(event))
     return _encoder.encode(Envelope(origin, _KINDS[type(event)], body))
 

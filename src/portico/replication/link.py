@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from portico.bus.port import Bus
 from portico.core.events import TurnEvent
-from portico.core.model import new_id
+from portico.core.model import Update, new_id
 from portico.core.periodic import every
 from portico.core.replicalink import RemoteSink
 from portico.core.states import TurnState
@@ -36,11 +36,13 @@ from portico.errors import (
 from portico.replication.codec import (
     Reply,
     Request,
+    UpdateNotice,
     decode_control,
     decode_event,
     encode_control,
     encode_event,
 )
+from portico.replication.ordering import UpdateOrder
 from portico.replication.relay import Relay, owner_topic, session_topic
 from portico.replication.turnlock import TurnLocks
 from portico.store.base import Store
@@ -78,6 +80,9 @@ class BusLink:
         self._relay = Relay(replica_id)
         self._sink: RemoteSink | None = None
         self._tools: ToolSettler | None = None
+        self._updates: Callable[[Update], None] = _no_updates
+        self._order = UpdateOrder()
+        self._filling: set[str] = set()  # owners whose archive read runs
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._outbox: deque[tuple[str, bytes]] = deque()
         self._queued = asyncio.Event()
@@ -90,6 +95,10 @@ class BusLink:
 
     def bind_tools(self, tools: ToolSettler) -> None:
         self._tools = tools
+
+    def bind_updates(self, deliver: Callable[[Update], None]) -> None:
+        """Where an owner's updates go on this replica (its RPC connections), in order."""
+        self._updates = deliver
 
     async def start(self) -> None:
         self._started = True
@@ -144,10 +153,68 @@ class BusLink:
         self._unwatch(session_topic(session_id))
 
     def watch_owner(self, owner: str) -> None:
-        self._watch(owner_topic(owner))
+        if self._relay.watch(owner_topic(owner)):
+            self._spawn(self._begin_owner(owner), f"updates-begin-{owner}")
+            if self._started:
+                self._start_reader(owner_topic(owner))
 
     def unwatch_owner(self, owner: str) -> None:
         self._unwatch(owner_topic(owner))
+        if not self._relay.watched(owner_topic(owner)):
+            self._order.end(owner)
+
+    async def _begin_owner(self, owner: str) -> None:
+        try:
+            head = (await self._store.update_log(owner)).last_offset
+        except Exception:
+            log.warning("update log head unreadable owner=%s; relaying from the next", owner)
+            head = 0
+        if self._relay.watched(owner_topic(owner)):
+            self._deliver_updates(self._order.begin(owner, head))
+            self._fill(owner)
+
+    # -- an owner's updates ---------------------------------------------------------------
+
+    def local_update(self, update: Update) -> None:
+        """The archive listener: an update this replica committed."""
+        self._outbox.append(
+            (owner_topic(update.owner), encode_event(self.replica_id, _notice(update)))
+        )
+        self._queued.set()
+        if self._order.begun(update.owner) or self._relay.watched(owner_topic(update.owner)):
+            self._deliver_updates(self._order.offer(update))
+            self._fill(update.owner)
+        else:
+            self._updates(update)  # nobody here orders this owner's updates
+
+    def _on_notice(self, notice: UpdateNotice) -> None:
+        self._order.announce(notice.owner, notice.offset)
+        self._fill(notice.owner)
+
+    def _fill(self, owner: str) -> None:
+        if self._order.missing(owner) is not None and owner not in self._filling:
+            self._filling.add(owner)
+            self._spawn(self._read_missing(owner), f"updates-fill-{owner}")
+
+    async def _read_missing(self, owner: str) -> None:
+        try:
+            while (wanted := self._order.missing(owner)) is not None:
+                after, limit = wanted
+                found = await self._store.list_updates(owner, after_offset=after, limit=limit)
+                if not found or found[0].offset > after + 1:
+                    # Pruned (or the owner's log was reset): go on from what there is.
+                    resume = found[0].offset if found else after + limit + 1
+                    self._deliver_updates(self._order.skip_to(owner, resume))
+                for update in found:
+                    self._deliver_updates(self._order.offer(update))
+        except Exception:
+            log.warning("reading relayed updates failed owner=%s", owner)
+        finally:
+            self._filling.discard(owner)
+
+    def _deliver_updates(self, ready: list[Update]) -> None:
+        for update in ready:
+            self._updates(update)
 
     def _watch(self, topic: str) -> None:
         if self._relay.watch(topic) and self._started:
@@ -172,7 +239,11 @@ class BusLink:
             except Exception:
                 log.warning("undecodable bus entry topic=%s position=%s", topic, entry.position)
                 continue
-            if self._relay.accept(topic, entry.position, published.origin):
+            if not self._relay.accept(topic, entry.position, published.origin):
+                continue
+            if isinstance(published.event, UpdateNotice):
+                self._on_notice(published.event)
+            else:
                 deliver(published.event)
 
     def _deliverer(self, topic: str) -> Callable[[TurnEvent], None]:
@@ -283,6 +354,14 @@ class BusLink:
         assert request.reply is not None
         await self._tools.settle_here(request.principal, request.call_id, request.reply)
         return True
+
+
+def _notice(update: Update) -> UpdateNotice:
+    return UpdateNotice(update.owner, update.offset)
+
+
+def _no_updates(update: Update) -> None:
+    pass
 
 
 def _internal(message: str) -> PorticoError:

@@ -99,7 +99,11 @@ class Services:
             link=self.link,
         )
         self.updates = InProcessUpdates()
-        self.store.set_update_listener(self.updates.publish)
+        if self.link is None:
+            self.store.set_update_listener(self.updates.publish)
+        else:  # the other replicas' updates join this one's, in offset order
+            self.link.bind_updates(self.updates.publish)
+            self.store.set_update_listener(self.link.local_update)
         self.conversations = Conversations(self.engine, self.tools, default_agent=DEFAULT_AGENT)
         self.ready = False
         # Set on SIGTERM: no new upgrades or turns; running turns may finish.
