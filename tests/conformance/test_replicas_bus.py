@@ -182,7 +182,7 @@ async def test_an_rpc_client_sees_live_updates_and_chunks_of_a_turn_on_another_r
     a, b = pair
     rpc = await RpcProbe.open(http, f"ws://127.0.0.1:{a.port}/v1/rpc")
     try:
-        start = rpc.connected["offset"] if "offset" in rpc.connected else 0
+        start = rpc.connected.get("offset", 0)
         runner = await omnia(http, b)
         session_id = (await runner.connected())["session_id"]
         await runner.ask("hi")
