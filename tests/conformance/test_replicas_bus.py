@@ -207,3 +207,37 @@ async def test_an_rpc_client_sees_live_updates_and_chunks_of_a_turn_on_another_r
         assert texts == ["Hello ", "world"], rpc.live
     finally:
         await rpc.close()
+
+
+async def test_an_rtc_result_submitted_on_another_replica_reaches_the_waiting_turn(
+    http: aiohttp.ClientSession, pair: list[ServerProcess]
+) -> None:
+    a, b = pair
+    rpc = await RpcProbe.open(http, f"ws://127.0.0.1:{a.port}/v1/rpc")
+    try:
+        runner = await omnia(http, b)
+        session_id = (await runner.connected())["session_id"]
+        await runner.send({"type": "message", "content": "where", **scenario("tool")})
+        assert (await runner.recv())["type"] == "tool_call"  # B's turn waits for it
+
+        def has_rtc(probe: RpcProbe) -> bool:
+            return any(r["session_id"] == session_id for r in probe.entities("rtc"))
+
+        await rpc.until(has_rtc)  # the Rtc reached A's RPC client as an update
+        rtc = next(r for r in rpc.entities("rtc") if r["session_id"] == session_id)
+        submitted = await rpc.call(
+            "v1.rtc.submit_result",
+            {"rtc_id": rtc["id"], "success": True, "result": {"city": "Oslo"}, "client_id": "t"},
+        )
+        assert (submitted["status"], submitted["result"]) == ("completed", {"city": "Oslo"})
+        done = (await runner.turn())[-1]
+        assert done["type"] == "done", done
+        assert done["content"].startswith("status=completed"), done
+        # Submitted again: idempotent, as on one process.
+        again = await rpc.call(
+            "v1.rtc.submit_result",
+            {"rtc_id": rtc["id"], "success": True, "result": {"city": "Oslo"}, "client_id": "t"},
+        )
+        assert again["status"] == "completed"
+    finally:
+        await rpc.close()

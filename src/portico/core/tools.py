@@ -60,10 +60,26 @@ class ClientReply(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
 
 
+class RtcStep(msgspec.Struct, frozen=True, kw_only=True):
+    """A `/v1/rpc` client's move of an Rtc: `v1.rtc.update_status` or `submit_result`."""
+
+    kind: Literal["status", "submit"]
+    status: Literal["executing", "rejected"] = "executing"
+    success: bool = False
+    result: Any = None
+    error: str = ""
+    client_id: str = ""
+
+
 class ToolRelay(Protocol):
     """Where a reply goes when the call is not held here: the replica running its turn."""
 
     async def forward_reply(self, principal: str, call_id: str, reply: ClientReply) -> None: ...
+
+    async def forward_rtc(self, record: ToolCallRecord, step: RtcStep) -> ToolCallRecord | None:
+        """Apply `step` on the replica whose turn waits for the call; the record after it,
+        or None when no live replica runs the call's turn (it is applied here)."""
+        ...
 
 
 class ToolBroker(Protocol):
@@ -355,6 +371,9 @@ class ClientToolBroker:
     ) -> ToolCallRecord:
         """`v1.rtc.update_status`; the caller checked that the record is the principal's."""
         _check_client(record, client_id)
+        step = RtcStep(kind="status", status=status, client_id=client_id)
+        if (forwarded := await self._forwarded(record, step)) is not None:
+            return forwarded
         if status == "executing":
             if record.state is ToolCallState.EXECUTING:
                 return record  # a repeat by the client that owns it
@@ -371,8 +390,31 @@ class ClientToolBroker:
         if record.state in TERMINAL_TOOL_CALL_STATES or record.id in self._ending:
             return await self._final(record)
         _check_client(record, client_id)
+        step = RtcStep(
+            kind="submit", success=success, result=result, error=error, client_id=client_id
+        )
+        if (forwarded := await self._forwarded(record, step)) is not None:
+            return forwarded
         trigger, outcome = _answer_outcome(success, result, error)
         return await self._rtc_end(record, trigger, outcome, client_id)
+
+    async def _forwarded(self, record: ToolCallRecord, step: RtcStep) -> ToolCallRecord | None:
+        """The step applied by the replica whose turn waits for the call, if another."""
+        if self.relay is None or record.id in self._pending or record.id in self._ending:
+            return None
+        return await self.relay.forward_rtc(record, step)
+
+    async def rtc_here(self, record: ToolCallRecord, step: RtcStep) -> ToolCallRecord:
+        """`step` forwarded by another replica, for a call a turn here waits for."""
+        if step.kind == "status":
+            return await self.rtc_status(record, step.status, step.client_id)
+        return await self.rtc_submit(
+            record,
+            success=step.success,
+            result=step.result,
+            error=step.error,
+            client_id=step.client_id,
+        )
 
     async def _rtc_step(
         self, record: ToolCallRecord, trigger: ToolCallTrigger, client_id: str

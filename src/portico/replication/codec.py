@@ -20,7 +20,7 @@ from portico.core.events import (
     TurnToolCall,
     TurnToolCallTimedOut,
 )
-from portico.core.tools import ClientReply
+from portico.core.tools import ClientReply, RtcStep
 
 
 class UpdateNotice(msgspec.Struct, frozen=True):
@@ -76,11 +76,12 @@ def decode_event(payload: bytes) -> Published:
 class Request(msgspec.Struct, frozen=True, kw_only=True, tag="request"):
     id: str
     reply_to: str  # the asking replica's inbox
-    op: Literal["stop", "tool"]
+    op: Literal["stop", "tool", "rtc"]
     session_id: str = ""
     principal: str = ""
     call_id: str = ""
     reply: ClientReply | None = None
+    rtc: RtcStep | None = None
 
 
 class Reply(msgspec.Struct, frozen=True, kw_only=True, tag="reply"):

@@ -21,16 +21,18 @@ from typing import Any, Protocol
 
 from portico.bus.port import Bus
 from portico.core.events import TurnEvent
-from portico.core.model import Update, new_id
+from portico.core.model import ToolCallRecord, Update, new_id
 from portico.core.periodic import every
 from portico.core.replicalink import RemoteSink
 from portico.core.states import TurnState
-from portico.core.tools import ClientReply
+from portico.core.tools import ClientReply, RtcStep
 from portico.errors import (
     BusUnavailable,
+    Forbidden,
     InternalError,
     InvalidMessage,
     PorticoError,
+    RtcInvalidTransition,
     TurnReplicaGone,
 )
 from portico.replication.codec import (
@@ -50,14 +52,17 @@ from portico.store.base import Store
 log = logging.getLogger("portico.replication")
 CONTROL_TIMEOUT = 5.0  # seconds a replica waits for another one's answer to control
 _UNFINISHED = (TurnState.PENDING, TurnState.RUNNING)
+# Errors a replica answers control with, raised again on the asking one as they were.
 _REMOTE_ERRORS: dict[str, Callable[[str], PorticoError]] = {
-    InvalidMessage.code: InvalidMessage,
-    TurnReplicaGone.code: TurnReplicaGone,
+    error.code: error
+    for error in (InvalidMessage, TurnReplicaGone, RtcInvalidTransition, Forbidden)
 }
 
 
 class ToolSettler(Protocol):
     async def settle_here(self, principal: str, call_id: str, reply: ClientReply) -> None: ...
+
+    async def rtc_here(self, record: ToolCallRecord, step: RtcStep) -> ToolCallRecord: ...
 
 
 class BusLink:
@@ -301,6 +306,14 @@ class BusLink:
             holder.replica, op="tool", principal=principal, call_id=call_id, reply=reply
         )
 
+    async def forward_rtc(self, record: ToolCallRecord, step: RtcStep) -> ToolCallRecord | None:
+        holder = await self._locks.holder(record.session_id)
+        if holder is None or holder.replica == self.replica_id:
+            return None  # no live replica runs its turn: the archive alone ends it
+        await self._ask(holder.replica, op="rtc", call_id=record.id, rtc=step)
+        # Written there before the answer came.
+        return await self._store.get_tool_call(record.id) or record
+
     async def _ask(self, replica: str, **fields: Any) -> Reply:
         request = Request(id=new_id("ctl"), reply_to=self.replica_id, **fields)
         answer: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -351,6 +364,13 @@ class BusLink:
         assert self._tools is not None, "bind_tools() first"
         if request.op == "stop":
             return await self._sink.stop_here(request.session_id)
+        if request.op == "rtc":
+            assert request.rtc is not None
+            record = await self._store.get_tool_call(request.call_id)
+            if record is None:
+                raise InvalidMessage(f"no tool call {request.call_id!r}")
+            await self._tools.rtc_here(record, request.rtc)
+            return True
         assert request.reply is not None
         await self._tools.settle_here(request.principal, request.call_id, request.reply)
         return True
