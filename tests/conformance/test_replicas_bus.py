@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,7 @@ from support.redis import REDIS_URL
 from support.replicas import free_port
 from support.rpc import RpcProbe
 from support.server import SCRIPT, ServerProcess
+from support.tcpgate import TcpGate
 
 WAIT = 10.0
 
@@ -241,3 +243,57 @@ async def test_an_rtc_result_submitted_on_another_replica_reaches_the_waiting_tu
         assert again["status"] == "completed"
     finally:
         await rpc.close()
+
+
+@pytest.fixture
+async def gated(tmp_path: Path) -> AsyncIterator[tuple[ServerProcess, TcpGate]]:
+    """One bus=redis replica whose Redis is behind a gate the test opens and closes."""
+    require_postgres()
+    schema = await create_schema()
+    gate = await TcpGate("127.0.0.1", 6379).start()
+    server = ServerProcess(
+        tmp_path / "gated",
+        args=("--store", "postgres", "--runtime", "scripted", "--script", str(SCRIPT)),
+        env={
+            "PORTICO_DATABASE_URL": schema_url(schema),
+            "PORTICO_REPLICA_ID": "rep-gated",
+            "PORTICO_BUS": "redis",
+            "PORTICO_REDIS_URL": f"redis://127.0.0.1:{gate.port}/0",
+            "PORTICO_REDIS_KEY_PREFIX": f"portico-test:{uuid.uuid4().hex[:12]}:",
+        },
+    )
+    # Started in a thread: the gate relays on this loop while the server starts.
+    await asyncio.to_thread(server.start)
+    try:
+        yield server, gate
+    finally:
+        await asyncio.to_thread(server.stop)
+        await gate.stop()
+        await drop_schemas([schema])
+
+
+async def test_with_redis_away_new_turns_are_refused_running_ones_finish_and_it_recovers(
+    http: aiohttp.ClientSession, gated: tuple[ServerProcess, TcpGate]
+) -> None:
+    server, gate = gated
+    client = await omnia(http, server)
+    session_id = (await client.connected())["session_id"]
+    await client.send({"type": "message", "content": "slow", **scenario("slow")})
+    assert (await client.recv())["type"] == "chunk"
+    gate.close()  # Redis goes away mid-turn
+    assert (await client.recv(WAIT))["type"] == "done"  # the running turn ends here as usual
+    # A new turn cannot take its session's lock: a clear refusal, no hang.
+    await client.send({"type": "message", "session_id": session_id, "content": "hi"})
+    refused = await client.recv(WAIT)
+    assert refused["type"] == "error", refused
+    assert refused["error"]["code"] == "SERVICE_UNAVAILABLE", refused
+    gate.open()
+    async with asyncio.timeout(WAIT):  # back by itself, the same session included
+        while True:
+            await client.send({"type": "message", "session_id": session_id, "content": "hi"})
+            frame = await client.recv(WAIT)
+            if frame["type"] == "chunk":
+                break
+            assert frame["error"]["code"] == "SERVICE_UNAVAILABLE", frame
+            await asyncio.sleep(0.2)
+    assert [f["type"] for f in await client.turn()] == ["chunk", "done"]

@@ -51,6 +51,8 @@ from portico.store.base import Store
 
 log = logging.getLogger("portico.replication")
 CONTROL_TIMEOUT = 5.0  # seconds a replica waits for another one's answer to control
+OUTBOX_LIMIT = 100_000  # entries waiting for the bus, at most
+RETRY = 1.0  # seconds before a bus read that failed starts again
 _UNFINISHED = (TurnState.PENDING, TurnState.RUNNING)
 # Errors a replica answers control with, raised again on the asking one as they were.
 _REMOTE_ERRORS: dict[str, Callable[[str], PorticoError]] = {
@@ -133,11 +135,18 @@ class BusLink:
 
     def published(self, session_id: str, owner: str, event: TurnEvent) -> None:
         payload = encode_event(self.replica_id, event)
-        self._outbox.append((session_topic(session_id), payload))
-        self._outbox.append((owner_topic(owner), payload))
+        self._queue(session_topic(session_id), payload)
+        self._queue(owner_topic(owner), payload)
+
+    def _queue(self, topic: str, payload: bytes) -> None:
+        if len(self._outbox) >= OUTBOX_LIMIT:
+            # A bus too slow or away: the oldest go first, memory stays bounded.
+            self._outbox.popleft()
+        self._outbox.append((topic, payload))
         self._queued.set()
 
     async def _publish_loop(self) -> None:
+        failing = 0
         while True:
             await self._queued.wait()
             self._queued.clear()
@@ -147,7 +156,13 @@ class BusLink:
                     await self._bus.publish(topic, payload)
                 except Exception:
                     # The local listeners had the event; the other replicas' miss it.
-                    log.warning("bus publish failed topic=%s; event not relayed", topic)
+                    if not failing:
+                        log.warning("bus publish failed topic=%s; not relayed until back", topic)
+                    failing += 1
+                    continue
+                if failing:
+                    log.warning("bus publish back; %d entries were not relayed", failing)
+                    failing = 0
 
     # -- input ----------------------------------------------------------------------------
 
@@ -182,10 +197,7 @@ class BusLink:
 
     def local_update(self, update: Update) -> None:
         """The archive listener: an update this replica committed."""
-        self._outbox.append(
-            (owner_topic(update.owner), encode_event(self.replica_id, _notice(update)))
-        )
-        self._queued.set()
+        self._queue(owner_topic(update.owner), encode_event(self.replica_id, _notice(update)))
         if self._order.begun(update.owner) or self._relay.watched(owner_topic(update.owner)):
             self._deliver_updates(self._order.offer(update))
             self._fill(update.owner)
@@ -237,8 +249,18 @@ class BusLink:
             self._readers[topic] = task
 
     async def _read(self, topic: str) -> None:
+        while True:
+            try:
+                await self._read_from(topic, self._relay.last_position(topic))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("bus read failed topic=%s; again in %.0f s", topic, RETRY)
+            await asyncio.sleep(RETRY)
+
+    async def _read_from(self, topic: str, after: str) -> None:
         deliver = self._deliverer(topic)
-        async for entry in self._bus.subscribe(topic):
+        async for entry in self._bus.subscribe(topic, after):
             try:
                 published = decode_event(entry.payload)
             except Exception:
@@ -334,6 +356,16 @@ class BusLink:
         return reply
 
     async def _inbox_loop(self) -> None:
+        while True:
+            try:
+                await self._read_inbox()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("control inbox read failed; again in %.0f s", RETRY)
+            await asyncio.sleep(RETRY)
+
+    async def _read_inbox(self) -> None:
         async for payload in self._bus.inbox(self.replica_id):
             try:
                 message = decode_control(payload)

@@ -29,6 +29,7 @@ class Relay:
         self.replica_id = replica_id
         self._watchers: dict[str, int] = {}
         self._last: dict[str, tuple[int, int]] = {}
+        self._positions: dict[str, str] = {}  # the last position as the bus wrote it
 
     def watch(self, topic: str) -> bool:
         """One more listener wants `topic`; True when a read must start."""
@@ -44,6 +45,7 @@ class Relay:
             return False
         self._watchers.pop(topic, None)
         self._last.pop(topic, None)
+        self._positions.pop(topic, None)
         return count == 0
 
     def topics(self) -> list[str]:
@@ -61,4 +63,9 @@ class Relay:
         if last is not None and key <= last:
             return False
         self._last[topic] = key
+        self._positions[topic] = position
         return origin != self.replica_id
+
+    def last_position(self, topic: str) -> str:
+        """Where a restarted read of `topic` goes on from ("": only new entries)."""
+        return self._positions.get(topic, "")

@@ -30,6 +30,17 @@ if not held then
 end
 return 0
 """
+# Free, or held under this replica's id by a turn that is not running any more (its
+# release failed while Redis was away, or this replica restarted under its stable id):
+# the caller runs no turn in the session, so the lock is its own to take.
+_ACQUIRE = """
+local held = redis.call('GET', KEYS[1])
+if (not held) or string.sub(held, 1, string.len(ARGV[2])) == ARGV[2] then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+  return 1
+end
+return 0
+"""
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -60,6 +71,7 @@ class TurnLocks:
         self._held: dict[str, str] = {}  # session id -> the value this replica set
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
+        self._acquire = redis.register_script(_ACQUIRE)
 
     def _key(self, session_id: str) -> str:
         return f"{self._prefix}turnlock:{session_id}"
@@ -68,12 +80,15 @@ class TurnLocks:
         return session_id in self._held
 
     async def acquire(self, session_id: str) -> bool:
+        """Only while this replica runs no turn in the session (the engine's own map)."""
         if session_id in self._held:
             return True
         try:
             fence = await self._redis.incr(f"{self._prefix}turnfence:{session_id}")
             value = f"{self._replica}|{fence}"
-            won = await self._redis.set(self._key(session_id), value, nx=True, px=self._lease_ms)
+            won = await self._acquire(
+                keys=[self._key(session_id)], args=[value, f"{self._replica}|", self._lease_ms]
+            )
         except RedisError as exc:
             raise BusUnavailable() from exc
         if won:
