@@ -263,3 +263,33 @@ async def test_control_for_a_replica_that_is_gone_is_a_defined_error(redis: Any)
             await b.tools.settle("alice", call.call.id, ClientReply(kind="result", result="x"))
     finally:
         await stop_all([a, b])
+
+
+async def test_rpc_messages_waiting_on_one_replica_run_after_the_other_replicas_turn(
+    redis: Any, gate: Gate
+) -> None:
+    a, b = await make_replicas(redis, gate)
+    try:
+        session = await a.engine.open_session(principal="alice", agent="default", session_id="s7")
+        running = Recorder()
+        await a.engine.submit(message("s7"), running)
+        await asyncio.wait_for(gate.started.wait(), WAIT)
+        # Two RPC sends land on B while A's turn runs: they wait, then merge (one turn).
+        waiting = Recorder()
+        b.engine.attach("s7", waiting)
+        await b.engine.enqueue(session, message("s7", "first"))
+        await b.engine.enqueue(session, message("s7", "second"))
+        await asyncio.sleep(0.3)
+        assert gate.runs == 1  # B did not start a turn beside A's
+        gate.release.set()
+        await running.terminal()
+        async with asyncio.timeout(WAIT):
+            while len([e for e in waiting.events if isinstance(e, TERMINAL_EVENTS)]) < 2:
+                waiting.got.clear()
+                await waiting.got.wait()
+        assert gate.runs == 2  # the two waiting messages ran as one turn, on B
+        turns = await a.engine.store.list_turns("s7")
+        assert sorted(t.state.value for t in turns) == ["completed", "completed", "merged"]
+        assert {t.replica for t in turns if t.state.value == "completed"} == {"rep-a", "rep-b"}
+    finally:
+        await stop_all([a, b])
