@@ -106,8 +106,16 @@ async def redis() -> AsyncIterator[Any]:
     await client.aclose()
 
 
-async def make_replicas(redis: Any, runtime: Any) -> list[Replica]:
-    store, bus = MemoryStore(), InProcessBus()
+class SlowBus(InProcessBus):
+    """A bus with a round trip per publish, as Redis has: a backlog can form."""
+
+    async def publish(self, topic: str, payload: bytes) -> str:
+        await asyncio.sleep(0.01)
+        return await super().publish(topic, payload)
+
+
+async def make_replicas(redis: Any, runtime: Any, bus: InProcessBus | None = None) -> list[Replica]:
+    store, bus = MemoryStore(), bus or InProcessBus()
     replicas = []
     for name in ("rep-a", "rep-b"):
         tools = ClientToolBroker(store=store, ack_timeout=5, answer_timeout=10, clock=time.time)
@@ -293,3 +301,21 @@ async def test_rpc_messages_waiting_on_one_replica_run_after_the_other_replicas_
         assert {t.replica for t in turns if t.state.value == "completed"} == {"rep-a", "rep-b"}
     finally:
         await stop_all([a, b])
+
+
+async def test_a_replica_shutting_down_sends_its_turns_terminal_events_before_it_goes(
+    redis: Any, gate: Gate
+) -> None:
+    a, b = await make_replicas(redis, gate, SlowBus())
+    try:
+        watcher = Recorder()
+        b.engine.attach("s8", watcher)
+        await asyncio.sleep(0.05)
+        await a.engine.submit(message("s8"), Recorder())
+        await asyncio.wait_for(gate.started.wait(), WAIT)
+        await a.engine.shutdown()  # interrupts the turn, then closes the link
+        assert type(await watcher.terminal()) in TERMINAL_EVENTS
+        # Its lock is released too: B may run the session's next turn at once.
+        assert await b.link.claim("s8") is True
+    finally:
+        await b.engine.shutdown()

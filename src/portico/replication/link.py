@@ -53,6 +53,7 @@ log = logging.getLogger("portico.replication")
 CONTROL_TIMEOUT = 5.0  # seconds a replica waits for another one's answer to control
 OUTBOX_LIMIT = 100_000  # entries waiting for the bus, at most
 RETRY = 1.0  # seconds before a bus read that failed starts again
+FLUSH_TIMEOUT = 2.0  # seconds a stopping replica gives its last events to go out
 _UNFINISHED = (TurnState.PENDING, TurnState.RUNNING)
 # Errors a replica answers control with, raised again on the asking one as they were.
 _REMOTE_ERRORS: dict[str, Callable[[str], PorticoError]] = {
@@ -93,6 +94,8 @@ class BusLink:
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._outbox: deque[tuple[str, bytes]] = deque()
         self._queued = asyncio.Event()
+        self._idle = asyncio.Event()  # set while nothing waits to be published
+        self._idle.set()
         self._asked: dict[str, asyncio.Future[Reply]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._started = False
@@ -118,12 +121,25 @@ class BusLink:
             self._start_reader(topic)
 
     async def close(self) -> None:
+        # The turns ended before this (engine shutdown): their last events and lock
+        # releases go out first, within a bound, so other replicas' clients get their
+        # terminal frame and the sessions are free at once.
+        await self._flush(FLUSH_TIMEOUT)
         tasks = [*self._tasks, *self._readers.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._readers.clear()
         await self._bus.close()
+
+    async def _flush(self, within: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), within)
+        releasing = [t for t in self._tasks if t.get_name().startswith("turn-unlock-")]
+        if releasing:
+            await asyncio.wait(releasing, timeout=max(0.0, deadline - loop.time()))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -143,6 +159,7 @@ class BusLink:
             # A bus too slow or away: the oldest go first, memory stays bounded.
             self._outbox.popleft()
         self._outbox.append((topic, payload))
+        self._idle.clear()
         self._queued.set()
 
     async def _publish_loop(self) -> None:
@@ -163,6 +180,7 @@ class BusLink:
                 if failing:
                     log.warning("bus publish back; %d entries were not relayed", failing)
                     failing = 0
+            self._idle.set()
 
     # -- input ----------------------------------------------------------------------------
 
@@ -342,7 +360,9 @@ class BusLink:
         self._asked[request.id] = answer
         try:
             try:
-                await self._bus.send(replica, encode_control(request))
+                await asyncio.wait_for(
+                    self._bus.send(replica, encode_control(request)), self._control_timeout
+                )
             except Exception as exc:
                 raise BusUnavailable() from exc
             try:
