@@ -53,6 +53,7 @@ log = logging.getLogger("portico.replication")
 CONTROL_TIMEOUT = 5.0  # seconds a replica waits for another one's answer to control
 OUTBOX_LIMIT = 100_000  # entries waiting for the bus, at most
 RETRY = 1.0  # seconds before a bus read that failed starts again
+PUBLISH_BATCH = 512  # entries per round trip to the bus, at most
 FLUSH_TIMEOUT = 2.0  # seconds a stopping replica gives its last events to go out
 _UNFINISHED = (TurnState.PENDING, TurnState.RUNNING)
 # Errors a replica answers control with, raised again on the asking one as they were.
@@ -168,14 +169,16 @@ class BusLink:
             await self._queued.wait()
             self._queued.clear()
             while self._outbox:
-                topic, payload = self._outbox.popleft()
+                # Whatever queued meanwhile goes in one round trip, in order.
+                count = min(len(self._outbox), PUBLISH_BATCH)
+                batch = [self._outbox.popleft() for _ in range(count)]
                 try:
-                    await self._bus.publish(topic, payload)
+                    await self._bus.publish_batch(batch)
                 except Exception:
-                    # The local listeners had the event; the other replicas' miss it.
+                    # The local listeners had the events; the other replicas' miss them.
                     if not failing:
-                        log.warning("bus publish failed topic=%s; not relayed until back", topic)
-                    failing += 1
+                        log.warning("bus publish failed; not relayed until the bus is back")
+                    failing += len(batch)
                     continue
                 if failing:
                     log.warning("bus publish back; %d entries were not relayed", failing)
