@@ -266,7 +266,7 @@ async def test_control_for_a_replica_that_is_gone_is_a_defined_error(redis: Any)
         with pytest.raises(TurnReplicaGone):
             await b.tools.settle("alice", call.call.id, ClientReply(kind="result", result="x"))
         # Its lease lapsed: no lock names it, the archive still has the turn running.
-        await redis.delete(f"{redis.test_prefix}turnlock:sess-6")
+        await redis.delete(f"{redis.test_prefix}turnlock:{{sess-6}}")
         with pytest.raises(TurnReplicaGone):
             await b.tools.settle("alice", call.call.id, ClientReply(kind="result", result="x"))
     finally:
@@ -319,3 +319,25 @@ async def test_a_replica_shutting_down_sends_its_turns_terminal_events_before_it
         assert await b.link.claim("s8") is True
     finally:
         await b.engine.shutdown()
+
+
+async def test_the_turn_lock_names_its_holder_with_an_increasing_token_and_lapses(
+    redis: Any,
+) -> None:
+    a = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-a", lease=0.3)
+    b = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-b", lease=0.3)
+    assert await a.acquire("s9") is True
+    assert await b.acquire("s9") is False
+    first = await b.holder("s9")
+    assert first is not None
+    assert first.replica == "rep-a"
+    await a.release("s9")
+    assert await b.holder("s9") is None
+    assert await b.acquire("s9") is True
+    second = await a.holder("s9")
+    assert second is not None
+    assert (second.replica, second.fence > first.fence) == ("rep-b", True)
+    assert await b.renew_all() == []  # still its own
+    await asyncio.sleep(0.5)  # not renewed: the lease lapses, as when rep-b dies
+    assert await a.acquire("s9") is True
+    assert await b.renew_all() == ["s9"]  # rep-b finds it lost

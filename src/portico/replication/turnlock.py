@@ -33,13 +33,15 @@ return 0
 # Free, or held under this replica's id by a turn that is not running any more (its
 # release failed while Redis was away, or this replica restarted under its stable id):
 # the caller runs no turn in the session, so the lock is its own to take.
+# One round trip: the check, the fencing token and the grant.
 _ACQUIRE = """
 local held = redis.call('GET', KEYS[1])
-if (not held) or string.sub(held, 1, string.len(ARGV[2])) == ARGV[2] then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
-  return 1
+if (not held) or string.sub(held, 1, string.len(ARGV[1])) == ARGV[1] then
+  local value = ARGV[1] .. redis.call('INCR', KEYS[2])
+  redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+  return value
 end
-return 0
+return false
 """
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -74,7 +76,11 @@ class TurnLocks:
         self._acquire = redis.register_script(_ACQUIRE)
 
     def _key(self, session_id: str) -> str:
-        return f"{self._prefix}turnlock:{session_id}"
+        # The braces keep a session's lock and token in one Redis Cluster slot.
+        return f"{self._prefix}turnlock:{{{session_id}}}"
+
+    def _fence_key(self, session_id: str) -> str:
+        return f"{self._prefix}turnfence:{{{session_id}}}"
 
     def holds(self, session_id: str) -> bool:
         return session_id in self._held
@@ -84,16 +90,16 @@ class TurnLocks:
         if session_id in self._held:
             return True
         try:
-            fence = await self._redis.incr(f"{self._prefix}turnfence:{session_id}")
-            value = f"{self._replica}|{fence}"
-            won = await self._acquire(
-                keys=[self._key(session_id)], args=[value, f"{self._replica}|", self._lease_ms]
+            value = await self._acquire(
+                keys=[self._key(session_id), self._fence_key(session_id)],
+                args=[f"{self._replica}|", self._lease_ms],
             )
         except RedisError as exc:
             raise BusUnavailable() from exc
-        if won:
-            self._held[session_id] = value
-        return bool(won)
+        if value is None:
+            return False
+        self._held[session_id] = value.decode() if isinstance(value, bytes) else str(value)
+        return True
 
     async def holder(self, session_id: str) -> Holder | None:
         try:
