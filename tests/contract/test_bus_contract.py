@@ -169,3 +169,23 @@ def _restart_redis() -> None:
             return
         subprocess.run(["sleep", "0.1"], check=True)
     raise RuntimeError("Redis did not come back")
+
+
+async def test_redis_topics_expire_after_their_last_entry() -> None:
+    if not _redis_up():
+        pytest.skip("Redis is not running at 127.0.0.1:6379")
+    import redis.asyncio as aioredis
+
+    from portico.bus.redis_bus import RedisBus
+
+    prefix = f"test-bus-{uuid.uuid4().hex}:"
+    bus = RedisBus(REDIS_URL, prefix=prefix, block=0.1, topic_ttl=60)
+    client = aioredis.from_url(REDIS_URL)
+    try:
+        await bus.publish_batch([("session:t", b"x"), ("session:t", b"y")])
+        ttl = await client.ttl(f"{prefix}topic:session:t")
+        assert 0 < ttl <= 60
+    finally:
+        await bus.close()
+        await client.delete(f"{prefix}topic:session:t")
+        await client.aclose()
