@@ -222,6 +222,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     redis_key_prefix: str = "portico:"  # every key and channel of this deployment starts so
     bus_stream_max_len: Count = 10_000  # entries kept per stream (approximate trim)
     bus_read_block: Seconds = 1.0  # longest a stream read blocks before re-checking
+    # Longest a replica waits for the one running a turn to answer forwarded control
+    # (a stop, a tool result); past it the client gets SERVICE_UNAVAILABLE.
+    bus_control_timeout: Seconds = 5.0
+    bus_topic_ttl: Seconds = 86_400.0  # a turn-output stream's life after its last entry
 
     # Authentication: `none` (one principal, `local`), `apikey` or `jwt` (docs/auth.md).
     auth: Literal["none", "apikey", "jwt"] = "none"

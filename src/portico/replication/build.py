@@ -23,10 +23,18 @@ def build_link(settings: Settings, store: Store, replica_id: str) -> BusLink | N
         prefix=settings.redis_key_prefix,
         max_len=settings.bus_stream_max_len,
         block=settings.bus_read_block,
+        topic_ttl=settings.bus_topic_ttl,
     )
     # Lock calls must answer or fail fast: a new turn waits on them.
     redis: Any = aioredis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
     locks = TurnLocks(
         redis, prefix=settings.redis_key_prefix, replica_id=replica_id, lease=settings.replica_lease
     )
-    return BusLink(bus, locks, store, replica_id=replica_id, lease=settings.replica_lease)
+    return BusLink(
+        bus,
+        locks,
+        store,
+        replica_id=replica_id,
+        lease=settings.replica_lease,
+        control_timeout=settings.bus_control_timeout,
+    )
