@@ -225,6 +225,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Where `/v1/session` keeps its numbered streams (docs/replicas.md, Session state):
     # `memory` (this process) or `redis` (redis_url: any replica resumes any session).
     session_state: Literal["memory", "redis"] = "memory"
+    # Longest a replica waits for the one running a turn to answer forwarded control
+    # (a stop, a tool result); past it the client gets SERVICE_UNAVAILABLE.
+    bus_control_timeout: Seconds = 5.0
+    bus_topic_ttl: Seconds = 86_400.0  # a turn-output stream's life after its last entry
 
     # Authentication: `none` (one principal, `local`), `apikey` or `jwt` (docs/auth.md).
     auth: Literal["none", "apikey", "jwt"] = "none"

@@ -503,3 +503,29 @@ class DuplexError(PorticoError):
 
     code = "DUPLEX_ERROR"
     http_status = 502
+
+
+class BusUnavailable(PorticoError):
+    """Replicas cannot reach their shared bus (Redis): a new turn is refused rather than
+    run where another replica might run one of the same session (docs/replicas.md)."""
+
+    code = "SERVICE_UNAVAILABLE"
+    http_status = 503
+
+    def __init__(
+        self, message: str = "the replicas' bus is unreachable; try again shortly"
+    ) -> None:
+        super().__init__(message)
+
+
+class TurnReplicaGone(PorticoError):
+    """The turn this control message concerns runs on a replica whose lease lapsed: it
+    cannot be reached, and the turn ends `interrupted` when the sweep finds it."""
+
+    code = "SERVICE_UNAVAILABLE"
+    http_status = 503
+
+    def __init__(
+        self, message: str = "the replica running this turn is gone; it ends interrupted"
+    ) -> None:
+        super().__init__(message)

@@ -87,6 +87,21 @@ async def test_a_subscriber_resumes_after_its_last_position(bus: Bus) -> None:
     assert [entry.payload for entry in await _take(resumed, 2)] == [b"3", b"4"]
 
 
+async def test_a_batch_is_published_in_order_across_its_topics(bus: Bus) -> None:
+    session = bus.subscribe("session:c", after="0")
+    owner = bus.subscribe("owner:c", after="0")
+    batch = [(topic, f"{n}".encode()) for n in range(20) for topic in ("session:c", "owner:c")]
+    positions = await bus.publish_batch(batch)
+    assert len(positions) == len(batch)
+    expected = [f"{n}".encode() for n in range(20)]
+    for subscriber in (session, owner):
+        got = await _take(subscriber, 20)
+        assert [entry.payload for entry in got] == expected
+    # The positions are the entries' own: a reader resumes after any of them.
+    resumed = bus.subscribe("session:c", after=positions[-4])  # entry 18 of session:c
+    assert [entry.payload for entry in await _take(resumed, 1)] == [b"19"]
+
+
 async def test_a_new_subscriber_without_position_sees_only_new_entries(bus: Bus) -> None:
     await bus.publish("user:u", b"old")
     live = bus.subscribe("user:u")
@@ -172,3 +187,23 @@ async def test_a_redis_bus_that_cannot_be_reached_is_not_ready_and_says_why() ->
         await unreachable.close()
     assert not health.ready
     assert "ConnectionError" in health.reason, health.reason
+
+
+async def test_redis_topics_expire_after_their_last_entry() -> None:
+    if not _redis_up():
+        pytest.skip("Redis is not running at 127.0.0.1:6379")
+    import redis.asyncio as aioredis
+
+    from portico.bus.redis_bus import RedisBus
+
+    prefix = f"test-bus-{uuid.uuid4().hex}:"
+    bus = RedisBus(REDIS_URL, prefix=prefix, block=0.1, topic_ttl=60)
+    client = aioredis.from_url(REDIS_URL)
+    try:
+        await bus.publish_batch([("session:t", b"x"), ("session:t", b"y")])
+        ttl = await client.ttl(f"{prefix}topic:session:t")
+        assert 0 < ttl <= 60
+    finally:
+        await bus.close()
+        await client.delete(f"{prefix}topic:session:t")
+        await client.aclose()

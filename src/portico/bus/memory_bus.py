@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from portico.bus.port import Entry
 from portico.health import IN_PROCESS, Health
@@ -33,6 +33,9 @@ class InProcessBus:
 
     async def publish(self, topic: str, payload: bytes) -> str:
         return self._log(topic).append(payload)
+
+    async def publish_batch(self, entries: Sequence[tuple[str, bytes]]) -> list[str]:
+        return [self._log(topic).append(payload) for topic, payload in entries]
 
     async def subscribe(self, topic: str, after: str = "") -> AsyncIterator[Entry]:
         log = self._log(topic)

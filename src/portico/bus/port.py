@@ -10,7 +10,7 @@ a reader that falls behind or reconnects after a Redis restart resumes at its po
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 import msgspec
@@ -26,6 +26,11 @@ class Entry(msgspec.Struct, frozen=True):
 class Bus(Protocol):
     async def publish(self, topic: str, payload: bytes) -> str:
         """Append to `topic`; the entry's position."""
+        ...
+
+    async def publish_batch(self, entries: Sequence[tuple[str, bytes]]) -> list[str]:
+        """`publish` each (topic, payload) in order, in one round trip where the backend
+        allows; their positions."""
         ...
 
     def subscribe(self, topic: str, after: str = "") -> AsyncIterator[Entry]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -23,27 +23,44 @@ from portico.health import Health, probe
 
 log = logging.getLogger("portico.bus")
 _GROUP = "replica"
+TOPIC_TTL = 24 * 3600.0  # seconds a topic's stream outlives its last entry
 
 
 class RedisBus:
     def __init__(
-        self, url: str, prefix: str = "portico:", max_len: int = 10_000, block: float = 1.0
+        self,
+        url: str,
+        prefix: str = "portico:",
+        max_len: int = 10_000,
+        block: float = 1.0,
+        topic_ttl: float | None = TOPIC_TTL,
     ) -> None:
+        """`topic_ttl`: seconds a topic's stream is kept after its last entry (None:
+        until trimmed), so the streams of sessions long over do not pile up in Redis."""
         # Replies are handled as Any: redis-py types them as a union of sync and async.
         self._redis: Any = aioredis.from_url(url)
         self._prefix = prefix
         self._max_len = max_len
         self._block_ms = max(1, int(block * 1000))
+        self._ttl = None if topic_ttl is None else max(1, int(topic_ttl))
 
     def _key(self, kind: str, name: str) -> str:
         return f"{self._prefix}{kind}:{name}"
 
     async def publish(self, topic: str, payload: bytes) -> str:
-        key = self._key("topic", topic)
-        position = await self._redis.xadd(
-            key, {b"p": payload}, maxlen=self._max_len, approximate=True
-        )
-        return position.decode() if isinstance(position, bytes) else str(position)
+        return (await self.publish_batch([(topic, payload)]))[0]
+
+    async def publish_batch(self, entries: Sequence[tuple[str, bytes]]) -> list[str]:
+        # One pipeline, no transaction: the XADDs run in order, one round trip in all.
+        pipe = self._redis.pipeline(transaction=False)
+        keys = [self._key("topic", topic) for topic, _ in entries]
+        for key, (_, payload) in zip(keys, entries, strict=True):
+            pipe.xadd(key, {b"p": payload}, maxlen=self._max_len, approximate=True)
+        if self._ttl is not None:
+            for key in dict.fromkeys(keys):
+                pipe.expire(key, self._ttl)
+        replies = await pipe.execute()
+        return [p.decode() if isinstance(p, bytes) else str(p) for p in replies[: len(entries)]]
 
     async def subscribe(self, topic: str, after: str = "") -> AsyncIterator[Entry]:
         key = self._key("topic", topic)

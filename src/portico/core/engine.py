@@ -19,10 +19,11 @@ import msgspec
 from portico.config import AgentSettings, ClientToolSettings
 from portico.core.compaction import SUMMARY_THROUGH, compose_summary, since_latest_summary
 from portico.core.duplicates import earlier_send, running_duplicate
-from portico.core.events import Listener
+from portico.core.events import Listener, TurnEvent
 from portico.core.memory import NO_FACET, AgentMemory, MemoryKey, MemoryLimits
 from portico.core.model import ContentPart, Message, Session, Turn, new_id
 from portico.core.periodic import every
+from portico.core.replicalink import ReplicaLink
 from portico.core.reservations import SessionReservations
 from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import NoTelemetry, Telemetry
@@ -34,6 +35,7 @@ from portico.errors import (
     InternalError,
     InvalidMessage,
     MediaNotEnabled,
+    PorticoError,
     SessionDeclarationRefused,
     SessionExpired,
     TurnInProgress,
@@ -57,6 +59,9 @@ log = logging.getLogger("portico.engine")
 # How many archived messages a runtime is given as history.
 HISTORY_LIMIT = 1000
 REPLICA_LEASE = 30.0  # seconds; the `replica_lease` setting's default
+# How often a replica retries taking the turn lock of a session whose turn runs on
+# another replica while RPC messages wait for it here.
+CLAIM_RETRY = 0.1
 
 
 class UserMessage(msgspec.Struct, frozen=True, kw_only=True):
@@ -155,10 +160,12 @@ class Engine:
         replica_lease: float = REPLICA_LEASE,
         reservations: SessionReservations | None = None,
         memory_limits: MemoryLimits | None = None,
+        link: ReplicaLink | None = None,
     ) -> None:
         """`replica_id` names this process among the replicas sharing the archive (empty:
         a fresh one); `replica_lease`: seconds without renewal after which a replica
-        counts as dead and its turns are interrupted (docs/storage.md)."""
+        counts as dead and its turns are interrupted (docs/storage.md). `link`: the
+        other replicas (docs/replicas.md); None runs as the only process."""
         self._media = media
         self.reservations = reservations or SessionReservations()
         self._telemetry = telemetry or NoTelemetry()
@@ -185,6 +192,10 @@ class Engine:
         self.replica_id = replica_id or new_id("rep")
         self._lease = replica_lease
         self._leasing: asyncio.Task[None] | None = None
+        self._link = link
+        self._claiming: set[str] = set()  # sessions whose backlog waits for the turn lock
+        if link is not None:
+            link.bind(self)
 
     async def start(self) -> None:
         """Take the lease, interrupt the turns left without a live replica (this one's
@@ -192,6 +203,8 @@ class Engine:
         await self.store.renew_replica(self.replica_id, self._clock())
         await self._interrupt_orphans(include_own=True)
         self._leasing = detached(self._keep_lease(), name="replica-lease")
+        if self._link is not None:
+            await self._link.start()
 
     async def _keep_lease(self) -> None:
         # Renewed three times per lease, so one or two slow writes do not let it lapse;
@@ -232,18 +245,37 @@ class Engine:
     # -- listeners ----------------------------------------------------------------
 
     def attach(self, session_id: str, listener: Listener) -> None:
-        """`listener` gets the events of the session's turns."""
+        """`listener` gets the events of the session's turns, wherever they run."""
+        first = session_id not in self._listeners
         _add_listener(self._listeners, session_id, listener)
+        if first and self._link is not None:
+            self._link.watch_session(session_id)
 
     def detach(self, session_id: str, listener: Listener) -> None:
+        had = session_id in self._listeners
         _remove_listener(self._listeners, session_id, listener)
+        if had and session_id not in self._listeners and self._link is not None:
+            self._link.unwatch_session(session_id)
 
     def attach_owner(self, principal: str, listener: Listener) -> None:
         """`listener` gets the events of every turn of the principal's sessions (RPC)."""
+        first = principal not in self._owner_listeners
         _add_listener(self._owner_listeners, principal, listener)
+        if first and self._link is not None:
+            self._link.watch_owner(principal)
 
     def detach_owner(self, principal: str, listener: Listener) -> None:
+        had = principal in self._owner_listeners
         _remove_listener(self._owner_listeners, principal, listener)
+        if had and principal not in self._owner_listeners and self._link is not None:
+            self._link.unwatch_owner(principal)
+
+    # Events of turns another replica runs, relayed by the link (`RemoteSink`).
+    def deliver_to_session(self, session_id: str, event: TurnEvent) -> None:
+        _deliver(self._listeners.get(session_id, ()), event)
+
+    def deliver_to_owner(self, owner: str, event: TurnEvent) -> None:
+        _deliver(self._owner_listeners.get(owner, ()), event)
 
     def _listeners_of(self, session_id: str, owner: str) -> tuple[Listener, ...]:
         listeners = self._listeners.get(session_id, ())
@@ -281,14 +313,22 @@ class Engine:
         self._running[session.id] = None
         try:
             await self._refuse_repeated_key(message)
+            await self._claim(session.id)
+            turn, turn_input, reply = self._archive_behind(session, message)
         except BaseException:
             del self._running[session.id]
+            if self._link is not None and self._link.holds(session.id):
+                self._link.release(session.id)
             raise
-        turn, turn_input, reply = self._archive_behind(session, message)
         if listener is not None:
             self.attach(session.id, listener)
         self._start_runner(session, turn, turn_input, reply)
         return turn
+
+    async def _claim(self, session_id: str) -> None:
+        """Take the session's turn across replicas; another replica's turn is busy."""
+        if self._link is not None and not await self._link.claim(session_id):
+            raise TurnInProgress(session_id)
 
     def _running_duplicate(self, session_id: str, message: UserMessage) -> DuplicateMessage | None:
         """The running turn answers this very message (sent again with its key)."""
@@ -342,6 +382,11 @@ class Engine:
     def _start_waiting(self, session_id: str) -> None:
         if session_id in self._running or self._stopping:
             return
+        if self._link is not None and not self._link.holds(session_id):
+            if self._backlog.get(session_id) and session_id not in self._claiming:
+                self._claiming.add(session_id)
+                self._background.spawn(self._claim_for_backlog(session_id))
+            return
         waiting = self._backlog.pop(session_id, None)
         if not waiting:
             return
@@ -350,6 +395,32 @@ class Engine:
             self._end_waiting(absorbed, TurnTrigger.MERGE, merged_into=first.turn.id)
         turn_input = msgspec.structs.replace(latest.turn_input, turn_id=first.turn.id)
         self._start_runner(first.session, first.turn, turn_input, first.reply)
+
+    async def _claim_for_backlog(self, session_id: str) -> None:
+        """RPC messages wait here while another replica runs the session's turn: retry
+        its lock until this replica has it, then run them (the backlog's merge rule)."""
+        assert self._link is not None
+        try:
+            while self._backlog.get(session_id) and not self._stopping:
+                if session_id not in self._running:
+                    self._running[session_id] = None  # a local submit now is busy
+                    try:
+                        won = await self._link.claim(session_id)
+                    except PorticoError:
+                        won = False  # the bus is down: they keep waiting, pending
+                    finally:
+                        if self._running.get(session_id, self) is None:
+                            del self._running[session_id]
+                    if won:
+                        break
+                await asyncio.sleep(CLAIM_RETRY)
+        finally:
+            self._claiming.discard(session_id)
+        if self._link.holds(session_id):
+            if self._backlog.get(session_id) and session_id not in self._running:
+                self._start_waiting(session_id)
+            elif session_id not in self._running:
+                self._link.release(session_id)
 
     def _end_waiting(self, queued: Queued, trigger: TurnTrigger, *, merged_into: str = "") -> None:
         turn = queued.turn
@@ -413,11 +484,19 @@ class Engine:
                 await asyncio.wait({task})
 
     async def stop(self, session_id: str) -> bool:
-        """RPC `turn.stop`: cancel the running turn and every waiting one; False if none."""
+        """RPC `turn.stop`: cancel the running turn and every waiting one, on whichever
+        replica they are; False if none."""
+        stopped = await self.stop_here(session_id)
+        if not stopped and self._link is not None:
+            stopped = await self._link.stop_elsewhere(session_id)
+        return stopped
+
+    async def stop_here(self, session_id: str) -> bool:
+        """`stop`, for what runs and waits in this process only."""
         waiting = self._backlog.pop(session_id, [])
         for queued in waiting:
             self._end_waiting(queued, TurnTrigger.CANCEL)
-        return await self.cancel(session_id) or bool(waiting)
+        return await self._stop(session_id, TurnTrigger.CANCEL) or bool(waiting)
 
     async def _check_media(self, message: UserMessage) -> None:
         """Refuse media the runtime could not read, before anything is stored."""
@@ -625,6 +704,9 @@ class Engine:
             store=self.store,
             tools=self._tools,
             listeners=functools.partial(self._listeners_of, session.id, session.owner),
+            tap=None
+            if self._link is None
+            else functools.partial(self._link.published, session.id, session.owner),
             clock=self._clock,
             telemetry=self._telemetry,
             traces=self.traces,
@@ -651,6 +733,8 @@ class Engine:
         if self._running.get(session_id) is runner:
             del self._running[session_id]
             self._tasks.pop(session_id, None)
+            if self._link is not None and not self._backlog.get(session_id):
+                self._link.release(session_id)  # else the backlog's turn keeps it
             self._start_waiting(session_id)
 
     def session_ended(self, session_id: str, agent: str) -> None:
@@ -661,8 +745,11 @@ class Engine:
             runtime.release(session_id)
 
     async def cancel(self, session_id: str) -> bool:
-        """Stop the session's running turn (a user's stop); False when none runs."""
-        return await self._stop(session_id, TurnTrigger.CANCEL)
+        """Stop the session's running turn (a user's stop), on whichever replica it
+        runs; False when none runs."""
+        if await self._stop(session_id, TurnTrigger.CANCEL):
+            return True
+        return self._link is not None and await self._link.stop_elsewhere(session_id)
 
     async def _stop(self, session_id: str, trigger: TurnTrigger) -> bool:
         runner, task = self._running.get(session_id), self._tasks.get(session_id)
@@ -710,6 +797,8 @@ class Engine:
             await asyncio.gather(self._leasing, return_exceptions=True)
         await self.interrupt_all()
         await self._background.drain()
+        if self._link is not None:
+            await self._link.close()
         for runtime in self._runtimes.values():
             if isinstance(runtime, Closable):
                 await runtime.close()
@@ -737,6 +826,14 @@ def _add_listener(table: dict[str, tuple[Listener, ...]], key: str, listener: Li
     listeners = table.get(key, ())
     if listener not in listeners:
         table[key] = (*listeners, listener)
+
+
+def _deliver(listeners: tuple[Listener, ...], event: TurnEvent) -> None:
+    for listener in listeners:
+        try:
+            listener(event)
+        except Exception:
+            log.exception("turn listener failed (relayed event)")
 
 
 def _remove_listener(table: dict[str, tuple[Listener, ...]], key: str, listener: Listener) -> None:

@@ -51,6 +51,37 @@ def _no_offset() -> int:
     return 0
 
 
+class ClientReply(msgspec.Struct, frozen=True, kw_only=True):
+    """A `/ws` or `/v1/session` client's ack, nack or result for a tool call."""
+
+    kind: Literal["ack", "nack", "result"]
+    reason: str = ""  # nack
+    result: Any = None
+    error: str | None = None
+
+
+class RtcStep(msgspec.Struct, frozen=True, kw_only=True):
+    """A `/v1/rpc` client's move of an Rtc: `v1.rtc.update_status` or `submit_result`."""
+
+    kind: Literal["status", "submit"]
+    status: Literal["executing", "rejected"] = "executing"
+    success: bool = False
+    result: Any = None
+    error: str = ""
+    client_id: str = ""
+
+
+class ToolRelay(Protocol):
+    """Where a reply goes when the call is not held here: the replica running its turn."""
+
+    async def forward_reply(self, principal: str, call_id: str, reply: ClientReply) -> None: ...
+
+    async def forward_rtc(self, record: ToolCallRecord, step: RtcStep) -> ToolCallRecord | None:
+        """Apply `step` on the replica whose turn waits for the call; the record after it,
+        or None when no live replica runs the call's turn (it is applied here)."""
+        ...
+
+
 class ToolBroker(Protocol):
     # Whether a call is archived as `toolcall_input` and `toolcall_output` messages: the
     # turn then splits its reply at the call (docs/storage.md).
@@ -105,6 +136,8 @@ class ClientToolBroker:
         # Calls whose end is being archived: a late reply waits for it instead of racing.
         self._ending: dict[str, asyncio.Future[ToolCallRecord]] = {}
         self._rpc_clients: dict[str, int] = {}
+        # Set when replicas share the bus: replies for calls of turns running elsewhere.
+        self.relay: ToolRelay | None = None
 
     # -- the turn's side ----------------------------------------------------------------
 
@@ -258,6 +291,21 @@ class ClientToolBroker:
 
     # -- /ws and /v1/session clients ----------------------------------------------------
 
+    async def settle(self, principal: str, call_id: str, reply: ClientReply) -> None:
+        """A client's reply, applied here or on the replica whose turn made the call."""
+        if self.relay is not None and call_id not in self._pending:
+            await self.relay.forward_reply(principal, call_id, reply)
+            return
+        await self.settle_here(principal, call_id, reply)
+
+    async def settle_here(self, principal: str, call_id: str, reply: ClientReply) -> None:
+        if reply.kind == "ack":
+            await self.acknowledge(principal, call_id)
+        elif reply.kind == "nack":
+            self.reject(principal, call_id, reply.reason)
+        else:
+            self.answer(principal, call_id, reply.result, reply.error)
+
     def _open_call(self, principal: str, call_id: str) -> _Pending:
         pending = self._pending.get(call_id)
         if pending is None or pending.owner != principal or pending.outcome.done():
@@ -323,6 +371,9 @@ class ClientToolBroker:
     ) -> ToolCallRecord:
         """`v1.rtc.update_status`; the caller checked that the record is the principal's."""
         _check_client(record, client_id)
+        step = RtcStep(kind="status", status=status, client_id=client_id)
+        if (forwarded := await self._forwarded(record, step)) is not None:
+            return forwarded
         if status == "executing":
             if record.state is ToolCallState.EXECUTING:
                 return record  # a repeat by the client that owns it
@@ -339,8 +390,31 @@ class ClientToolBroker:
         if record.state in TERMINAL_TOOL_CALL_STATES or record.id in self._ending:
             return await self._final(record)
         _check_client(record, client_id)
+        step = RtcStep(
+            kind="submit", success=success, result=result, error=error, client_id=client_id
+        )
+        if (forwarded := await self._forwarded(record, step)) is not None:
+            return forwarded
         trigger, outcome = _answer_outcome(success, result, error)
         return await self._rtc_end(record, trigger, outcome, client_id)
+
+    async def _forwarded(self, record: ToolCallRecord, step: RtcStep) -> ToolCallRecord | None:
+        """The step applied by the replica whose turn waits for the call, if another."""
+        if self.relay is None or record.id in self._pending or record.id in self._ending:
+            return None
+        return await self.relay.forward_rtc(record, step)
+
+    async def rtc_here(self, record: ToolCallRecord, step: RtcStep) -> ToolCallRecord:
+        """`step` forwarded by another replica, for a call a turn here waits for."""
+        if step.kind == "status":
+            return await self.rtc_status(record, step.status, step.client_id)
+        return await self.rtc_submit(
+            record,
+            success=step.success,
+            result=step.result,
+            error=step.error,
+            client_id=step.client_id,
+        )
 
     async def _rtc_step(
         self, record: ToolCallRecord, trigger: ToolCallTrigger, client_id: str

@@ -74,6 +74,7 @@ class TurnRunner:
         store: Store,
         tools: ToolBroker,
         listeners: Callable[[], tuple[Listener, ...]],
+        tap: Listener | None = None,
         clock: Callable[[], float],
         telemetry: Telemetry,
         reply: Message | None = None,
@@ -90,6 +91,8 @@ class TurnRunner:
         self._store = store
         self._tools = tools
         self._listeners = listeners
+        # Sees every event and counts as no listener (the link to other replicas).
+        self._tap = tap
         self._clock = clock
         self._text: list[str] = []
         self._chunks = 0  # chunks of the current reply message (RPC live `index`)
@@ -156,6 +159,8 @@ class TurnRunner:
     def emit(self, event: TurnEvent) -> int:
         """Hand the event to every attached connection; returns how many took it."""
         delivered = 0
+        if self._tap is not None:
+            self._tap(event)
         for listener in self._listeners():
             try:
                 listener(event)

@@ -47,6 +47,7 @@ def _build_bus(settings: Settings) -> tuple[Bus, Callable[[], Awaitable[None]]]:
         prefix=settings.redis_key_prefix,
         max_len=settings.bus_stream_max_len,
         block=settings.bus_read_block,
+        topic_ttl=settings.bus_topic_ttl,
     )
     return redis_bus, redis_bus.close
 

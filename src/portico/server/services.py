@@ -24,12 +24,14 @@ from portico.core.conversations import Conversations
 from portico.core.engine import Engine
 from portico.core.lifecycle import Lifecycle, Phase
 from portico.core.memory import MemoryLimits
+from portico.core.model import new_id
 from portico.core.reservations import SessionReservations
 from portico.core.tools import ClientToolBroker
 from portico.errors import IdentityProviderUnavailable, Unauthenticated
 from portico.media.base import MediaStore
 from portico.media.local import LocalMediaStore
 from portico.media.service import MediaService
+from portico.replication.build import build_link
 from portico.runtime.base import Runtime
 from portico.runtime.demo import DemoRuntime
 from portico.runtime.echo import EchoRuntime
@@ -84,6 +86,15 @@ class Services:
             clock=time.time,
             telemetry=self.metrics,
         )
+        replica_id = settings.replica_id or new_id("rep")
+        # The bus and session-state ports (docs/replicas.md), as the settings choose.
+        self.shared = build_shared_state(settings)
+        self.session_states = self.shared.session_states
+        # With bus=redis: turn output, control and the turn lock shared by the replicas.
+        self.link = build_link(settings, self.store, replica_id, self.shared.bus)
+        if self.link is not None:
+            self.link.bind_tools(self.tools)
+            self.tools.relay = self.link
         self.engine = Engine(
             store=self.store,
             tools=self.tools,
@@ -92,7 +103,7 @@ class Services:
             runtimes=self.runtimes,
             agents=resolved,
             context_ttl=settings.context_ttl,
-            replica_id=settings.replica_id,
+            replica_id=replica_id,
             replica_lease=settings.replica_lease,
             reservations=self.reservations,
             memory_limits=MemoryLimits(
@@ -100,13 +111,15 @@ class Services:
                 max_entry_bytes=settings.memory_max_entry_bytes,
                 search_limit=settings.memory_search_limit,
             ),
+            link=self.link,
         )
-        # The bus and session-state ports (docs/replicas.md), as the settings choose.
-        self.shared = build_shared_state(settings)
         self.calls = build_calls(settings, resolved, self.store, self.engine, self.metrics)
-        self.session_states = self.shared.session_states
         self.updates = InProcessUpdates()
-        self.store.set_update_listener(self.updates.publish)
+        if self.link is None:
+            self.store.set_update_listener(self.updates.publish)
+        else:  # the other replicas' updates join this one's, in offset order
+            self.link.bind_updates(self.updates.publish)
+            self.store.set_update_listener(self.link.local_update)
         self.conversations = Conversations(self.engine, self.tools, default_agent=DEFAULT_AGENT)
         # Starting, admitting, draining (a stop signal: no new upgrades or turns, running
         # turns may finish) or stopped: core/lifecycle.py, driven by server/drain.py.

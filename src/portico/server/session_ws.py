@@ -29,6 +29,7 @@ from portico.core.events import (
     TurnToolCallTimedOut,
 )
 from portico.core.model import new_id
+from portico.core.tools import ClientReply
 from portico.core.validation import check_client_id, check_parts, split_metadata
 from portico.errors import (
     BufferOverflow,
@@ -708,12 +709,16 @@ class SessionSocket(ServerSocket):
         match frame:
             case f.Message():
                 await self._message(live, frame)
+            # Settled here, or forwarded to the replica whose turn made the call.
             case f.ToolCallAck(call_id=call_id):
-                await tools.acknowledge(self._principal, call_id)
+                await tools.settle(self._principal, call_id, ClientReply(kind="ack"))
             case f.ToolCallNack(call_id=call_id, reason=reason):
-                tools.reject(self._principal, call_id, reason)
+                await tools.settle(
+                    self._principal, call_id, ClientReply(kind="nack", reason=reason)
+                )
             case f.ClientToolResult(call_id=call_id, result=result, error=error):
-                tools.answer(self._principal, call_id, result, error)
+                reply = ClientReply(kind="result", result=result, error=error)
+                await tools.settle(self._principal, call_id, reply)
             case f.Context(context=context):
                 if "context" not in live.capabilities:
                     raise InvalidMessage("the context capability is not in effect")

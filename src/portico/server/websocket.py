@@ -21,6 +21,7 @@ from portico.config import DEFAULT_AGENT
 from portico.core.engine import UserMessage
 from portico.core.events import TurnCompleted, TurnEvent, TurnFailed
 from portico.core.model import new_id
+from portico.core.tools import ClientReply
 from portico.core.trace import DISCLOSURE_DISPLAYED
 from portico.errors import (
     DeclareTooLarge,
@@ -332,11 +333,13 @@ class OmniaSocket(ServerSocket):
         tools, frame = self._services.tools, reply.frame
         match frame:
             case ToolCallAckFrame():
-                await tools.acknowledge(self._principal, reply.call_id)
+                answer = ClientReply(kind="ack")
             case ToolCallNackFrame(tool_call_nack=nack):
-                tools.reject(self._principal, reply.call_id, nack.reason)
+                answer = ClientReply(kind="nack", reason=nack.reason)
             case ToolResultFrame(tool_result=result):
-                tools.answer(self._principal, reply.call_id, result.result, result.error)
+                answer = ClientReply(kind="result", result=result.result, error=result.error)
+        # Another replica's turn may have made the call (docs/replicas.md).
+        await tools.settle(self._principal, reply.call_id, answer)
 
     async def _submit(self, event: MessageReceived) -> None:
         if self._services.draining:

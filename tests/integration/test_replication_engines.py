@@ -1,0 +1,343 @@
+"""Two engines, as two replicas would run them, sharing one archive, one bus and the
+real Redis for their turn locks (127.0.0.1:6379): output of a turn reaches listeners
+of the other engine in order and once; control sent to the other engine reaches the
+turn; one turn per session across both.
+
+In one process, so every step is observable; the same wiring across real processes is
+tests/conformance/test_replicas_bus.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from portico.bus.memory_bus import InProcessBus
+from portico.config import AgentSettings
+from portico.core.engine import Engine, UserMessage
+from portico.core.events import TERMINAL_EVENTS, TurnChunk, TurnCompleted, TurnEvent, TurnToolCall
+from portico.core.tools import ClientReply, ClientToolBroker
+from portico.errors import InvalidMessage, TurnInProgress, TurnReplicaGone
+from portico.replication.link import BusLink
+from portico.replication.turnlock import TurnLocks
+from portico.runtime.base import Chunk, Done, ToolCall, TurnInput, TurnStream
+from portico.store.memory import MemoryStore
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+WAIT = 5.0
+LEASE = 3.0
+
+
+class Gate:
+    """Streams `count` chunks, then waits for `release` before it is done."""
+
+    def __init__(self, count: int = 20) -> None:
+        self.count = count
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+        self.runs = 0
+
+    async def run(self, turn: TurnInput) -> TurnStream:
+        self.runs += 1
+        self.started.set()
+        for index in range(self.count):
+            yield Chunk(f"c{index} ")
+        await self.release.wait()
+        yield Done()
+
+
+class Tool:
+    async def run(self, turn: TurnInput) -> TurnStream:
+        reply = yield ToolCall(id=f"call-{uuid.uuid4().hex[:8]}", name="where", arguments={})
+        yield Done(content=f"{reply.status if reply else '-'}:{reply.result if reply else ''}")
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[TurnEvent] = []
+        self.ended = asyncio.Event()
+        self.got = asyncio.Event()
+
+    def __call__(self, event: TurnEvent) -> None:
+        self.events.append(event)
+        self.got.set()
+        if isinstance(event, TERMINAL_EVENTS):
+            self.ended.set()
+
+    async def terminal(self) -> TurnEvent:
+        await asyncio.wait_for(self.ended.wait(), WAIT)
+        return self.events[-1]
+
+    async def first(self, kind: type[Any]) -> Any:
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            for event in self.events:
+                if isinstance(event, kind):
+                    return event
+            self.got.clear()
+            await asyncio.wait_for(self.got.wait(), WAIT)
+        raise AssertionError(f"no {kind.__name__} within {WAIT}s")
+
+
+class Replica:
+    def __init__(self, engine: Engine, tools: ClientToolBroker, link: BusLink) -> None:
+        self.engine, self.tools, self.link = engine, tools, link
+
+
+@pytest.fixture
+async def redis() -> AsyncIterator[Any]:
+    client = aioredis.from_url(REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        await client.ping()
+    except Exception:
+        pytest.fail("the replication tests need Redis at 127.0.0.1:6379")
+    prefix = f"portico-test:{uuid.uuid4().hex[:12]}:"
+    client.test_prefix = prefix
+    yield client
+    keys = [key async for key in client.scan_iter(match=prefix + "*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+class SlowBus(InProcessBus):
+    """A bus with a round trip per publish, as Redis has: a backlog can form."""
+
+    async def publish(self, topic: str, payload: bytes) -> str:
+        await asyncio.sleep(0.01)
+        return await super().publish(topic, payload)
+
+
+async def make_replicas(redis: Any, runtime: Any, bus: InProcessBus | None = None) -> list[Replica]:
+    store, bus = MemoryStore(), bus or InProcessBus()
+    replicas = []
+    for name in ("rep-a", "rep-b"):
+        tools = ClientToolBroker(store=store, ack_timeout=5, answer_timeout=10, clock=time.time)
+        locks = TurnLocks(redis, prefix=redis.test_prefix, replica_id=name, lease=LEASE)
+        link = BusLink(bus, locks, store, replica_id=name, lease=LEASE, control_timeout=1.0)
+        link.bind_tools(tools)
+        tools.relay = link
+        engine = Engine(
+            store=store,
+            runtimes={"default": runtime},
+            agents={"default": AgentSettings()},
+            context_ttl=600,
+            tools=tools,
+            replica_id=name,
+            link=link,
+        )
+        await engine.start()
+        replicas.append(Replica(engine, tools, link))
+    return replicas
+
+
+@pytest.fixture
+async def gate() -> Gate:
+    return Gate()
+
+
+async def stop_all(replicas: list[Replica]) -> None:
+    for replica in replicas:
+        await replica.engine.shutdown()
+
+
+def message(session_id: str, content: str = "hi") -> UserMessage:
+    return UserMessage(principal="alice", agent="default", session_id=session_id, content=content)
+
+
+async def test_a_listener_on_one_replica_sees_a_turn_run_on_the_other_in_order_once(
+    redis: Any, gate: Gate
+) -> None:
+    a, b = await make_replicas(redis, gate)
+    try:
+        watcher = Recorder()
+        a.engine.attach("sess-1", watcher)
+        a.engine.attach_owner("alice", owner_watcher := Recorder())
+        await asyncio.sleep(0.05)  # the readers are up
+        runner_side = Recorder()
+        await b.engine.submit(message("sess-1"), runner_side)
+        gate.release.set()
+        await runner_side.terminal()
+        assert isinstance(await watcher.terminal(), TurnCompleted)
+        assert isinstance(await owner_watcher.terminal(), TurnCompleted)
+        assert watcher.events == runner_side.events  # same events, same order, once each
+        assert owner_watcher.events == runner_side.events
+        texts = [e.text for e in watcher.events if isinstance(e, TurnChunk)]
+        assert texts == [f"c{i} " for i in range(gate.count)]
+        # And the other way round: nothing doubles on the replica running the turn.
+        await asyncio.sleep(0.1)
+        assert len(runner_side.events) == gate.count + 1
+    finally:
+        await stop_all([a, b])
+
+
+async def test_a_second_replica_cannot_start_a_turn_in_a_busy_session(
+    redis: Any, gate: Gate
+) -> None:
+    a, b = await make_replicas(redis, gate)
+    try:
+        await a.engine.submit(message("sess-2"), Recorder())
+        await asyncio.wait_for(gate.started.wait(), WAIT)
+        with pytest.raises(TurnInProgress):
+            await b.engine.submit(message("sess-2"))
+        gate.release.set()
+        await asyncio.wait_for(a.engine.wait_idle(WAIT), WAIT)
+        await asyncio.sleep(0.1)  # the lock's release is a background write
+        done = Recorder()
+        await b.engine.submit(message("sess-2"), done)  # free again: B runs the next one
+        assert isinstance(await done.terminal(), TurnCompleted)
+        assert gate.runs == 2
+    finally:
+        await stop_all([a, b])
+
+
+async def test_racing_submits_on_two_replicas_run_one_turn(redis: Any, gate: Gate) -> None:
+    a, b = await make_replicas(redis, gate)
+    try:
+        results = await asyncio.gather(
+            a.engine.submit(message("sess-3")),
+            b.engine.submit(message("sess-3")),
+            return_exceptions=True,
+        )
+        refused = [r for r in results if isinstance(r, TurnInProgress)]
+        assert len(refused) == 1, results
+        gate.release.set()
+    finally:
+        await stop_all([a, b])
+
+
+async def test_a_stop_sent_to_the_other_replica_stops_the_turn(redis: Any, gate: Gate) -> None:
+    a, b = await make_replicas(redis, gate)
+    try:
+        running = Recorder()
+        await a.engine.submit(message("sess-4"), running)
+        await asyncio.wait_for(gate.started.wait(), WAIT)
+        assert await b.engine.stop("sess-4") is True
+        ended = await running.terminal()
+        assert isinstance(ended, TurnCompleted)
+        assert ended.cancelled
+        assert await b.engine.stop("sess-4") is False  # nothing runs anywhere now
+    finally:
+        await stop_all([a, b])
+
+
+async def test_a_tool_result_sent_to_the_other_replica_reaches_the_turn(redis: Any) -> None:
+    a, b = await make_replicas(redis, Tool())
+    try:
+        watcher = Recorder()
+        b.engine.attach("sess-5", watcher)
+        await asyncio.sleep(0.05)
+        running = Recorder()
+        await a.engine.submit(message("sess-5"), running)
+        call = await watcher.first(TurnToolCall)  # relayed to B's listener
+        # Another principal's reply looks exactly like one for an unknown call.
+        with pytest.raises(InvalidMessage):
+            await b.tools.settle("mallory", call.call.id, ClientReply(kind="ack"))
+        await b.tools.settle("alice", call.call.id, ClientReply(kind="ack"))
+        await b.tools.settle("alice", call.call.id, ClientReply(kind="result", result="Oslo"))
+        ended = await running.terminal()
+        assert isinstance(ended, TurnCompleted)
+        assert ended.content == "completed:Oslo"
+        assert isinstance(await watcher.terminal(), TurnCompleted)
+        with pytest.raises(InvalidMessage):  # ended: unknown everywhere
+            await b.tools.settle("alice", call.call.id, ClientReply(kind="ack"))
+    finally:
+        await stop_all([a, b])
+
+
+async def test_control_for_a_replica_that_is_gone_is_a_defined_error(redis: Any) -> None:
+    a, b = await make_replicas(redis, Tool())
+    try:
+        watcher = Recorder()
+        b.engine.attach("sess-6", watcher)
+        await asyncio.sleep(0.05)
+        await a.engine.submit(message("sess-6"), Recorder())
+        call = await watcher.first(TurnToolCall)
+        # A stops reading its inbox (as a replica that hangs or died before its lease
+        # ran out): B's request is not answered in time.
+        inbox = next(t for t in a.link._tasks if t.get_name() == "bus-inbox")
+        inbox.cancel()
+        with pytest.raises(TurnReplicaGone):
+            await b.tools.settle("alice", call.call.id, ClientReply(kind="result", result="x"))
+        # Its lease lapsed: no lock names it, the archive still has the turn running.
+        await redis.delete(f"{redis.test_prefix}turnlock:{{sess-6}}")
+        with pytest.raises(TurnReplicaGone):
+            await b.tools.settle("alice", call.call.id, ClientReply(kind="result", result="x"))
+    finally:
+        await stop_all([a, b])
+
+
+async def test_rpc_messages_waiting_on_one_replica_run_after_the_other_replicas_turn(
+    redis: Any, gate: Gate
+) -> None:
+    a, b = await make_replicas(redis, gate)
+    try:
+        session = await a.engine.open_session(principal="alice", agent="default", session_id="s7")
+        running = Recorder()
+        await a.engine.submit(message("s7"), running)
+        await asyncio.wait_for(gate.started.wait(), WAIT)
+        # Two RPC sends land on B while A's turn runs: they wait, then merge (one turn).
+        waiting = Recorder()
+        b.engine.attach("s7", waiting)
+        await b.engine.enqueue(session, message("s7", "first"))
+        await b.engine.enqueue(session, message("s7", "second"))
+        await asyncio.sleep(0.3)
+        assert gate.runs == 1  # B did not start a turn beside A's
+        gate.release.set()
+        await running.terminal()
+        async with asyncio.timeout(WAIT):
+            while len([e for e in waiting.events if isinstance(e, TERMINAL_EVENTS)]) < 2:
+                waiting.got.clear()
+                await waiting.got.wait()
+        assert gate.runs == 2  # the two waiting messages ran as one turn, on B
+        turns = await a.engine.store.list_turns("s7")
+        assert sorted(t.state.value for t in turns) == ["completed", "completed", "merged"]
+        assert {t.replica for t in turns if t.state.value == "completed"} == {"rep-a", "rep-b"}
+    finally:
+        await stop_all([a, b])
+
+
+async def test_a_replica_shutting_down_sends_its_turns_terminal_events_before_it_goes(
+    redis: Any, gate: Gate
+) -> None:
+    a, b = await make_replicas(redis, gate, SlowBus())
+    try:
+        watcher = Recorder()
+        b.engine.attach("s8", watcher)
+        await asyncio.sleep(0.05)
+        await a.engine.submit(message("s8"), Recorder())
+        await asyncio.wait_for(gate.started.wait(), WAIT)
+        await a.engine.shutdown()  # interrupts the turn, then closes the link
+        assert type(await watcher.terminal()) in TERMINAL_EVENTS
+        # Its lock is released too: B may run the session's next turn at once.
+        assert await b.link.claim("s8") is True
+    finally:
+        await b.engine.shutdown()
+
+
+async def test_the_turn_lock_names_its_holder_with_an_increasing_token_and_lapses(
+    redis: Any,
+) -> None:
+    a = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-a", lease=0.3)
+    b = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-b", lease=0.3)
+    assert await a.acquire("s9") is True
+    assert await b.acquire("s9") is False
+    first = await b.holder("s9")
+    assert first is not None
+    assert first.replica == "rep-a"
+    await a.release("s9")
+    assert await b.holder("s9") is None
+    assert await b.acquire("s9") is True
+    second = await a.holder("s9")
+    assert second is not None
+    assert (second.replica, second.fence > first.fence) == ("rep-b", True)
+    assert await b.renew_all() == []  # still its own
+    await asyncio.sleep(0.5)  # not renewed: the lease lapses, as when rep-b dies
+    assert await a.acquire("s9") is True
+    assert await b.renew_all() == ["s9"]  # rep-b finds it lost
