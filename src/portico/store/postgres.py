@@ -5,22 +5,28 @@ an owner's next update offset live in counter rows (`message_heads`, `update_hea
 that a write bumps with an upsert inside its own transaction: the row stays locked
 until that transaction ends, so writers of one session (or one owner), on any
 replica, take consecutive numbers one after the other, and a write that rolls back
-gives its number back. Each method is one transaction at READ COMMITTED; a write's
-updates are published after its commit and before it returns. Decisions and what
-replicas do not share yet: docs/storage.md.
+gives its number back.
+
+Writes go through one writer task per process (group commit): every write queued while
+a batch commits goes into the next transaction, in queue order; `begin_turn` and
+`end_turn` of distinct sessions are merged into set-wise statements, one round trip
+each for the whole run of them. A write's updates are published after its batch's
+commit and before it returns. Reads are one statement at READ COMMITTED. Decisions and
+what replicas do not share yet: docs/storage.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
 import asyncpg
 import msgspec
 from asyncpg.pool import PoolConnectionProxy
-from asyncpg.transaction import Transaction
 
 from portico.core.memory import MemoryEntry, MemoryKey
 from portico.core.model import (
@@ -41,9 +47,12 @@ from portico.store.base import (
     UpdateListener,
     as_store_error,
     current_collector,
+    detached,
     is_orphaned,
     publish,
 )
+
+log = logging.getLogger("portico.store")
 
 T = TypeVar("T")
 # Strings: asyncpg's classes are generic only in its stubs.
@@ -597,6 +606,190 @@ async def _interrupt_orphaned_turns(
     return len(turns)
 
 
+# -- group commit ---------------------------------------------------------------------
+
+MAX_BATCH = 256  # writes per transaction at most
+
+
+@dataclass(frozen=True, slots=True)
+class _BeginTurn:
+    """A `begin_turn` (without the client-id check) as rows to merge."""
+
+    turn: Turn
+    messages: tuple[Message, ...]  # the user's message, then the reply when given
+
+    @property
+    def session_id(self) -> str:
+        return self.messages[0].session_id
+
+
+@dataclass(frozen=True, slots=True)
+class _EndTurn:
+    turn: Turn
+    reply: Message | None
+
+    @property
+    def session_id(self) -> str:
+        return self.turn.session_id
+
+
+Merged: TypeAlias = "_BeginTurn | _EndTurn"
+
+
+@dataclass(slots=True)
+class _Pending:
+    operation: Operation[Any]  # the write alone
+    merge: Merged | None  # the same write as rows to merge, if it has that form
+    future: asyncio.Future[Any]
+    collector: list[Update] | None
+
+
+def _one_session(turn: Turn, *messages: Message) -> bool:
+    """Whether the write's rows are all of its turn's session (merged writes are grouped
+    by session; others run alone, and fail as they should)."""
+    return all(message.session_id == turn.session_id for message in messages)
+
+
+def _fail(pending: _Pending, exc: Exception) -> None:
+    if not pending.future.done():
+        pending.future.set_exception(as_store_error(exc))
+
+
+def _groups(batch: Sequence[_Pending]) -> Iterator[list[int]]:
+    """The batch in order as groups of indexes: runs of mergeable writes of distinct
+    sessions (so no write of a group reads what another of it writes), and each other
+    write alone."""
+    group: list[int] = []
+    sessions: set[str] = set()
+    for index, pending in enumerate(batch):
+        merge = pending.merge
+        if merge is None or merge.session_id in sessions:
+            if group:
+                yield group
+            group, sessions = [], set()
+            if merge is None:
+                yield [index]
+                continue
+        group.append(index)
+        sessions.add(merge.session_id)
+    if group:
+        yield group
+
+
+# Set-wise forms of the counter bumps: one row per session (owner), locked in key order
+# so that two batches cannot deadlock on them.
+_BUMP_MESSAGES_OF = (
+    "INSERT INTO message_heads AS h (session_id, last_offset) "
+    "SELECT * FROM unnest($1::text[], $2::bigint[]) AS n(session_id, last_offset) "
+    "ORDER BY session_id "
+    "ON CONFLICT (session_id) DO UPDATE SET last_offset = h.last_offset + excluded.last_offset "
+    "RETURNING session_id, last_offset"
+)
+_BUMP_UPDATES_OF = (
+    "INSERT INTO update_heads AS h (owner, last_offset) "
+    "SELECT * FROM unnest($1::text[], $2::bigint[]) AS n(owner, last_offset) ORDER BY owner "
+    "ON CONFLICT (owner) DO UPDATE SET last_offset = h.last_offset + excluded.last_offset "
+    "RETURNING owner, last_offset"
+)
+_INSERT_UPDATE = (
+    f"INSERT INTO updates ({_columns(rows.UPDATE_COLUMNS)}) "
+    f"VALUES ({_placeholders(len(rows.UPDATE_COLUMNS))})"
+)
+_OWNERS_OF = "SELECT id, owner FROM sessions WHERE id = ANY($1::text[])"
+
+
+async def _run_merged(
+    conn: Connection,
+    writes: list[tuple[int, Merged]],
+    results: list[Any],
+    outs: list[list[Update]],
+) -> None:
+    """Run writes of distinct sessions as a few set-wise statements (each one round
+    trip for all of them), in the order one write alone takes its locks: message
+    counters, rows, sessions, update counters. `results` and `outs` get each write's
+    result and update at its index."""
+    begins = [(i, w) for i, w in writes if isinstance(w, _BeginTurn)]
+    ends = [(i, e) for i, e in writes if isinstance(e, _EndTurn)]
+    stored: dict[int, list[Message]] = {}
+    if begins:
+        found = await conn.fetch(
+            _BUMP_MESSAGES_OF,
+            [w.session_id for _, w in begins],
+            [len(w.messages) for _, w in begins],
+        )
+        last = {row[0]: row[1] for row in found}
+        for i, w in begins:
+            first = last[w.session_id] - len(w.messages)
+            stored[i] = [
+                msgspec.structs.replace(message, global_offset=first + n)
+                for n, message in enumerate(w.messages, start=1)
+            ]
+        await conn.executemany(
+            _INSERT_MESSAGE, [rows.message_row(m) for i, _ in begins for m in stored[i]]
+        )
+    replies: dict[str, Message] = {}
+    replaced = [e.reply for _, e in ends if e.reply is not None]
+    if replaced:
+        found = await conn.fetchmany(
+            _UPDATE_MESSAGE, [(m.id, *rows.message_change(m)) for m in replaced]
+        )
+        replies = {row["id"]: _message(row) for row in found}
+    actions: dict[int, rows.Action] = {}
+    found = await conn.fetchmany(_UPSERT_TURN, [rows.turn_row(w.turn) for _, w in writes])
+    for (i, _), row in zip(writes, found, strict=True):
+        actions[i] = "created" if row[0] else "updated"
+    drafts: list[tuple[int, str, rows.Change]] = []
+    if begins:
+        found = await conn.fetchmany(
+            _TOUCH_SESSION, [(w.session_id, w.messages[0].created_at) for _, w in begins]
+        )
+        sessions = {row["id"]: _session(row) for row in found}
+        for i, w in begins:
+            session = sessions[w.session_id]
+            user, *reply = stored[i]
+            results[i] = user
+            change = rows.begun_turn(user, actions[i], w.turn, session, reply)
+            drafts.append((i, session.owner, change))
+    if ends:
+        found = await conn.fetch(_OWNERS_OF, [e.session_id for _, e in ends])
+        owners: dict[str, str] = {row[0]: row[1] for row in found}
+        for i, e in ends:
+            items: list[UpdateItem] = []
+            entities: list[Entity] = []
+            if e.reply is not None:
+                reply_stored = replies.get(e.reply.id)
+                action: rows.Action = "updated"
+                if reply_stored is None:  # rare: no reply was stored with the turn
+                    (reply_stored,), action = await _insert_messages(conn, (e.reply,)), "created"
+                items.append(UpdateItem("message", action, reply_stored.id))
+                entities.append(reply_stored)
+            items.append(UpdateItem("turn", actions[i], e.turn.id))
+            entities.append(e.turn)
+            if e.session_id in owners:  # a missing session has no owner to log for
+                drafts.append((i, owners[e.session_id], (tuple(items), tuple(entities))))
+    await _log_merged(conn, sorted(drafts, key=lambda draft: draft[0]), outs)
+
+
+async def _log_merged(
+    conn: Connection, drafts: list[tuple[int, str, rows.Change]], outs: list[list[Update]]
+) -> None:
+    """Number the writes' updates (in batch order per owner) and store them."""
+    if not drafts:
+        return
+    counts: dict[str, int] = {}
+    for _, owner, _ in drafts:
+        counts[owner] = counts.get(owner, 0) + 1
+    found = await conn.fetch(_BUMP_UPDATES_OF, list(counts), list(counts.values()))
+    offsets = {owner: last - counts[owner] for owner, last in found}
+    updates = []
+    for i, owner, (items, entities) in drafts:
+        offsets[owner] += 1
+        update = rows.new_update(owner, offsets[owner], items, entities)
+        outs[i].append(update)
+        updates.append(rows.update_row(update))
+    await conn.executemany(_INSERT_UPDATE, updates)
+
+
 class PostgresStore:
     def __init__(self, dsn: str, *, pool_size: int = POOL_SIZE) -> None:
         """`dsn`: a libpq URL (postgresql://user:password@host:port/database); query
@@ -606,8 +799,8 @@ class PostgresStore:
         self._pool: asyncpg.Pool[asyncpg.Record] | None = None
         self._epoch = ""
         self._listener: UpdateListener | None = None
-        self._writes: set[asyncio.Task[Any]] = set()
-        self._commit_order = asyncio.Lock()  # see _commit_and_publish
+        self._pending: list[_Pending] = []
+        self._writer: asyncio.Task[None] | None = None
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -627,54 +820,98 @@ class PostgresStore:
         found = await self._fetch(sql, *args)
         return found[0] if found else None
 
-    async def _write(self, operation: Operation[T]) -> T:
-        """Run `operation` in a transaction of its own, then publish its updates.
+    async def _write(self, operation: Operation[T], merge: Merged | None = None) -> T:
+        """Queue `operation` for the writer and wait for its commit (and publish).
 
-        The write goes on when its caller is cancelled: once it may have committed,
-        its updates must reach the listener, as with the SQLite store's batches."""
-        pool = self._connected()
-        collector = current_collector()
-        task = asyncio.ensure_future(self._transact(pool, operation, collector))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-        return await asyncio.shield(task)
+        `merge`: the same write as rows the writer can put into set-wise statements
+        with other writes of its batch (`_run_merged`); `operation` is what runs when
+        the write runs alone. The write goes on when its caller is cancelled: once it
+        may have committed, its updates must reach the listener."""
+        self._connected()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        # The collector is read here, in the caller's context: the writer task runs
+        # in a context of its own.
+        self._pending.append(_Pending(operation, merge, future, current_collector()))
+        if self._writer is None or self._writer.done():
+            self._writer = detached(self._drain(), name="portico-postgres-writer")
+        return await future
 
-    async def _transact(
-        self,
-        pool: asyncpg.Pool[asyncpg.Record],
-        operation: Operation[T],
-        collector: list[Update] | None,
-    ) -> T:
-        updates: list[Update] = []
-        try:
-            async with pool.acquire() as conn:
-                transaction = conn.transaction()
-                await transaction.start()
+    async def _drain(self) -> None:
+        """The process's one writer: batches of queued writes, one transaction each.
+
+        One connection is held while writes keep coming (giving it back to the pool
+        costs a reset round trip)."""
+        while self._pending:
+            pool = self._connected()
+            try:
+                conn = await pool.acquire()
+            except Exception as exc:  # no connection: what is queued fails, as alone
+                batch, self._pending = self._pending, []
+                for pending in batch:
+                    _fail(pending, exc)
+                continue
+            try:
+                await self._drain_on(pool, conn)
+            finally:
                 try:
-                    result = await operation(conn, updates)
-                except BaseException:
-                    await transaction.rollback()
-                    raise
-                await self._commit_and_publish(transaction, updates, collector)
+                    await pool.release(conn)
+                except Exception:
+                    log.exception("releasing the archive writer's connection failed")
+
+    async def _drain_on(self, pool: asyncpg.Pool[asyncpg.Record], conn: Connection) -> None:
+        """Commit batches on `conn` until the queue is empty or a batch failed. A failed
+        batch is rolled back and its writes run again one transaction each, so a
+        failing write fails alone; the next batch gets a fresh connection, in case
+        this one broke."""
+        while self._pending:
+            batch = self._pending[:MAX_BATCH]
+            del self._pending[:MAX_BATCH]
+            error = await self._commit_batch(conn, batch)
+            if error is None:
+                continue
+            if len(batch) == 1:
+                _fail(batch[0], error)  # alone already: no second try
+            else:
+                await self._run_alone(pool, batch)
+            return
+
+    async def _commit_batch(self, conn: Connection, batch: list[_Pending]) -> Exception | None:
+        """Run the batch in one transaction and settle its writes; the error when it
+        failed (then nothing committed and nothing is settled)."""
+        outs: list[list[Update]] = [[] for _ in batch]
+        results: list[Any] = [None] * len(batch)
+        try:
+            async with conn.transaction():
+                for group in _groups(batch):
+                    merged = [(i, m) for i in group if (m := batch[i].merge) is not None]
+                    if merged:
+                        await _run_merged(conn, merged, results, outs)
+                    else:
+                        (index,) = group
+                        results[index] = await batch[index].operation(conn, outs[index])
         except Exception as exc:
-            raise as_store_error(exc)  # noqa: B904 - the cause is set on the error itself
-        return result
+            return exc
+        for pending, result, updates in zip(batch, results, outs, strict=True):
+            self._settle(pending, result, updates)
+        return None
 
-    async def _commit_and_publish(
-        self, transaction: Transaction, updates: list[Update], collector: list[Update] | None
-    ) -> None:
-        """Commit, then publish, one write at a time in this process.
+    async def _run_alone(self, pool: asyncpg.Pool[asyncpg.Record], batch: list[_Pending]) -> None:
+        for pending in batch:
+            updates: list[Update] = []
+            try:
+                async with pool.acquire() as conn, conn.transaction():
+                    result = await pending.operation(conn, updates)
+            except Exception as exc:
+                _fail(pending, exc)
+                continue
+            self._settle(pending, result, updates)
 
-        The counter row lock makes writes of one owner commit in offset order on the
-        server, but their COMMIT replies come back on different connections, in any
-        order: a later write could publish first. A write reaches this point only once
-        every earlier write of its owner has committed (it waited on the counter row
-        lock), so taking turns from the COMMIT to the publish publishes in offset
-        order. Only the COMMIT round trip is serialised, never a statement that can
-        wait on a row lock, so this cannot deadlock."""
-        async with self._commit_order:
-            await transaction.commit()
-            publish(updates, collector, self._listener)
+    def _settle(self, pending: _Pending, result: Any, updates: list[Update]) -> None:
+        # Published before the future resolves: the caller reads its collector as soon
+        # as the write it awaited returns.
+        publish(updates, pending.collector, self._listener)
+        if not pending.future.done():
+            pending.future.set_result(result)
 
     def set_update_listener(self, listener: UpdateListener | None) -> None:
         self._listener = listener
@@ -699,7 +936,8 @@ class PostgresStore:
         self._pool = pool
 
     async def close(self) -> None:
-        await asyncio.gather(*self._writes, return_exceptions=True)
+        if self._writer is not None:
+            await asyncio.gather(self._writer, return_exceptions=True)
         if self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
@@ -807,21 +1045,24 @@ class PostgresStore:
         reply: Message | None = None,
         unique_client_id: bool = False,
     ) -> Message:
-        return await self._write(
-            functools.partial(
-                _begin_turn,
-                turn=turn,
-                message=message,
-                reply=reply,
-                unique_client_id=unique_client_id,
-            )
+        operation = functools.partial(
+            _begin_turn, turn=turn, message=message, reply=reply, unique_client_id=unique_client_id
         )
+        # The client-id check reads other sessions' rows: that write runs alone.
+        messages = (message,) if reply is None else (message, reply)
+        merge = None
+        if not (unique_client_id and message.client_id) and _one_session(turn, *messages):
+            merge = _BeginTurn(turn, messages)
+        return await self._write(operation, merge)
 
     async def save_turn(self, turn: Turn) -> None:
         await self._write(functools.partial(_log_turn, turn=turn))
 
     async def end_turn(self, turn: Turn, reply: Message | None) -> None:
-        await self._write(functools.partial(_end_turn, turn=turn, reply=reply))
+        await self._write(
+            functools.partial(_end_turn, turn=turn, reply=reply),
+            _EndTurn(turn, reply) if reply is None or _one_session(turn, reply) else None,
+        )
 
     async def get_turn(self, turn_id: str) -> Turn | None:
         row = await self._fetchrow(f"SELECT {TC} FROM turns WHERE id = $1", turn_id)
