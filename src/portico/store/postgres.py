@@ -42,7 +42,7 @@ from portico.core.model import (
 from portico.core.states import TurnState
 from portico.core.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
-from portico.store import rows
+from portico.store import rows, sql
 from portico.store.base import (
     UpdateListener,
     as_store_error,
@@ -215,79 +215,29 @@ _MIGRATION_LOCK = (
 )
 
 
-def _columns(columns: Sequence[str], alias: str = "") -> str:
-    return ", ".join(f"{alias}{column}" for column in columns)
-
-
-def _placeholders(count: int, start: int = 1) -> str:
-    return ", ".join(f"${n}" for n in range(start, start + count))
+SQL = sql.Statements(sql.POSTGRES)
 
 
 def _upsert_sql(table: str, columns: Sequence[str]) -> str:
     """Insert, or replace every column but `id` (the first); says which it did."""
     assignments = ", ".join(f"{column} = excluded.{column}" for column in columns[1:])
     return (
-        f"INSERT INTO {table} ({_columns(columns)}) VALUES ({_placeholders(len(columns))}) "
+        f"{sql.insert(sql.POSTGRES, table, columns)} "
         f"ON CONFLICT (id) DO UPDATE SET {assignments} RETURNING (xmax = 0) AS created"
     )
 
 
-S = _columns(rows.SESSION_COLUMNS)
-M = _columns(rows.MESSAGE_COLUMNS)
-TC = _columns(rows.TURN_COLUMNS)
-CC = _columns(rows.TOOL_CALL_COLUMNS)
-
-_INSERT_SESSION = (
-    f"INSERT INTO sessions ({S}) VALUES ({_placeholders(len(rows.SESSION_COLUMNS))}) RETURNING {S}"
-)
-_INSERT_SESSION_IF_ABSENT = _INSERT_SESSION.replace(
-    " RETURNING", " ON CONFLICT (id) DO NOTHING RETURNING"
-)
-_SELECT_SESSION = f"SELECT {S} FROM sessions WHERE id = $1"
-_REPLACE_SESSION = (
-    "UPDATE sessions SET "
-    + ", ".join(f"{c} = ${n}" for n, c in enumerate(rows.SESSION_COLUMNS[1:], start=2))
-    + f" WHERE id = $1 RETURNING {S}"
-)
-_TOUCH_SESSION = (
-    f"UPDATE sessions SET last_activity_at = $2, updated_at = $2 WHERE id = $1 RETURNING {S}"
-)
+_INSERT_SESSION = f"{SQL.insert_session} RETURNING {sql.S}"
+_INSERT_SESSION_IF_ABSENT = f"{SQL.insert_session} ON CONFLICT (id) DO NOTHING RETURNING {sql.S}"
 # The session's last offset moves on by the number of messages written ($2).
 _BUMP_MESSAGES = (
     "INSERT INTO message_heads AS h (session_id, last_offset) VALUES ($1, $2) "
     "ON CONFLICT (session_id) DO UPDATE SET last_offset = h.last_offset + excluded.last_offset "
     "RETURNING last_offset"
 )
-_INSERT_MESSAGE = f"INSERT INTO messages ({M}) VALUES ({_placeholders(len(rows.MESSAGE_COLUMNS))})"
-_UPDATE_MESSAGE = (
-    "UPDATE messages SET content = $2, parts = $3, status = $4, metadata = $5, updated_at = $6 "
-    f"WHERE id = $1 RETURNING {M}"
-)
 # Savers of one memory key queue on this lock, so the count each checks is final.
 _LOCK_MEMORY_KEY = (
     "SELECT pg_advisory_xact_lock(hashtextextended($1 || chr(31) || $2 || chr(31) || $3, 0))"
-)
-_COUNT_MEMORIES = "SELECT COUNT(*) FROM memories WHERE principal = $1 AND agent = $2 AND facet = $3"
-_INSERT_MEMORY = (
-    f"INSERT INTO memories ({_columns(rows.MEMORY_COLUMNS)}) "
-    f"VALUES ({_placeholders(len(rows.MEMORY_COLUMNS))})"
-)
-# lower() under "C" folds ASCII letters only, as SQLite's does.
-_SEARCH_MEMORY = (
-    f"SELECT {_columns(rows.MEMORY_COLUMNS)} FROM memories "
-    "WHERE principal = $1 AND agent = $2 AND facet = $3 "
-    "AND strpos(lower(content), lower($4)) > 0 ORDER BY created_at DESC, id DESC LIMIT $5"
-)
-_FORGET_MEMORY = (
-    "DELETE FROM memories WHERE principal = $1 AND agent = $2 AND facet = $3 AND id = $4"
-)
-_INSERT_TRACE = (
-    f"INSERT INTO traces ({_columns(rows.TRACE_COLUMNS)}) "
-    f"VALUES ({_placeholders(len(rows.TRACE_COLUMNS))})"
-)
-_SELECT_TRACE = (
-    f"SELECT {_columns(rows.TRACE_COLUMNS)} FROM traces "
-    "WHERE session_id = $1 AND owner = $2 ORDER BY seq LIMIT $3"
 )
 _UPSERT_TURN = _upsert_sql("turns", rows.TURN_COLUMNS)
 _UPSERT_TOOL_CALL = _upsert_sql("tool_calls", rows.TOOL_CALL_COLUMNS)
@@ -297,12 +247,6 @@ _LOCK_CLIENT_ID = (
     "SELECT pg_advisory_xact_lock(hashtextextended(owner || chr(31) || $2, 0)) "
     "FROM sessions WHERE id = $1"
 )
-_OWNERS_CLIENT_ID = (
-    "SELECT m.session_id, m.id FROM messages m JOIN sessions s ON s.id = m.session_id "
-    "WHERE m.client_id = $1 AND m.client_id <> '' "
-    "AND s.owner = (SELECT owner FROM sessions WHERE id = $2) ORDER BY m.seq LIMIT 1"
-)
-
 # The owner's counter, bumped by one (by owner, or by the owner of session $1: no row
 # when the session is missing), and the update stored under the number it returned.
 _BUMP_OWNER = "VALUES ($1, 1)"
@@ -311,15 +255,11 @@ _LOG = (
     "WITH head AS (INSERT INTO update_heads AS h (owner, last_offset) {source} "
     "ON CONFLICT (owner) DO UPDATE SET last_offset = h.last_offset + 1 "
     "RETURNING owner, last_offset) "
-    f"INSERT INTO updates ({_columns(rows.UPDATE_COLUMNS)}) "
+    f"INSERT INTO updates ({sql.U}) "
     "SELECT owner, last_offset, $2, $3, $4, $5 FROM head RETURNING owner, log_offset"
 )
 _LOG_FOR_OWNER = _LOG.format(source=_BUMP_OWNER)
 _LOG_FOR_SESSION = _LOG.format(source=_BUMP_SESSION_OWNER)
-_SELECT_UPDATES = (
-    f"SELECT {_columns(rows.UPDATE_COLUMNS)} FROM updates "
-    "WHERE owner = $1 AND log_offset > $2 ORDER BY log_offset LIMIT $3"
-)
 _UPDATE_LOG = (
     "SELECT (SELECT last_offset FROM update_heads WHERE owner = $1), "
     "(SELECT MIN(log_offset) FROM updates WHERE owner = $1)"
@@ -338,51 +278,13 @@ _FAIL_ORPHANED_REPLIES = (
     "UPDATE messages m SET status = 'failed', updated_at = $1 FROM sessions s "
     f"WHERE s.id = m.session_id AND m.{rows.OPEN_REPLY} AND (m.turn_id = ANY($2::text[]) "
     f"OR NOT EXISTS (SELECT 1 FROM turns t WHERE t.id = m.turn_id AND t.{rows.UNFINISHED_TURN})) "
-    f"RETURNING s.owner, m.seq, {_columns(rows.MESSAGE_COLUMNS, 'm.')}"
+    f"RETURNING s.owner, m.seq, {sql.columns(rows.MESSAGE_COLUMNS, 'm.')}"
 )
 _INTERRUPT_TURNS = (
     "UPDATE turns t SET state = $1, ended_at = $2 FROM sessions s "
     f"WHERE s.id = t.session_id AND t.id = ANY($3::text[]) AND t.{rows.UNFINISHED_TURN} "
-    f"RETURNING s.owner, t.seq, {_columns(rows.TURN_COLUMNS, 't.')}"
+    f"RETURNING s.owner, t.seq, {sql.columns(rows.TURN_COLUMNS, 't.')}"
 )
-_RENEW_REPLICA = (
-    "INSERT INTO replicas (id, last_seen) VALUES ($1, $2) "
-    "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen"
-)
-
-
-@functools.cache
-def _list_sessions_sql(include_deleted: bool, after_cursor: bool) -> str:
-    deleted = "" if include_deleted else " AND deleted_at IS NULL"
-    # A cursor unknown to this owner compares as NULL: an empty page.
-    after = (
-        " AND (created_at, id) < (SELECT created_at, id FROM sessions WHERE id = $3 AND owner = $1)"
-        if after_cursor
-        else ""
-    )
-    return (
-        f"SELECT {S} FROM sessions WHERE owner = $1{deleted}{after} "
-        "ORDER BY created_at DESC, id DESC LIMIT $2"
-    )
-
-
-@functools.cache
-def _page_sql(table: str, columns: str, after_cursor: bool) -> str:
-    # `seq` stands for creation order among equal timestamps, as SQLite's rowid does.
-    after = (
-        f" AND (created_at, seq) < "
-        f"(SELECT created_at, seq FROM {table} WHERE id = $3 AND session_id = $1)"
-        if after_cursor
-        else ""
-    )
-    return (
-        f"SELECT {columns} FROM {table} WHERE session_id = $1{after} "
-        "ORDER BY created_at DESC, seq DESC LIMIT $2"
-    )
-
-
-def _page_args(session_id: str, limit: int, cursor: str) -> tuple[Any, ...]:
-    return (session_id, limit, cursor) if cursor else (session_id, limit)
 
 
 def _identity(value: bytes) -> bytes:
@@ -464,7 +366,7 @@ async def _insert_messages(conn: Connection, messages: Sequence[Message]) -> lis
         msgspec.structs.replace(message, global_offset=first + n)
         for n, message in enumerate(messages, start=1)
     ]
-    await conn.executemany(_INSERT_MESSAGE, [rows.message_row(message) for message in stored])
+    await conn.executemany(SQL.insert_message, [rows.message_row(message) for message in stored])
     return stored
 
 
@@ -477,7 +379,7 @@ async def _append_message(conn: Connection, out: list[Update], message: Message)
 
 async def _replace_message(conn: Connection, message: Message) -> Message | None:
     """The stored message after its content changed; None when there is none."""
-    row = await conn.fetchrow(_UPDATE_MESSAGE, message.id, *rows.message_change(message))
+    row = await conn.fetchrow(SQL.update_message, message.id, *rows.message_change(message))
     return None if row is None else _message(row)
 
 
@@ -502,7 +404,7 @@ async def _log_turn(conn: Connection, out: list[Update], turn: Turn) -> None:
 
 async def _refuse_taken_client_id(conn: Connection, message: Message) -> None:
     await conn.execute(_LOCK_CLIENT_ID, message.session_id, message.client_id)
-    taken = await conn.fetchrow(_OWNERS_CLIENT_ID, message.client_id, message.session_id)
+    taken = await conn.fetchrow(SQL.owners_client_id, message.client_id, message.session_id)
     if taken is not None:
         raise DuplicateClientId(message.client_id, session_id=taken[0], message_id=taken[1])
 
@@ -521,7 +423,7 @@ async def _begin_turn(
         conn, (message,) if reply is None else (message, reply)
     )
     action = await _save_turn(conn, turn)
-    row = await conn.fetchrow(_TOUCH_SESSION, message.session_id, message.created_at)
+    row = await conn.fetchrow(SQL.touch_session, message.session_id, message.created_at)
     session = _session(row)
     change = rows.begun_turn(stored, action, turn, session, reply_stored)
     await _log_for_owner(conn, out, session.owner, *change)
@@ -691,10 +593,6 @@ _BUMP_UPDATES_OF = (
     "ON CONFLICT (owner) DO UPDATE SET last_offset = h.last_offset + excluded.last_offset "
     "RETURNING owner, last_offset"
 )
-_INSERT_UPDATE = (
-    f"INSERT INTO updates ({_columns(rows.UPDATE_COLUMNS)}) "
-    f"VALUES ({_placeholders(len(rows.UPDATE_COLUMNS))})"
-)
 _OWNERS_OF = "SELECT id, owner FROM sessions WHERE id = ANY($1::text[])"
 
 
@@ -725,13 +623,13 @@ async def _run_merged(
                 for n, message in enumerate(w.messages, start=1)
             ]
         await conn.executemany(
-            _INSERT_MESSAGE, [rows.message_row(m) for i, _ in begins for m in stored[i]]
+            SQL.insert_message, [rows.message_row(m) for i, _ in begins for m in stored[i]]
         )
     replies: dict[str, Message] = {}
     replaced = [e.reply for _, e in ends if e.reply is not None]
     if replaced:
         found = await conn.fetchmany(
-            _UPDATE_MESSAGE, [(m.id, *rows.message_change(m)) for m in replaced]
+            SQL.update_message, [(m.id, *rows.message_change(m)) for m in replaced]
         )
         replies = {row["id"]: _message(row) for row in found}
     actions: dict[int, rows.Action] = {}
@@ -741,7 +639,7 @@ async def _run_merged(
     drafts: list[tuple[int, str, rows.Change]] = []
     if begins:
         found = await conn.fetchmany(
-            _TOUCH_SESSION, [(w.session_id, w.messages[0].created_at) for _, w in begins]
+            SQL.touch_session, [(w.session_id, w.messages[0].created_at) for _, w in begins]
         )
         sessions = {row["id"]: _session(row) for row in found}
         for i, w in begins:
@@ -787,7 +685,7 @@ async def _log_merged(
         update = rows.new_update(owner, offsets[owner], items, entities)
         outs[i].append(update)
         updates.append(rows.update_row(update))
-    await conn.executemany(_INSERT_UPDATE, updates)
+    await conn.executemany(SQL.insert_update, updates)
 
 
 class PostgresStore:
@@ -948,7 +846,7 @@ class PostgresStore:
         async def insert_or_get(conn: Connection, out: list[Update]) -> Session:
             row = await conn.fetchrow(_INSERT_SESSION_IF_ABSENT, *rows.session_row(session))
             if row is None:  # the id exists: what is stored under it
-                return _session(await conn.fetchrow(_SELECT_SESSION, session.id))
+                return _session(await conn.fetchrow(SQL.select_session, session.id))
             stored = _session(row)
             item = UpdateItem("session", "created", stored.id)
             await _log_for_owner(conn, out, stored.owner, (item,), (stored,))
@@ -957,19 +855,19 @@ class PostgresStore:
         return await self._write(insert_or_get)
 
     async def get_session(self, session_id: str) -> Session | None:
-        row = await self._fetchrow(_SELECT_SESSION, session_id)
+        row = await self._fetchrow(SQL.select_session, session_id)
         return None if row is None else _session(row)
 
     async def list_sessions(
         self, owner: str, *, limit: int, cursor: str = "", include_deleted: bool = True
     ) -> list[Session]:
-        sql = _list_sessions_sql(include_deleted, bool(cursor))
-        args = (owner, limit, cursor) if cursor else (owner, limit)
-        return [_session(row) for row in await self._fetch(sql, *args)]
+        statement = sql.list_sessions(sql.POSTGRES, include_deleted, bool(cursor))
+        found = await self._fetch(statement, *sql.page_args(owner, limit, cursor))
+        return [_session(row) for row in found]
 
     async def touch_session(self, session_id: str, now: float) -> None:
         async def update(conn: Connection, out: list[Update]) -> None:
-            row = await conn.fetchrow(_TOUCH_SESSION, session_id, now)
+            row = await conn.fetchrow(SQL.touch_session, session_id, now)
             if row is not None:  # touching a missing session changes nothing
                 session = _session(row)
                 item = UpdateItem("session", "updated", session.id)
@@ -979,7 +877,7 @@ class PostgresStore:
 
     async def update_session(self, session: Session) -> Session:
         async def update(conn: Connection, out: list[Update]) -> Session:
-            row = await conn.fetchrow(_REPLACE_SESSION, *rows.session_row(session))
+            row = await conn.fetchrow(SQL.replace_session, *rows.session_row(session))
             if row is None:
                 raise StoreError(f"no session {session.id}")
             stored = _session(row)
@@ -1003,33 +901,20 @@ class PostgresStore:
         return await self._write(functools.partial(_update_message, message=message))
 
     async def get_message(self, message_id: str) -> Message | None:
-        row = await self._fetchrow(f"SELECT {M} FROM messages WHERE id = $1", message_id)
+        row = await self._fetchrow(SQL.get_message, message_id)
         return None if row is None else _message(row)
 
     async def find_message_by_client_id(self, owner: str, client_id: str) -> Message | None:
         if not client_id:
             return None
-        # `client_id <> ''` lets the planner use the partial index.
-        row = await self._fetchrow(
-            f"SELECT {_columns(rows.MESSAGE_COLUMNS, 'm.')} FROM messages m "
-            "JOIN sessions s ON s.id = m.session_id "
-            "WHERE m.client_id = $1 AND m.client_id <> '' AND s.owner = $2 "
-            "ORDER BY m.seq LIMIT 1",
-            client_id,
-            owner,
-        )
+        row = await self._fetchrow(SQL.find_by_client_id, client_id, owner)
         return None if row is None else _message(row)
 
     async def list_messages(
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None
     ) -> list[Message]:
-        found = await self._fetch(
-            f"SELECT {M} FROM messages WHERE session_id = $1 AND global_offset > $2 "
-            "ORDER BY global_offset LIMIT $3",
-            session_id,
-            after_offset,
-            limit,  # NULL: no limit
-        )
+        # LIMIT NULL is none in PostgreSQL.
+        found = await self._fetch(SQL.list_messages, session_id, after_offset, limit)
         return [_message(row) for row in found]
 
     # -- turns ------------------------------------------------------------------
@@ -1065,18 +950,16 @@ class PostgresStore:
         )
 
     async def get_turn(self, turn_id: str) -> Turn | None:
-        row = await self._fetchrow(f"SELECT {TC} FROM turns WHERE id = $1", turn_id)
+        row = await self._fetchrow(SQL.get_turn, turn_id)
         return None if row is None else rows.turn_from_data(dict(row))
 
     async def list_turns(self, session_id: str) -> list[Turn]:
-        found = await self._fetch(
-            f"SELECT {TC} FROM turns WHERE session_id = $1 ORDER BY created_at, seq", session_id
-        )
+        found = await self._fetch(SQL.list_turns, session_id)
         return [rows.turn_from_data(dict(row)) for row in found]
 
     async def page_turns(self, session_id: str, *, limit: int, cursor: str = "") -> list[Turn]:
-        sql = _page_sql("turns", TC, bool(cursor))
-        found = await self._fetch(sql, *_page_args(session_id, limit, cursor))
+        statement = sql.page(sql.POSTGRES, "turns", bool(cursor))
+        found = await self._fetch(statement, *sql.page_args(session_id, limit, cursor))
         return [rows.turn_from_data(dict(row)) for row in found]
 
     # -- tool calls -------------------------------------------------------------
@@ -1085,21 +968,18 @@ class PostgresStore:
         await self._write(functools.partial(_save_tool_call, call=call))
 
     async def get_tool_call(self, call_id: str) -> ToolCallRecord | None:
-        row = await self._fetchrow(f"SELECT {CC} FROM tool_calls WHERE id = $1", call_id)
+        row = await self._fetchrow(SQL.get_tool_call, call_id)
         return None if row is None else rows.tool_call_from_data(dict(row))
 
     async def list_tool_calls(self, session_id: str) -> list[ToolCallRecord]:
-        found = await self._fetch(
-            f"SELECT {CC} FROM tool_calls WHERE session_id = $1 ORDER BY created_at, seq",
-            session_id,
-        )
+        found = await self._fetch(SQL.list_tool_calls, session_id)
         return [rows.tool_call_from_data(dict(row)) for row in found]
 
     async def page_tool_calls(
         self, session_id: str, *, limit: int, cursor: str = ""
     ) -> list[ToolCallRecord]:
-        sql = _page_sql("tool_calls", CC, bool(cursor))
-        found = await self._fetch(sql, *_page_args(session_id, limit, cursor))
+        statement = sql.page(sql.POSTGRES, "tool_calls", bool(cursor))
+        found = await self._fetch(statement, *sql.page_args(session_id, limit, cursor))
         return [rows.tool_call_from_data(dict(row)) for row in found]
 
     # -- agent memory -------------------------------------------------------------
@@ -1109,21 +989,23 @@ class PostgresStore:
 
         async def insert(conn: Connection, out: list[Update]) -> bool:
             await conn.execute(_LOCK_MEMORY_KEY, *key)
-            if await conn.fetchval(_COUNT_MEMORIES, *key) >= max_entries:
+            if await conn.fetchval(SQL.count_memories, *key) >= max_entries:
                 return False
-            await conn.execute(_INSERT_MEMORY, *rows.memory_row(entry))
+            await conn.execute(SQL.insert_memory, *rows.memory_row(entry))
             return True
 
         return await self._write(insert)
 
     async def search_memory(self, key: MemoryKey, query: str, *, limit: int) -> list[MemoryEntry]:
         args = (*msgspec.structs.astuple(key), query, limit)
-        return [rows.memory_from_row(dict(row)) for row in await self._fetch(_SEARCH_MEMORY, *args)]
+        return [
+            rows.memory_from_row(dict(row)) for row in await self._fetch(SQL.search_memory, *args)
+        ]
 
     async def forget_memory(self, key: MemoryKey, memory_id: str) -> bool:
         async def delete(conn: Connection, out: list[Update]) -> bool:
             status: str = await conn.execute(
-                _FORGET_MEMORY, *msgspec.structs.astuple(key), memory_id
+                SQL.forget_memory, *msgspec.structs.astuple(key), memory_id
             )
             return status != "DELETE 0"
 
@@ -1133,19 +1015,19 @@ class PostgresStore:
 
     async def append_trace(self, event: TraceEvent) -> None:
         async def insert(conn: Connection, out: list[Update]) -> None:
-            await conn.execute(_INSERT_TRACE, *rows.trace_row(event))
+            await conn.execute(SQL.insert_trace, *rows.trace_row(event))
 
         await self._write(insert)
 
     async def list_trace(self, session_id: str, owner: str, *, limit: int) -> list[TraceEvent]:
-        found = await self._fetch(_SELECT_TRACE, session_id, owner, limit)
+        found = await self._fetch(SQL.select_trace, session_id, owner, limit)
         return [rows.trace_from_row(dict(row)) for row in found]
 
     # -- replicas ---------------------------------------------------------------
 
     async def renew_replica(self, replica_id: str, now: float) -> None:
         async def renew(conn: Connection, out: list[Update]) -> None:
-            await conn.execute(_RENEW_REPLICA, replica_id, now)
+            await conn.execute(SQL.renew_replica, replica_id, now)
 
         await self._write(renew)
 
@@ -1170,13 +1052,13 @@ class PostgresStore:
         return rows.update_log(self._epoch, row[0], row[1])
 
     async def list_updates(self, owner: str, *, after_offset: int, limit: int) -> list[Update]:
-        found = await self._fetch(_SELECT_UPDATES, owner, after_offset, limit)
+        found = await self._fetch(SQL.select_updates, owner, after_offset, limit)
         return [rows.update_from_row(tuple(row)) for row in found]
 
     async def prune_updates(self, older_than: float) -> int:
         # The counters in update_heads keep each owner's last offset: nothing to save.
         async def delete(conn: Connection, out: list[Update]) -> int:
-            status = await conn.execute("DELETE FROM updates WHERE created_at < $1", older_than)
+            status = await conn.execute(SQL.prune_updates, older_than)
             return int(status.split()[-1])
 
         return await self._write(delete)
