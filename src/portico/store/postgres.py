@@ -372,8 +372,7 @@ async def _insert_messages(conn: Connection, messages: Sequence[Message]) -> lis
 
 async def _append_message(conn: Connection, out: list[Update], message: Message) -> Message:
     (stored,) = await _insert_messages(conn, (message,))
-    item = UpdateItem("message", "created", stored.id)
-    await _log_for_session(conn, out, stored.session_id, (item,), (stored,))
+    await _log_for_session(conn, out, stored.session_id, *rows.changes(("created", stored)))
     return stored
 
 
@@ -387,8 +386,7 @@ async def _update_message(conn: Connection, out: list[Update], message: Message)
     stored = await _replace_message(conn, message)
     if stored is None:
         raise StoreError(f"no message {message.id}")
-    item = UpdateItem("message", "updated", stored.id)
-    await _log_for_session(conn, out, stored.session_id, (item,), (stored,))
+    await _log_for_session(conn, out, stored.session_id, *rows.changes(("updated", stored)))
     return stored
 
 
@@ -398,8 +396,8 @@ async def _save_turn(conn: Connection, turn: Turn) -> rows.Action:
 
 
 async def _log_turn(conn: Connection, out: list[Update], turn: Turn) -> None:
-    item = UpdateItem("turn", await _save_turn(conn, turn), turn.id)
-    await _log_for_session(conn, out, turn.session_id, (item,), (turn,))
+    change = rows.changes((await _save_turn(conn, turn), turn))
+    await _log_for_session(conn, out, turn.session_id, *change)
 
 
 async def _refuse_taken_client_id(conn: Connection, message: Message) -> None:
@@ -431,24 +429,27 @@ async def _begin_turn(
 
 
 async def _end_turn(conn: Connection, out: list[Update], turn: Turn, reply: Message | None) -> None:
-    items: list[UpdateItem] = []
-    entities: list[Entity] = []
+    stored = None
     if reply is not None:
-        stored = await _replace_message(conn, reply)
-        action: rows.Action = "updated"
-        if stored is None:
-            (stored,), action = await _insert_messages(conn, (reply,)), "created"
-        items.append(UpdateItem("message", action, stored.id))
-        entities.append(stored)
-    items.append(UpdateItem("turn", await _save_turn(conn, turn), turn.id))
-    entities.append(turn)
-    await _log_for_session(conn, out, turn.session_id, tuple(items), tuple(entities))
+        stored = await _appended_unless(conn, await _replace_message(conn, reply), reply)
+    change = rows.ended_turn(turn, await _save_turn(conn, turn), stored)
+    await _log_for_session(conn, out, turn.session_id, *change)
+
+
+async def _appended_unless(
+    conn: Connection, replaced: Message | None, reply: Message
+) -> tuple[rows.Action, Message]:
+    """A turn's reply as its end stores it: replaced, or appended when none was stored."""
+    if replaced is not None:
+        return "updated", replaced
+    (appended,) = await _insert_messages(conn, (reply,))
+    return "created", appended
 
 
 async def _save_tool_call(conn: Connection, out: list[Update], call: ToolCallRecord) -> None:
     created = await conn.fetchval(_UPSERT_TOOL_CALL, *rows.tool_call_row(call))
-    item = UpdateItem("rtc", "created" if created else "updated", call.id)
-    await _log_for_session(conn, out, call.session_id, (item,), (call,))
+    change = rows.changes(("created" if created else "updated", call))
+    await _log_for_session(conn, out, call.session_id, *change)
 
 
 async def _fork_session(
@@ -652,19 +653,12 @@ async def _run_merged(
         found = await conn.fetch(_OWNERS_OF, [e.session_id for _, e in ends])
         owners: dict[str, str] = {row[0]: row[1] for row in found}
         for i, e in ends:
-            items: list[UpdateItem] = []
-            entities: list[Entity] = []
-            if e.reply is not None:
-                reply_stored = replies.get(e.reply.id)
-                action: rows.Action = "updated"
-                if reply_stored is None:  # rare: no reply was stored with the turn
-                    (reply_stored,), action = await _insert_messages(conn, (e.reply,)), "created"
-                items.append(UpdateItem("message", action, reply_stored.id))
-                entities.append(reply_stored)
-            items.append(UpdateItem("turn", actions[i], e.turn.id))
-            entities.append(e.turn)
+            stored_reply = None
+            if e.reply is not None:  # appended one by one: rare, no reply stored with the turn
+                stored_reply = await _appended_unless(conn, replies.get(e.reply.id), e.reply)
             if e.session_id in owners:  # a missing session has no owner to log for
-                drafts.append((i, owners[e.session_id], (tuple(items), tuple(entities))))
+                change = rows.ended_turn(e.turn, actions[i], stored_reply)
+                drafts.append((i, owners[e.session_id], change))
     await _log_merged(conn, sorted(drafts, key=lambda draft: draft[0]), outs)
 
 
@@ -848,8 +842,7 @@ class PostgresStore:
             if row is None:  # the id exists: what is stored under it
                 return _session(await conn.fetchrow(SQL.select_session, session.id))
             stored = _session(row)
-            item = UpdateItem("session", "created", stored.id)
-            await _log_for_owner(conn, out, stored.owner, (item,), (stored,))
+            await _log_for_owner(conn, out, stored.owner, *rows.changes(("created", stored)))
             return stored
 
         return await self._write(insert_or_get)
@@ -870,8 +863,7 @@ class PostgresStore:
             row = await conn.fetchrow(SQL.touch_session, session_id, now)
             if row is not None:  # touching a missing session changes nothing
                 session = _session(row)
-                item = UpdateItem("session", "updated", session.id)
-                await _log_for_owner(conn, out, session.owner, (item,), (session,))
+                await _log_for_owner(conn, out, session.owner, *rows.changes(("updated", session)))
 
         await self._write(update)
 
@@ -881,8 +873,7 @@ class PostgresStore:
             if row is None:
                 raise StoreError(f"no session {session.id}")
             stored = _session(row)
-            item = UpdateItem("session", "updated", stored.id)
-            await _log_for_owner(conn, out, stored.owner, (item,), (stored,))
+            await _log_for_owner(conn, out, stored.owner, *rows.changes(("updated", stored)))
             return stored
 
         return await self._write(update)

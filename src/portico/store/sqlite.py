@@ -409,8 +409,7 @@ def _insert_messages(conn: Archive, messages: Sequence[Message]) -> list[Message
 
 def _append_message(conn: Archive, out: list[Update], message: Message) -> Message:
     stored = _insert_message(conn, message)
-    item = UpdateItem("message", "created", stored.id)
-    _log_for_session(conn, out, stored.session_id, (item,), (stored,))
+    _log_for_session(conn, out, stored.session_id, *rows.changes(("created", stored)))
     return stored
 
 
@@ -443,7 +442,7 @@ def _log_turn(
     turn: Turn,
 ) -> None:
     action = save(conn, turn)
-    _log_for_session(conn, out, turn.session_id, (UpdateItem("turn", action, turn.id),), (turn,))
+    _log_for_session(conn, out, turn.session_id, *rows.changes((action, turn)))
 
 
 def _begin_turn(
@@ -478,7 +477,7 @@ def _save_tool_call(conn: Archive, out: list[Update], call: ToolCallRecord) -> N
     if not conn.execute(SQL.replace_tool_call, row).rowcount:
         conn.execute(SQL.insert_tool_call, row)
         action = "created"
-    _log_for_session(conn, out, call.session_id, (UpdateItem("rtc", action, call.id),), (call,))
+    _log_for_session(conn, out, call.session_id, *rows.changes((action, call)))
 
 
 def _replace_message(conn: Archive, message: Message) -> Message | None:
@@ -491,24 +490,19 @@ def _update_message(conn: Archive, out: list[Update], message: Message) -> Messa
     stored = _replace_message(conn, message)
     if stored is None:
         raise StoreError(f"no message {message.id}")
-    item = UpdateItem("message", "updated", stored.id)
-    _log_for_session(conn, out, stored.session_id, (item,), (stored,))
+    _log_for_session(conn, out, stored.session_id, *rows.changes(("updated", stored)))
     return stored
 
 
 def _end_turn(conn: Archive, out: list[Update], turn: Turn, reply: Message | None) -> None:
-    items: list[UpdateItem] = []
-    entities: list[Entity] = []
+    stored: tuple[Action, Message] | None = None
     if reply is not None:
-        stored = _replace_message(conn, reply)
-        action: Action = "updated"
-        if stored is None:
-            stored, action = _insert_message(conn, reply), "created"
-        items.append(UpdateItem("message", action, stored.id))
-        entities.append(stored)
-    items.append(UpdateItem("turn", _save_turn(conn, turn), turn.id))
-    entities.append(turn)
-    _log_for_session(conn, out, turn.session_id, tuple(items), tuple(entities))
+        replaced = _replace_message(conn, reply)
+        stored = (
+            ("created", _insert_message(conn, reply)) if replaced is None else ("updated", replaced)
+        )
+    change = rows.ended_turn(turn, _save_turn(conn, turn), stored)
+    _log_for_session(conn, out, turn.session_id, *change)
 
 
 def _fork_session(
@@ -911,8 +905,7 @@ class SqliteStore:
             inserted = conn.execute(_INSERT_SESSION_IF_ABSENT, rows.session_row(session)).rowcount
             stored = _session_from_row(conn.execute(SQL.select_session, (session.id,)).fetchone())
             if inserted:
-                item = UpdateItem("session", "created", stored.id)
-                _log_for_owner(conn, out, stored.owner, (item,), (stored,))
+                _log_for_owner(conn, out, stored.owner, *rows.changes(("created", stored)))
             return stored
 
         return await self._write(insert_or_get)
@@ -948,8 +941,7 @@ class SqliteStore:
             row = conn.execute(SQL.touch_session, (session_id, now)).fetchone()
             if row is not None:  # touching a missing session changes nothing
                 session = _session_from_row(row)
-                item = UpdateItem("session", "updated", session.id)
-                _log_for_owner(conn, out, session.owner, (item,), (session,))
+                _log_for_owner(conn, out, session.owner, *rows.changes(("updated", session)))
 
         await self._write(update)
 
@@ -959,8 +951,7 @@ class SqliteStore:
             if row is None:
                 raise StoreError(f"no session {session.id}")
             stored = _session_from_row(row)
-            item = UpdateItem("session", "updated", stored.id)
-            _log_for_owner(conn, out, stored.owner, (item,), (stored,))
+            _log_for_owner(conn, out, stored.owner, *rows.changes(("updated", stored)))
             return stored
 
         return await self._write(update)
