@@ -3,7 +3,7 @@
     python bench/stores.py                     # sqlite and postgres, 3 repeats
     python bench/stores.py --quick             # 1 repeat, short windows
     python bench/stores.py --stores sqlite,postgres,memory --clients 50
-    python bench/stores.py --base-src /tmp/base   # + postgres@base: that checkout's store
+    python bench/stores.py --variant base=/tmp/base   # + postgres@base, from that checkout
 
 One Portico per backend (`--store`), started together and interleaved in every repeat so
 background noise hits them alike; each gets bench/run.py's `stream` workload (/ws, 1
@@ -50,21 +50,26 @@ def with_search_path(url: str, schema: str) -> str:
 
 
 def run(
-    plan: Plan, stores: Sequence[str], url: str, workdir: Path, base_src: Path | None = None
+    plan: Plan,
+    stores: Sequence[str],
+    url: str,
+    workdir: Path,
+    variants: dict[str, Path] | None = None,
 ) -> Samples:
-    """`base_src`: also run `postgres@base`, the postgres store of the Portico source
-    tree there (an A/B of a change in one run; it gets a schema of its own)."""
+    """`variants`: also run `postgres@NAME`, the postgres store of the Portico checkout
+    at each path (an A/B of a change in one run; each gets a schema of its own)."""
+    variants = variants or {}
     schemas: dict[str, str] = {}
     servers: dict[str, Server] = {}
-    names = [*stores, *(["postgres@base"] if base_src is not None else [])]
+    names = [*stores, *(f"postgres@{name}" for name in variants)]
     for name in names:
         store, _, variant = name.partition("@")
         env = {}
         if store == "postgres":
             schemas[name] = f"bench_{uuid.uuid4().hex[:12]}"
             env["PORTICO_DATABASE_URL"] = with_search_path(url, schemas[name])
-        if variant and base_src is not None:
-            env["PYTHONPATH"] = str(base_src / "src")
+        if variant:
+            env["PYTHONPATH"] = str(variants[variant] / "src")
         servers[name] = Server(
             "portico", workdir / name.replace("@", "-"), plan.log_level, store=store, env=env
         )
@@ -127,7 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, help="window, seconds")
     parser.add_argument("--database-url", default=DATABASE_URL)
     parser.add_argument(
-        "--base-src", type=Path, help="also run postgres@base from this Portico checkout (A/B)"
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also run postgres@NAME from the Portico checkout at DIR (A/B); repeatable",
     )
     args = parser.parse_args(argv)
     plan = replace(QUICK, repeat=1) if args.quick else Plan()
@@ -138,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     background = background_cpu()
     with tempfile.TemporaryDirectory(prefix="portico-stores-") as workdir:
-        samples = run(plan, args.stores.split(","), args.database_url, Path(workdir), args.base_src)
+        variants = {name: Path(path) for name, _, path in (v.partition("=") for v in args.variant)}
+        samples = run(plan, args.stores.split(","), args.database_url, Path(workdir), variants)
     print(report(plan, samples, started, background))
     return 0
 
