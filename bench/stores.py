@@ -28,7 +28,7 @@ from pathlib import Path
 
 from common import raise_fd_limit
 from harness import Server, stop_all
-from run import QUICK, Plan, background_cpu, log, measure_stream
+from run import QUICK, Plan, background_cpu, log, measure_latency, measure_stream
 
 DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/test"
 TARGET = 0.5  # postgres / sqlite turns per second
@@ -84,10 +84,14 @@ def run(
         for rep in range(plan.repeat):
             for store, server in servers.items():
                 sample = measure_stream(server, plan, 1)
+                # The turn's end waits for its archive write: send -> done at the rate.
+                latency = measure_latency(server, plan, plan.rates[0])
+                sample.update({f"latency_{k}": v for k, v in latency.items()})
                 samples[store].append(sample)
                 log(
                     f"stream rep {rep + 1} {store:13}: {sample['turns_per_s']:7.0f} turns/s, "
-                    f"server CPU {sample['server_cpu']:.0f}%, other {sample['other_cpu']:.0f}%"
+                    f"server CPU {sample['server_cpu']:.0f}%, other {sample['other_cpu']:.0f}%; "
+                    f"done p50 {latency['done_p50_ms']:.2f} ms p99 {latency['done_p99_ms']:.2f} ms"
                 )
     finally:
         stop_all(list(servers.values()))
@@ -96,8 +100,9 @@ def run(
     return samples
 
 
-def _median(values: Sequence[float]) -> str:
-    return f"{statistics.median(values):,.0f} ({min(values):,.0f}–{max(values):,.0f})"
+def _median(values: Sequence[float], digits: int = 0) -> str:
+    low, mid, high = min(values), statistics.median(values), max(values)
+    return f"{mid:,.{digits}f} ({low:,.{digits}f}–{high:,.{digits}f})"
 
 
 def report(plan: Plan, samples: Samples, started: float, background: float) -> str:
@@ -106,19 +111,24 @@ def report(plan: Plan, samples: Samples, started: float, background: float) -> s
         f"Run {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(started))}, "
         f"`python bench/stores.py`: stream, {plan.clients} clients, 1 client process, "
         f"{plan.warmup:g} s warm-up, {plan.seconds:g} s window, median (min–max) of "
-        f"{plan.repeat}; other processes used {background:.0f}% of a core before the run.",
+        f"{plan.repeat}; then latency at {plan.rates[0]:g} msg/s over {plan.pool} connections "
+        f"({plan.latency_seconds:g} s), as bench/run.py's; other processes (the PostgreSQL "
+        f"server among them) used {background:.0f}% of a core before the run.",
         "",
-        f"| store | turns/s | frames/s | server CPU, % | other CPU, % | ÷ {next(iter(samples))} |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"| store | turns/s | frames/s | server CPU, % | other CPU, % | ÷ {next(iter(samples))} "
+        "| send → done p50, ms | send → done p99, ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for store, rows in samples.items():
         turns = [s["turns_per_s"] for s in rows]
         lines.append(
             f"| {store} | {_median(turns)} | {_median([s['frames_per_s'] for s in rows])} | "
             f"{_median([s['server_cpu'] for s in rows])} | "
-            f"{_median([s['other_cpu'] for s in rows])} | {statistics.median(turns) / base:.2f} |"
+            f"{_median([s['other_cpu'] for s in rows])} | {statistics.median(turns) / base:.2f} | "
+            f"{_median([s['latency_done_p50_ms'] for s in rows], 2)} | "
+            f"{_median([s['latency_done_p99_ms'] for s in rows], 2)} |"
         )
-    errors = sum(s["errors"] for rows in samples.values() for s in rows)
+    errors = sum(s["errors"] + s["latency_errors"] for rows in samples.values() for s in rows)
     lines += ["", f"Errors: {errors:.0f}. Target: postgres ≥ {TARGET}× sqlite."]
     return "\n".join(lines)
 
