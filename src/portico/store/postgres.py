@@ -299,14 +299,6 @@ async def _init_connection(conn: asyncpg.Connection[asyncpg.Record]) -> None:
     )
 
 
-async def _keep_session(conn: asyncpg.Connection[asyncpg.Record]) -> None:
-    """What a connection going back to the pool needs reset: nothing. The default reset
-    (advisory unlock, CLOSE ALL, UNLISTEN, RESET ALL) is a round trip on every release,
-    a read's second one; these connections keep no state between uses (their advisory
-    locks are transaction-scoped, nothing LISTENs, SETs or opens cursors). An open
-    transaction is still rolled back by the pool itself."""
-
-
 def _session(row: asyncpg.Record | None) -> Session:
     """A session from a row the write's own statement just read or wrote."""
     assert row is not None
@@ -821,11 +813,7 @@ class PostgresStore:
     async def open(self) -> None:
         try:
             pool = await asyncpg.create_pool(
-                self._dsn,
-                min_size=1,
-                max_size=self._pool_size,
-                init=_init_connection,
-                reset=_keep_session,
+                self._dsn, min_size=1, max_size=self._pool_size, init=_init_connection
             )
         except (*_DRIVER_ERRORS, ValueError) as exc:
             raise StoreError(f"cannot open the PostgreSQL archive: {exc}") from exc
