@@ -12,17 +12,20 @@ cumulative time, and its time by area (aiohttp writes, the engine, the archive, 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import stores
 from common import raise_fd_limit
 from harness import BENCH, SERVER_KINDS, CpuSnapshot, Loadgen, Server, cpu_percentages
 
@@ -32,7 +35,7 @@ AREAS: tuple[tuple[str, str], ...] = (
     ("asyncio/runners.py", "event loop internals (uvloop C code under Runner.run)"),
     ("aiohttp/_websocket/writer.py", "socket writes (aiohttp writer, transport.write)"),
     ("aiohttp/", "aiohttp other (reads, handshakes)"),
-    ("portico/store/", "archive (SQLite store)"),
+    ("portico/store/", "archive (the store)"),
     ("portico/core/turns.py", "turn runner"),
     ("portico/core/engine.py", "engine"),
     ("portico/runtime/", "scripted runtime"),
@@ -149,7 +152,12 @@ def record(pid: int, seconds: float, rate: int, raw: Path) -> None:
 
 
 def profile_stream(args: argparse.Namespace, workdir: Path) -> tuple[Profile, list[str]]:
-    server = Server(args.server, workdir, store=args.store).start()
+    env = {}
+    if args.store == "postgres":
+        schema = f"profile_{uuid.uuid4().hex[:12]}"
+        asyncio.run(stores.execute(args.database_url, f"CREATE SCHEMA {schema}"))
+        env["PORTICO_DATABASE_URL"] = stores.with_search_path(args.database_url, schema)
+    server = Server(args.server, workdir, store=args.store, env=env).start()
     try:
         window = ["--warmup", "1", "--seconds", str(args.seconds + 2)]
         url = server.session_url if args.workload == "session_stream" else server.url
@@ -168,6 +176,8 @@ def profile_stream(args: argparse.Namespace, workdir: Path) -> tuple[Profile, li
         profile = parse_collapsed(raw.read_text().splitlines())
     finally:
         server.stop()
+        if args.store == "postgres":
+            asyncio.run(stores.execute(args.database_url, f"DROP SCHEMA {schema} CASCADE"))
     header = [
         f"# `{args.workload}` profile of {args.server} (py-spy)",
         "",
@@ -186,7 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=8.0, help="sampling time")
     parser.add_argument("--rate", type=int, default=100, help="samples per second")
     parser.add_argument("--clients", type=int, default=100)
-    parser.add_argument("--store", choices=["sqlite", "memory"], default="sqlite")
+    parser.add_argument("--store", choices=["sqlite", "memory", "postgres"], default="sqlite")
+    parser.add_argument(
+        "--database-url", default=stores.DATABASE_URL, help="--store postgres: a fresh schema here"
+    )
     parser.add_argument(
         "--server", choices=SERVER_KINDS, default="portico", help="or a bare one, to compare"
     )

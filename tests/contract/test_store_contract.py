@@ -289,6 +289,49 @@ async def test_concurrent_appends_to_two_sessions_stay_independent(store: Store)
     assert offsets(await store.list_messages("s2")) == list(range(1, 21))
 
 
+async def test_writes_started_one_after_another_apply_in_that_order(store: Store) -> None:
+    # The engine starts a reply's insert and later its update without awaiting the
+    # first (turns.py `_open_reply`): the update must find the message. Tasks start
+    # in the order they were made.
+    await store.create_session(make_session())
+    reply = make_pending_reply("r1", turn_id="t1")
+    done = msgspec.structs.replace(reply, content="all", status="completed", updated_at=300.0)
+    changed = msgspec.structs.replace(make_message(n=2), content="edited", updated_at=301.0)
+    writes = [
+        store.begin_turn(make_turn("t1"), make_message(n=1), reply=reply),
+        store.append_message(make_message(n=2)),
+        store.end_turn(make_turn("t1", state=TurnState.COMPLETED), done),
+        store.update_message(changed),
+    ]
+    *_, edited = await asyncio.gather(*(asyncio.ensure_future(write) for write in writes))
+    assert isinstance(edited, Message)
+    assert edited.content == "edited"
+    stored = await store.list_messages("s1")
+    assert [(m.id, m.global_offset, m.content) for m in stored] == [
+        ("s1-m1", 1, "message 1"),
+        ("r1", 2, "all"),
+        ("s1-m2", 3, "edited"),
+    ]
+    turn = await store.get_turn("t1")
+    assert turn is not None
+    assert turn.state is TurnState.COMPLETED
+
+
+async def test_a_write_whose_caller_is_cancelled_still_commits_and_publishes(store: Store) -> None:
+    await store.create_session(make_session())
+    received: list[Update] = []
+    store.set_update_listener(received.append)
+    cancelled = asyncio.ensure_future(store.append_message(make_message(n=1)))
+    await asyncio.sleep(0)  # queued
+    cancelled.cancel()
+    await store.append_message(make_message(n=2))  # queued behind it
+    assert offsets(await store.list_messages("s1")) == [1, 2]
+    assert [items_of(update) for update in received] == [
+        [("message", "created", "s1-m1")],
+        [("message", "created", "s1-m2")],
+    ]
+
+
 async def test_list_messages_after_offset_and_limit(store: Store) -> None:
     await store.create_session(make_session())
     await append_many(store, "s1", 5)
@@ -1643,6 +1686,68 @@ async def test_postgres_replicas_sweeping_together_interrupt_each_turn_once() ->
         logged = [item for update in collected for item in items_of(update)]
         assert len(logged) == len(set(logged)) == 20  # every turn and reply, once
         assert all(t.state is TurnState.INTERRUPTED for t in await first.list_turns("s1"))
+    finally:
+        await asyncio.gather(first.close(), second.close())
+
+
+async def test_postgres_failing_write_in_a_merged_batch_fails_alone() -> None:
+    (store,) = await open_postgres_replicas(1)
+    try:
+        for n in range(4):
+            await store.create_session(make_session(f"s{n}"))
+        with collecting_updates() as collected:
+            # Queued in one loop iteration: one batch, the turns merged into one group.
+            results = await asyncio.gather(
+                *(
+                    store.begin_turn(make_turn(f"t{n}", session_id=f"s{n}"), make_message(f"s{n}"))
+                    for n in range(2)
+                ),
+                store.begin_turn(make_turn("tx", session_id="gone"), make_message("gone")),
+                *(
+                    store.begin_turn(make_turn(f"t{n}", session_id=f"s{n}"), make_message(f"s{n}"))
+                    for n in range(2, 4)
+                ),
+                return_exceptions=True,
+            )
+        failure = results[2]
+        assert isinstance(failure, StoreError)
+        assert isinstance(failure.__cause__, asyncpg.ForeignKeyViolationError)
+        assert [offsets([r]) for i, r in enumerate(results) if i != 2] == [[1]] * 4  # type: ignore[list-item]
+        assert await store.get_turn("tx") is None
+        # Four sessions created, four turns begun: offsets 1-8 without a gap.
+        assert [u.offset for u in collected] == [5, 6, 7, 8]
+        assert [u.offset for u in await all_updates(store, "alice")] == list(range(1, 9))
+    finally:
+        await store.close()
+
+
+async def test_postgres_replicas_merging_turns_number_without_gaps() -> None:
+    first, second = await open_postgres_replicas(2)
+    try:
+        for n in range(8):
+            await first.create_session(make_session(f"s{n}"))
+        received: tuple[list[Update], list[Update]] = ([], [])
+        first.set_update_listener(received[0].append)
+        second.set_update_listener(received[1].append)
+
+        async def turns(n: int) -> None:
+            replica = (first, second)[n % 2]
+            session_id = f"s{n % 8}"
+            turn = make_turn(f"t{n}", session_id=session_id)
+            reply = make_pending_reply(f"r{n}", turn_id=turn.id, session_id=session_id)
+            await replica.begin_turn(turn, make_message(session_id, n=n), reply=reply)
+            done = msgspec.structs.replace(reply, content=f"a{n}", status="completed")
+            await replica.end_turn(msgspec.structs.replace(turn, state=TurnState.COMPLETED), done)
+
+        await asyncio.gather(*(turns(n) for n in range(32)))
+        for n in range(8):
+            assert offsets(await first.list_messages(f"s{n}")) == list(range(1, 9))
+        log = await all_updates(second, "alice")
+        assert [update.offset for update in log] == list(range(1, 8 + 64 + 1))
+        assert sorted([*received[0], *received[1]], key=lambda u: u.offset) == log[8:]
+        for published in received:
+            assert len(published) == 32
+            assert [u.offset for u in published] == sorted(u.offset for u in published)
     finally:
         await asyncio.gather(first.close(), second.close())
 

@@ -9,7 +9,6 @@ import msgspec
 
 from portico.core.memory import MemoryEntry, MemoryKey, ascii_lower
 from portico.core.model import (
-    ENTITY_KINDS,
     Entity,
     Message,
     Session,
@@ -64,11 +63,7 @@ class MemoryStore:
 
     def _log(self, session_id: str, *changes: Change) -> None:
         """Append one update to the log of the session's owner and announce it."""
-        self._log_for_owner(
-            self._owner_of(session_id),
-            tuple(UpdateItem(ENTITY_KINDS[type(e)], a, e.id) for a, e in changes),
-            tuple(entity for _, entity in changes),
-        )
+        self._log_for_owner(self._owner_of(session_id), *rows.changes(*changes))
 
     def _owner_of(self, session_id: str) -> str:
         return self._sessions[session_id].owner

@@ -5,22 +5,28 @@ an owner's next update offset live in counter rows (`message_heads`, `update_hea
 that a write bumps with an upsert inside its own transaction: the row stays locked
 until that transaction ends, so writers of one session (or one owner), on any
 replica, take consecutive numbers one after the other, and a write that rolls back
-gives its number back. Each method is one transaction at READ COMMITTED; a write's
-updates are published after its commit and before it returns. Decisions and what
-replicas do not share yet: docs/storage.md.
+gives its number back.
+
+Writes go through one writer task per process (group commit): every write queued while
+a batch commits goes into the next transaction, in queue order; `begin_turn` and
+`end_turn` of distinct sessions are merged into set-wise statements, one round trip
+each for the whole run of them. A write's updates are published after its batch's
+commit and before it returns. Reads are one statement at READ COMMITTED. Decisions and
+what replicas do not share yet: docs/storage.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+import logging
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
 import asyncpg
 import msgspec
 from asyncpg.pool import PoolConnectionProxy
-from asyncpg.transaction import Transaction
 
 from portico.core.memory import MemoryEntry, MemoryKey
 from portico.core.model import (
@@ -37,14 +43,17 @@ from portico.core.states import TurnState
 from portico.core.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
 from portico.health import Health, probe
-from portico.store import rows
+from portico.store import rows, sql
 from portico.store.base import (
     UpdateListener,
     as_store_error,
     current_collector,
+    detached,
     is_orphaned,
     publish,
 )
+
+log = logging.getLogger("portico.store")
 
 T = TypeVar("T")
 # Strings: asyncpg's classes are generic only in its stubs.
@@ -207,79 +216,29 @@ _MIGRATION_LOCK = (
 )
 
 
-def _columns(columns: Sequence[str], alias: str = "") -> str:
-    return ", ".join(f"{alias}{column}" for column in columns)
-
-
-def _placeholders(count: int, start: int = 1) -> str:
-    return ", ".join(f"${n}" for n in range(start, start + count))
+SQL = sql.Statements(sql.POSTGRES)
 
 
 def _upsert_sql(table: str, columns: Sequence[str]) -> str:
     """Insert, or replace every column but `id` (the first); says which it did."""
     assignments = ", ".join(f"{column} = excluded.{column}" for column in columns[1:])
     return (
-        f"INSERT INTO {table} ({_columns(columns)}) VALUES ({_placeholders(len(columns))}) "
+        f"{sql.insert(sql.POSTGRES, table, columns)} "
         f"ON CONFLICT (id) DO UPDATE SET {assignments} RETURNING (xmax = 0) AS created"
     )
 
 
-S = _columns(rows.SESSION_COLUMNS)
-M = _columns(rows.MESSAGE_COLUMNS)
-TC = _columns(rows.TURN_COLUMNS)
-CC = _columns(rows.TOOL_CALL_COLUMNS)
-
-_INSERT_SESSION = (
-    f"INSERT INTO sessions ({S}) VALUES ({_placeholders(len(rows.SESSION_COLUMNS))}) RETURNING {S}"
-)
-_INSERT_SESSION_IF_ABSENT = _INSERT_SESSION.replace(
-    " RETURNING", " ON CONFLICT (id) DO NOTHING RETURNING"
-)
-_SELECT_SESSION = f"SELECT {S} FROM sessions WHERE id = $1"
-_REPLACE_SESSION = (
-    "UPDATE sessions SET "
-    + ", ".join(f"{c} = ${n}" for n, c in enumerate(rows.SESSION_COLUMNS[1:], start=2))
-    + f" WHERE id = $1 RETURNING {S}"
-)
-_TOUCH_SESSION = (
-    f"UPDATE sessions SET last_activity_at = $2, updated_at = $2 WHERE id = $1 RETURNING {S}"
-)
+_INSERT_SESSION = f"{SQL.insert_session} RETURNING {sql.S}"
+_INSERT_SESSION_IF_ABSENT = f"{SQL.insert_session} ON CONFLICT (id) DO NOTHING RETURNING {sql.S}"
 # The session's last offset moves on by the number of messages written ($2).
 _BUMP_MESSAGES = (
     "INSERT INTO message_heads AS h (session_id, last_offset) VALUES ($1, $2) "
     "ON CONFLICT (session_id) DO UPDATE SET last_offset = h.last_offset + excluded.last_offset "
     "RETURNING last_offset"
 )
-_INSERT_MESSAGE = f"INSERT INTO messages ({M}) VALUES ({_placeholders(len(rows.MESSAGE_COLUMNS))})"
-_UPDATE_MESSAGE = (
-    "UPDATE messages SET content = $2, parts = $3, status = $4, metadata = $5, updated_at = $6 "
-    f"WHERE id = $1 RETURNING {M}"
-)
 # Savers of one memory key queue on this lock, so the count each checks is final.
 _LOCK_MEMORY_KEY = (
     "SELECT pg_advisory_xact_lock(hashtextextended($1 || chr(31) || $2 || chr(31) || $3, 0))"
-)
-_COUNT_MEMORIES = "SELECT COUNT(*) FROM memories WHERE principal = $1 AND agent = $2 AND facet = $3"
-_INSERT_MEMORY = (
-    f"INSERT INTO memories ({_columns(rows.MEMORY_COLUMNS)}) "
-    f"VALUES ({_placeholders(len(rows.MEMORY_COLUMNS))})"
-)
-# lower() under "C" folds ASCII letters only, as SQLite's does.
-_SEARCH_MEMORY = (
-    f"SELECT {_columns(rows.MEMORY_COLUMNS)} FROM memories "
-    "WHERE principal = $1 AND agent = $2 AND facet = $3 "
-    "AND strpos(lower(content), lower($4)) > 0 ORDER BY created_at DESC, id DESC LIMIT $5"
-)
-_FORGET_MEMORY = (
-    "DELETE FROM memories WHERE principal = $1 AND agent = $2 AND facet = $3 AND id = $4"
-)
-_INSERT_TRACE = (
-    f"INSERT INTO traces ({_columns(rows.TRACE_COLUMNS)}) "
-    f"VALUES ({_placeholders(len(rows.TRACE_COLUMNS))})"
-)
-_SELECT_TRACE = (
-    f"SELECT {_columns(rows.TRACE_COLUMNS)} FROM traces "
-    "WHERE session_id = $1 AND owner = $2 ORDER BY seq LIMIT $3"
 )
 _UPSERT_TURN = _upsert_sql("turns", rows.TURN_COLUMNS)
 _UPSERT_TOOL_CALL = _upsert_sql("tool_calls", rows.TOOL_CALL_COLUMNS)
@@ -289,12 +248,6 @@ _LOCK_CLIENT_ID = (
     "SELECT pg_advisory_xact_lock(hashtextextended(owner || chr(31) || $2, 0)) "
     "FROM sessions WHERE id = $1"
 )
-_OWNERS_CLIENT_ID = (
-    "SELECT m.session_id, m.id FROM messages m JOIN sessions s ON s.id = m.session_id "
-    "WHERE m.client_id = $1 AND m.client_id <> '' "
-    "AND s.owner = (SELECT owner FROM sessions WHERE id = $2) ORDER BY m.seq LIMIT 1"
-)
-
 # The owner's counter, bumped by one (by owner, or by the owner of session $1: no row
 # when the session is missing), and the update stored under the number it returned.
 _BUMP_OWNER = "VALUES ($1, 1)"
@@ -303,15 +256,11 @@ _LOG = (
     "WITH head AS (INSERT INTO update_heads AS h (owner, last_offset) {source} "
     "ON CONFLICT (owner) DO UPDATE SET last_offset = h.last_offset + 1 "
     "RETURNING owner, last_offset) "
-    f"INSERT INTO updates ({_columns(rows.UPDATE_COLUMNS)}) "
+    f"INSERT INTO updates ({sql.U}) "
     "SELECT owner, last_offset, $2, $3, $4, $5 FROM head RETURNING owner, log_offset"
 )
 _LOG_FOR_OWNER = _LOG.format(source=_BUMP_OWNER)
 _LOG_FOR_SESSION = _LOG.format(source=_BUMP_SESSION_OWNER)
-_SELECT_UPDATES = (
-    f"SELECT {_columns(rows.UPDATE_COLUMNS)} FROM updates "
-    "WHERE owner = $1 AND log_offset > $2 ORDER BY log_offset LIMIT $3"
-)
 _UPDATE_LOG = (
     "SELECT (SELECT last_offset FROM update_heads WHERE owner = $1), "
     "(SELECT MIN(log_offset) FROM updates WHERE owner = $1)"
@@ -330,51 +279,13 @@ _FAIL_ORPHANED_REPLIES = (
     "UPDATE messages m SET status = 'failed', updated_at = $1 FROM sessions s "
     f"WHERE s.id = m.session_id AND m.{rows.OPEN_REPLY} AND (m.turn_id = ANY($2::text[]) "
     f"OR NOT EXISTS (SELECT 1 FROM turns t WHERE t.id = m.turn_id AND t.{rows.UNFINISHED_TURN})) "
-    f"RETURNING s.owner, m.seq, {_columns(rows.MESSAGE_COLUMNS, 'm.')}"
+    f"RETURNING s.owner, m.seq, {sql.columns(rows.MESSAGE_COLUMNS, 'm.')}"
 )
 _INTERRUPT_TURNS = (
     "UPDATE turns t SET state = $1, ended_at = $2 FROM sessions s "
     f"WHERE s.id = t.session_id AND t.id = ANY($3::text[]) AND t.{rows.UNFINISHED_TURN} "
-    f"RETURNING s.owner, t.seq, {_columns(rows.TURN_COLUMNS, 't.')}"
+    f"RETURNING s.owner, t.seq, {sql.columns(rows.TURN_COLUMNS, 't.')}"
 )
-_RENEW_REPLICA = (
-    "INSERT INTO replicas (id, last_seen) VALUES ($1, $2) "
-    "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen"
-)
-
-
-@functools.cache
-def _list_sessions_sql(include_deleted: bool, after_cursor: bool) -> str:
-    deleted = "" if include_deleted else " AND deleted_at IS NULL"
-    # A cursor unknown to this owner compares as NULL: an empty page.
-    after = (
-        " AND (created_at, id) < (SELECT created_at, id FROM sessions WHERE id = $3 AND owner = $1)"
-        if after_cursor
-        else ""
-    )
-    return (
-        f"SELECT {S} FROM sessions WHERE owner = $1{deleted}{after} "
-        "ORDER BY created_at DESC, id DESC LIMIT $2"
-    )
-
-
-@functools.cache
-def _page_sql(table: str, columns: str, after_cursor: bool) -> str:
-    # `seq` stands for creation order among equal timestamps, as SQLite's rowid does.
-    after = (
-        f" AND (created_at, seq) < "
-        f"(SELECT created_at, seq FROM {table} WHERE id = $3 AND session_id = $1)"
-        if after_cursor
-        else ""
-    )
-    return (
-        f"SELECT {columns} FROM {table} WHERE session_id = $1{after} "
-        "ORDER BY created_at DESC, seq DESC LIMIT $2"
-    )
-
-
-def _page_args(session_id: str, limit: int, cursor: str) -> tuple[Any, ...]:
-    return (session_id, limit, cursor) if cursor else (session_id, limit)
 
 
 def _identity(value: bytes) -> bytes:
@@ -456,20 +367,19 @@ async def _insert_messages(conn: Connection, messages: Sequence[Message]) -> lis
         msgspec.structs.replace(message, global_offset=first + n)
         for n, message in enumerate(messages, start=1)
     ]
-    await conn.executemany(_INSERT_MESSAGE, [rows.message_row(message) for message in stored])
+    await conn.executemany(SQL.insert_message, [rows.message_row(message) for message in stored])
     return stored
 
 
 async def _append_message(conn: Connection, out: list[Update], message: Message) -> Message:
     (stored,) = await _insert_messages(conn, (message,))
-    item = UpdateItem("message", "created", stored.id)
-    await _log_for_session(conn, out, stored.session_id, (item,), (stored,))
+    await _log_for_session(conn, out, stored.session_id, *rows.changes(("created", stored)))
     return stored
 
 
 async def _replace_message(conn: Connection, message: Message) -> Message | None:
     """The stored message after its content changed; None when there is none."""
-    row = await conn.fetchrow(_UPDATE_MESSAGE, message.id, *rows.message_change(message))
+    row = await conn.fetchrow(SQL.update_message, message.id, *rows.message_change(message))
     return None if row is None else _message(row)
 
 
@@ -477,8 +387,7 @@ async def _update_message(conn: Connection, out: list[Update], message: Message)
     stored = await _replace_message(conn, message)
     if stored is None:
         raise StoreError(f"no message {message.id}")
-    item = UpdateItem("message", "updated", stored.id)
-    await _log_for_session(conn, out, stored.session_id, (item,), (stored,))
+    await _log_for_session(conn, out, stored.session_id, *rows.changes(("updated", stored)))
     return stored
 
 
@@ -488,13 +397,13 @@ async def _save_turn(conn: Connection, turn: Turn) -> rows.Action:
 
 
 async def _log_turn(conn: Connection, out: list[Update], turn: Turn) -> None:
-    item = UpdateItem("turn", await _save_turn(conn, turn), turn.id)
-    await _log_for_session(conn, out, turn.session_id, (item,), (turn,))
+    change = rows.changes((await _save_turn(conn, turn), turn))
+    await _log_for_session(conn, out, turn.session_id, *change)
 
 
 async def _refuse_taken_client_id(conn: Connection, message: Message) -> None:
     await conn.execute(_LOCK_CLIENT_ID, message.session_id, message.client_id)
-    taken = await conn.fetchrow(_OWNERS_CLIENT_ID, message.client_id, message.session_id)
+    taken = await conn.fetchrow(SQL.owners_client_id, message.client_id, message.session_id)
     if taken is not None:
         raise DuplicateClientId(message.client_id, session_id=taken[0], message_id=taken[1])
 
@@ -513,7 +422,7 @@ async def _begin_turn(
         conn, (message,) if reply is None else (message, reply)
     )
     action = await _save_turn(conn, turn)
-    row = await conn.fetchrow(_TOUCH_SESSION, message.session_id, message.created_at)
+    row = await conn.fetchrow(SQL.touch_session, message.session_id, message.created_at)
     session = _session(row)
     change = rows.begun_turn(stored, action, turn, session, reply_stored)
     await _log_for_owner(conn, out, session.owner, *change)
@@ -521,24 +430,27 @@ async def _begin_turn(
 
 
 async def _end_turn(conn: Connection, out: list[Update], turn: Turn, reply: Message | None) -> None:
-    items: list[UpdateItem] = []
-    entities: list[Entity] = []
+    stored = None
     if reply is not None:
-        stored = await _replace_message(conn, reply)
-        action: rows.Action = "updated"
-        if stored is None:
-            (stored,), action = await _insert_messages(conn, (reply,)), "created"
-        items.append(UpdateItem("message", action, stored.id))
-        entities.append(stored)
-    items.append(UpdateItem("turn", await _save_turn(conn, turn), turn.id))
-    entities.append(turn)
-    await _log_for_session(conn, out, turn.session_id, tuple(items), tuple(entities))
+        stored = await _appended_unless(conn, await _replace_message(conn, reply), reply)
+    change = rows.ended_turn(turn, await _save_turn(conn, turn), stored)
+    await _log_for_session(conn, out, turn.session_id, *change)
+
+
+async def _appended_unless(
+    conn: Connection, replaced: Message | None, reply: Message
+) -> tuple[rows.Action, Message]:
+    """A turn's reply as its end stores it: replaced, or appended when none was stored."""
+    if replaced is not None:
+        return "updated", replaced
+    (appended,) = await _insert_messages(conn, (reply,))
+    return "created", appended
 
 
 async def _save_tool_call(conn: Connection, out: list[Update], call: ToolCallRecord) -> None:
     created = await conn.fetchval(_UPSERT_TOOL_CALL, *rows.tool_call_row(call))
-    item = UpdateItem("rtc", "created" if created else "updated", call.id)
-    await _log_for_session(conn, out, call.session_id, (item,), (call,))
+    change = rows.changes(("created" if created else "updated", call))
+    await _log_for_session(conn, out, call.session_id, *change)
 
 
 async def _fork_session(
@@ -598,6 +510,179 @@ async def _interrupt_orphaned_turns(
     return len(turns)
 
 
+# -- group commit ---------------------------------------------------------------------
+
+MAX_BATCH = 256  # writes per transaction at most
+
+
+@dataclass(frozen=True, slots=True)
+class _BeginTurn:
+    """A `begin_turn` (without the client-id check) as rows to merge."""
+
+    turn: Turn
+    messages: tuple[Message, ...]  # the user's message, then the reply when given
+
+    @property
+    def session_id(self) -> str:
+        return self.messages[0].session_id
+
+
+@dataclass(frozen=True, slots=True)
+class _EndTurn:
+    turn: Turn
+    reply: Message | None
+
+    @property
+    def session_id(self) -> str:
+        return self.turn.session_id
+
+
+Merged: TypeAlias = "_BeginTurn | _EndTurn"
+
+
+@dataclass(slots=True)
+class _Pending:
+    operation: Operation[Any]  # the write alone
+    merge: Merged | None  # the same write as rows to merge, if it has that form
+    future: asyncio.Future[Any]
+    collector: list[Update] | None
+
+
+def _one_session(turn: Turn, *messages: Message) -> bool:
+    """Whether the write's rows are all of its turn's session (merged writes are grouped
+    by session; others run alone, and fail as they should)."""
+    return all(message.session_id == turn.session_id for message in messages)
+
+
+def _fail(pending: _Pending, exc: Exception) -> None:
+    if not pending.future.done():
+        pending.future.set_exception(as_store_error(exc))
+
+
+def _groups(batch: Sequence[_Pending]) -> Iterator[list[int]]:
+    """The batch in order as groups of indexes: runs of mergeable writes of distinct
+    sessions (so no write of a group reads what another of it writes), and each other
+    write alone."""
+    group: list[int] = []
+    sessions: set[str] = set()
+    for index, pending in enumerate(batch):
+        merge = pending.merge
+        if merge is None or merge.session_id in sessions:
+            if group:
+                yield group
+            group, sessions = [], set()
+            if merge is None:
+                yield [index]
+                continue
+        group.append(index)
+        sessions.add(merge.session_id)
+    if group:
+        yield group
+
+
+# Set-wise forms of the counter bumps: one row per session (owner), locked in key order
+# so that two batches cannot deadlock on them.
+_BUMP_MESSAGES_OF = (
+    "INSERT INTO message_heads AS h (session_id, last_offset) "
+    "SELECT * FROM unnest($1::text[], $2::bigint[]) AS n(session_id, last_offset) "
+    "ORDER BY session_id "
+    "ON CONFLICT (session_id) DO UPDATE SET last_offset = h.last_offset + excluded.last_offset "
+    "RETURNING session_id, last_offset"
+)
+_BUMP_UPDATES_OF = (
+    "INSERT INTO update_heads AS h (owner, last_offset) "
+    "SELECT * FROM unnest($1::text[], $2::bigint[]) AS n(owner, last_offset) ORDER BY owner "
+    "ON CONFLICT (owner) DO UPDATE SET last_offset = h.last_offset + excluded.last_offset "
+    "RETURNING owner, last_offset"
+)
+_OWNERS_OF = "SELECT id, owner FROM sessions WHERE id = ANY($1::text[])"
+
+
+async def _run_merged(
+    conn: Connection,
+    writes: list[tuple[int, Merged]],
+    results: list[Any],
+    outs: list[list[Update]],
+) -> None:
+    """Run writes of distinct sessions as a few set-wise statements (each one round
+    trip for all of them), in the order one write alone takes its locks: message
+    counters, rows, sessions, update counters. `results` and `outs` get each write's
+    result and update at its index."""
+    begins = [(i, w) for i, w in writes if isinstance(w, _BeginTurn)]
+    ends = [(i, e) for i, e in writes if isinstance(e, _EndTurn)]
+    stored: dict[int, list[Message]] = {}
+    if begins:
+        found = await conn.fetch(
+            _BUMP_MESSAGES_OF,
+            [w.session_id for _, w in begins],
+            [len(w.messages) for _, w in begins],
+        )
+        last = {row[0]: row[1] for row in found}
+        for i, w in begins:
+            first = last[w.session_id] - len(w.messages)
+            stored[i] = [
+                msgspec.structs.replace(message, global_offset=first + n)
+                for n, message in enumerate(w.messages, start=1)
+            ]
+        await conn.executemany(
+            SQL.insert_message, [rows.message_row(m) for i, _ in begins for m in stored[i]]
+        )
+    replies: dict[str, Message] = {}
+    replaced = [e.reply for _, e in ends if e.reply is not None]
+    if replaced:
+        found = await conn.fetchmany(
+            SQL.update_message, [(m.id, *rows.message_change(m)) for m in replaced]
+        )
+        replies = {row["id"]: _message(row) for row in found}
+    actions: dict[int, rows.Action] = {}
+    found = await conn.fetchmany(_UPSERT_TURN, [rows.turn_row(w.turn) for _, w in writes])
+    for (i, _), row in zip(writes, found, strict=True):
+        actions[i] = "created" if row[0] else "updated"
+    drafts: list[tuple[int, str, rows.Change]] = []
+    if begins:
+        found = await conn.fetchmany(
+            SQL.touch_session, [(w.session_id, w.messages[0].created_at) for _, w in begins]
+        )
+        sessions = {row["id"]: _session(row) for row in found}
+        for i, w in begins:
+            session = sessions[w.session_id]
+            user, *reply = stored[i]
+            results[i] = user
+            change = rows.begun_turn(user, actions[i], w.turn, session, reply)
+            drafts.append((i, session.owner, change))
+    if ends:
+        found = await conn.fetch(_OWNERS_OF, [e.session_id for _, e in ends])
+        owners: dict[str, str] = {row[0]: row[1] for row in found}
+        for i, e in ends:
+            stored_reply = None
+            if e.reply is not None:  # appended one by one: rare, no reply stored with the turn
+                stored_reply = await _appended_unless(conn, replies.get(e.reply.id), e.reply)
+            if e.session_id in owners:  # a missing session has no owner to log for
+                change = rows.ended_turn(e.turn, actions[i], stored_reply)
+                drafts.append((i, owners[e.session_id], change))
+    await _log_merged(conn, sorted(drafts, key=lambda draft: draft[0]), outs)
+
+
+async def _log_merged(
+    conn: Connection, drafts: list[tuple[int, str, rows.Change]], outs: list[list[Update]]
+) -> None:
+    """Number the writes' updates (in batch order per owner) and store them."""
+    if not drafts:
+        return
+    counts: dict[str, int] = {}
+    for _, owner, _ in drafts:
+        counts[owner] = counts.get(owner, 0) + 1
+    found = await conn.fetch(_BUMP_UPDATES_OF, list(counts), list(counts.values()))
+    offsets = {owner: last - counts[owner] for owner, last in found}
+    updates = []
+    for i, owner, (items, entities) in drafts:
+        offsets[owner] += 1
+        update = rows.new_update(owner, offsets[owner], items, entities)
+        outs[i].append(update)
+        updates.append(rows.update_row(update))
+    await conn.executemany(SQL.insert_update, updates)
+
+
 class PostgresStore:
     def __init__(self, dsn: str, *, pool_size: int = POOL_SIZE) -> None:
         """`dsn`: a libpq URL (postgresql://user:password@host:port/database); query
@@ -607,8 +692,8 @@ class PostgresStore:
         self._pool: asyncpg.Pool[asyncpg.Record] | None = None
         self._epoch = ""
         self._listener: UpdateListener | None = None
-        self._writes: set[asyncio.Task[Any]] = set()
-        self._commit_order = asyncio.Lock()  # see _commit_and_publish
+        self._pending: list[_Pending] = []
+        self._writer: asyncio.Task[None] | None = None
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -628,54 +713,98 @@ class PostgresStore:
         found = await self._fetch(sql, *args)
         return found[0] if found else None
 
-    async def _write(self, operation: Operation[T]) -> T:
-        """Run `operation` in a transaction of its own, then publish its updates.
+    async def _write(self, operation: Operation[T], merge: Merged | None = None) -> T:
+        """Queue `operation` for the writer and wait for its commit (and publish).
 
-        The write goes on when its caller is cancelled: once it may have committed,
-        its updates must reach the listener, as with the SQLite store's batches."""
-        pool = self._connected()
-        collector = current_collector()
-        task = asyncio.ensure_future(self._transact(pool, operation, collector))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-        return await asyncio.shield(task)
+        `merge`: the same write as rows the writer can put into set-wise statements
+        with other writes of its batch (`_run_merged`); `operation` is what runs when
+        the write runs alone. The write goes on when its caller is cancelled: once it
+        may have committed, its updates must reach the listener."""
+        self._connected()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        # The collector is read here, in the caller's context: the writer task runs
+        # in a context of its own.
+        self._pending.append(_Pending(operation, merge, future, current_collector()))
+        if self._writer is None or self._writer.done():
+            self._writer = detached(self._drain(), name="portico-postgres-writer")
+        return await future
 
-    async def _transact(
-        self,
-        pool: asyncpg.Pool[asyncpg.Record],
-        operation: Operation[T],
-        collector: list[Update] | None,
-    ) -> T:
-        updates: list[Update] = []
-        try:
-            async with pool.acquire() as conn:
-                transaction = conn.transaction()
-                await transaction.start()
+    async def _drain(self) -> None:
+        """The process's one writer: batches of queued writes, one transaction each.
+
+        One connection is held while writes keep coming (giving it back to the pool
+        costs a reset round trip)."""
+        while self._pending:
+            pool = self._connected()
+            try:
+                conn = await pool.acquire()
+            except Exception as exc:  # no connection: what is queued fails, as alone
+                batch, self._pending = self._pending, []
+                for pending in batch:
+                    _fail(pending, exc)
+                continue
+            try:
+                await self._drain_on(pool, conn)
+            finally:
                 try:
-                    result = await operation(conn, updates)
-                except BaseException:
-                    await transaction.rollback()
-                    raise
-                await self._commit_and_publish(transaction, updates, collector)
+                    await pool.release(conn)
+                except Exception:
+                    log.exception("releasing the archive writer's connection failed")
+
+    async def _drain_on(self, pool: asyncpg.Pool[asyncpg.Record], conn: Connection) -> None:
+        """Commit batches on `conn` until the queue is empty or a batch failed. A failed
+        batch is rolled back and its writes run again one transaction each, so a
+        failing write fails alone; the next batch gets a fresh connection, in case
+        this one broke."""
+        while self._pending:
+            batch = self._pending[:MAX_BATCH]
+            del self._pending[:MAX_BATCH]
+            error = await self._commit_batch(conn, batch)
+            if error is None:
+                continue
+            if len(batch) == 1:
+                _fail(batch[0], error)  # alone already: no second try
+            else:
+                await self._run_alone(pool, batch)
+            return
+
+    async def _commit_batch(self, conn: Connection, batch: list[_Pending]) -> Exception | None:
+        """Run the batch in one transaction and settle its writes; the error when it
+        failed (then nothing committed and nothing is settled)."""
+        outs: list[list[Update]] = [[] for _ in batch]
+        results: list[Any] = [None] * len(batch)
+        try:
+            async with conn.transaction():
+                for group in _groups(batch):
+                    merged = [(i, m) for i in group if (m := batch[i].merge) is not None]
+                    if merged:
+                        await _run_merged(conn, merged, results, outs)
+                    else:
+                        (index,) = group
+                        results[index] = await batch[index].operation(conn, outs[index])
         except Exception as exc:
-            raise as_store_error(exc)  # noqa: B904 - the cause is set on the error itself
-        return result
+            return exc
+        for pending, result, updates in zip(batch, results, outs, strict=True):
+            self._settle(pending, result, updates)
+        return None
 
-    async def _commit_and_publish(
-        self, transaction: Transaction, updates: list[Update], collector: list[Update] | None
-    ) -> None:
-        """Commit, then publish, one write at a time in this process.
+    async def _run_alone(self, pool: asyncpg.Pool[asyncpg.Record], batch: list[_Pending]) -> None:
+        for pending in batch:
+            updates: list[Update] = []
+            try:
+                async with pool.acquire() as conn, conn.transaction():
+                    result = await pending.operation(conn, updates)
+            except Exception as exc:
+                _fail(pending, exc)
+                continue
+            self._settle(pending, result, updates)
 
-        The counter row lock makes writes of one owner commit in offset order on the
-        server, but their COMMIT replies come back on different connections, in any
-        order: a later write could publish first. A write reaches this point only once
-        every earlier write of its owner has committed (it waited on the counter row
-        lock), so taking turns from the COMMIT to the publish publishes in offset
-        order. Only the COMMIT round trip is serialised, never a statement that can
-        wait on a row lock, so this cannot deadlock."""
-        async with self._commit_order:
-            await transaction.commit()
-            publish(updates, collector, self._listener)
+    def _settle(self, pending: _Pending, result: Any, updates: list[Update]) -> None:
+        # Published before the future resolves: the caller reads its collector as soon
+        # as the write it awaited returns.
+        publish(updates, pending.collector, self._listener)
+        if not pending.future.done():
+            pending.future.set_result(result)
 
     def set_update_listener(self, listener: UpdateListener | None) -> None:
         self._listener = listener
@@ -706,7 +835,8 @@ class PostgresStore:
         return await probe(self._pool.fetchval("SELECT 1", timeout=within), within)
 
     async def close(self) -> None:
-        await asyncio.gather(*self._writes, return_exceptions=True)
+        if self._writer is not None:
+            await asyncio.gather(self._writer, return_exceptions=True)
         if self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
@@ -717,43 +847,40 @@ class PostgresStore:
         async def insert_or_get(conn: Connection, out: list[Update]) -> Session:
             row = await conn.fetchrow(_INSERT_SESSION_IF_ABSENT, *rows.session_row(session))
             if row is None:  # the id exists: what is stored under it
-                return _session(await conn.fetchrow(_SELECT_SESSION, session.id))
+                return _session(await conn.fetchrow(SQL.select_session, session.id))
             stored = _session(row)
-            item = UpdateItem("session", "created", stored.id)
-            await _log_for_owner(conn, out, stored.owner, (item,), (stored,))
+            await _log_for_owner(conn, out, stored.owner, *rows.changes(("created", stored)))
             return stored
 
         return await self._write(insert_or_get)
 
     async def get_session(self, session_id: str) -> Session | None:
-        row = await self._fetchrow(_SELECT_SESSION, session_id)
+        row = await self._fetchrow(SQL.select_session, session_id)
         return None if row is None else _session(row)
 
     async def list_sessions(
         self, owner: str, *, limit: int, cursor: str = "", include_deleted: bool = True
     ) -> list[Session]:
-        sql = _list_sessions_sql(include_deleted, bool(cursor))
-        args = (owner, limit, cursor) if cursor else (owner, limit)
-        return [_session(row) for row in await self._fetch(sql, *args)]
+        statement = sql.list_sessions(sql.POSTGRES, include_deleted, bool(cursor))
+        found = await self._fetch(statement, *sql.page_args(owner, limit, cursor))
+        return [_session(row) for row in found]
 
     async def touch_session(self, session_id: str, now: float) -> None:
         async def update(conn: Connection, out: list[Update]) -> None:
-            row = await conn.fetchrow(_TOUCH_SESSION, session_id, now)
+            row = await conn.fetchrow(SQL.touch_session, session_id, now)
             if row is not None:  # touching a missing session changes nothing
                 session = _session(row)
-                item = UpdateItem("session", "updated", session.id)
-                await _log_for_owner(conn, out, session.owner, (item,), (session,))
+                await _log_for_owner(conn, out, session.owner, *rows.changes(("updated", session)))
 
         await self._write(update)
 
     async def update_session(self, session: Session) -> Session:
         async def update(conn: Connection, out: list[Update]) -> Session:
-            row = await conn.fetchrow(_REPLACE_SESSION, *rows.session_row(session))
+            row = await conn.fetchrow(SQL.replace_session, *rows.session_row(session))
             if row is None:
                 raise StoreError(f"no session {session.id}")
             stored = _session(row)
-            item = UpdateItem("session", "updated", stored.id)
-            await _log_for_owner(conn, out, stored.owner, (item,), (stored,))
+            await _log_for_owner(conn, out, stored.owner, *rows.changes(("updated", stored)))
             return stored
 
         return await self._write(update)
@@ -772,33 +899,20 @@ class PostgresStore:
         return await self._write(functools.partial(_update_message, message=message))
 
     async def get_message(self, message_id: str) -> Message | None:
-        row = await self._fetchrow(f"SELECT {M} FROM messages WHERE id = $1", message_id)
+        row = await self._fetchrow(SQL.get_message, message_id)
         return None if row is None else _message(row)
 
     async def find_message_by_client_id(self, owner: str, client_id: str) -> Message | None:
         if not client_id:
             return None
-        # `client_id <> ''` lets the planner use the partial index.
-        row = await self._fetchrow(
-            f"SELECT {_columns(rows.MESSAGE_COLUMNS, 'm.')} FROM messages m "
-            "JOIN sessions s ON s.id = m.session_id "
-            "WHERE m.client_id = $1 AND m.client_id <> '' AND s.owner = $2 "
-            "ORDER BY m.seq LIMIT 1",
-            client_id,
-            owner,
-        )
+        row = await self._fetchrow(SQL.find_by_client_id, client_id, owner)
         return None if row is None else _message(row)
 
     async def list_messages(
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None
     ) -> list[Message]:
-        found = await self._fetch(
-            f"SELECT {M} FROM messages WHERE session_id = $1 AND global_offset > $2 "
-            "ORDER BY global_offset LIMIT $3",
-            session_id,
-            after_offset,
-            limit,  # NULL: no limit
-        )
+        # LIMIT NULL is none in PostgreSQL.
+        found = await self._fetch(SQL.list_messages, session_id, after_offset, limit)
         return [_message(row) for row in found]
 
     # -- turns ------------------------------------------------------------------
@@ -814,35 +928,36 @@ class PostgresStore:
         reply: Message | None = None,
         unique_client_id: bool = False,
     ) -> Message:
-        return await self._write(
-            functools.partial(
-                _begin_turn,
-                turn=turn,
-                message=message,
-                reply=reply,
-                unique_client_id=unique_client_id,
-            )
+        operation = functools.partial(
+            _begin_turn, turn=turn, message=message, reply=reply, unique_client_id=unique_client_id
         )
+        # The client-id check reads other sessions' rows: that write runs alone.
+        messages = (message,) if reply is None else (message, reply)
+        merge = None
+        if not (unique_client_id and message.client_id) and _one_session(turn, *messages):
+            merge = _BeginTurn(turn, messages)
+        return await self._write(operation, merge)
 
     async def save_turn(self, turn: Turn) -> None:
         await self._write(functools.partial(_log_turn, turn=turn))
 
     async def end_turn(self, turn: Turn, reply: Message | None) -> None:
-        await self._write(functools.partial(_end_turn, turn=turn, reply=reply))
+        await self._write(
+            functools.partial(_end_turn, turn=turn, reply=reply),
+            _EndTurn(turn, reply) if reply is None or _one_session(turn, reply) else None,
+        )
 
     async def get_turn(self, turn_id: str) -> Turn | None:
-        row = await self._fetchrow(f"SELECT {TC} FROM turns WHERE id = $1", turn_id)
+        row = await self._fetchrow(SQL.get_turn, turn_id)
         return None if row is None else rows.turn_from_data(dict(row))
 
     async def list_turns(self, session_id: str) -> list[Turn]:
-        found = await self._fetch(
-            f"SELECT {TC} FROM turns WHERE session_id = $1 ORDER BY created_at, seq", session_id
-        )
+        found = await self._fetch(SQL.list_turns, session_id)
         return [rows.turn_from_data(dict(row)) for row in found]
 
     async def page_turns(self, session_id: str, *, limit: int, cursor: str = "") -> list[Turn]:
-        sql = _page_sql("turns", TC, bool(cursor))
-        found = await self._fetch(sql, *_page_args(session_id, limit, cursor))
+        statement = sql.page(sql.POSTGRES, "turns", bool(cursor))
+        found = await self._fetch(statement, *sql.page_args(session_id, limit, cursor))
         return [rows.turn_from_data(dict(row)) for row in found]
 
     # -- tool calls -------------------------------------------------------------
@@ -851,21 +966,18 @@ class PostgresStore:
         await self._write(functools.partial(_save_tool_call, call=call))
 
     async def get_tool_call(self, call_id: str) -> ToolCallRecord | None:
-        row = await self._fetchrow(f"SELECT {CC} FROM tool_calls WHERE id = $1", call_id)
+        row = await self._fetchrow(SQL.get_tool_call, call_id)
         return None if row is None else rows.tool_call_from_data(dict(row))
 
     async def list_tool_calls(self, session_id: str) -> list[ToolCallRecord]:
-        found = await self._fetch(
-            f"SELECT {CC} FROM tool_calls WHERE session_id = $1 ORDER BY created_at, seq",
-            session_id,
-        )
+        found = await self._fetch(SQL.list_tool_calls, session_id)
         return [rows.tool_call_from_data(dict(row)) for row in found]
 
     async def page_tool_calls(
         self, session_id: str, *, limit: int, cursor: str = ""
     ) -> list[ToolCallRecord]:
-        sql = _page_sql("tool_calls", CC, bool(cursor))
-        found = await self._fetch(sql, *_page_args(session_id, limit, cursor))
+        statement = sql.page(sql.POSTGRES, "tool_calls", bool(cursor))
+        found = await self._fetch(statement, *sql.page_args(session_id, limit, cursor))
         return [rows.tool_call_from_data(dict(row)) for row in found]
 
     # -- agent memory -------------------------------------------------------------
@@ -875,21 +987,23 @@ class PostgresStore:
 
         async def insert(conn: Connection, out: list[Update]) -> bool:
             await conn.execute(_LOCK_MEMORY_KEY, *key)
-            if await conn.fetchval(_COUNT_MEMORIES, *key) >= max_entries:
+            if await conn.fetchval(SQL.count_memories, *key) >= max_entries:
                 return False
-            await conn.execute(_INSERT_MEMORY, *rows.memory_row(entry))
+            await conn.execute(SQL.insert_memory, *rows.memory_row(entry))
             return True
 
         return await self._write(insert)
 
     async def search_memory(self, key: MemoryKey, query: str, *, limit: int) -> list[MemoryEntry]:
         args = (*msgspec.structs.astuple(key), query, limit)
-        return [rows.memory_from_row(dict(row)) for row in await self._fetch(_SEARCH_MEMORY, *args)]
+        return [
+            rows.memory_from_row(dict(row)) for row in await self._fetch(SQL.search_memory, *args)
+        ]
 
     async def forget_memory(self, key: MemoryKey, memory_id: str) -> bool:
         async def delete(conn: Connection, out: list[Update]) -> bool:
             status: str = await conn.execute(
-                _FORGET_MEMORY, *msgspec.structs.astuple(key), memory_id
+                SQL.forget_memory, *msgspec.structs.astuple(key), memory_id
             )
             return status != "DELETE 0"
 
@@ -899,19 +1013,19 @@ class PostgresStore:
 
     async def append_trace(self, event: TraceEvent) -> None:
         async def insert(conn: Connection, out: list[Update]) -> None:
-            await conn.execute(_INSERT_TRACE, *rows.trace_row(event))
+            await conn.execute(SQL.insert_trace, *rows.trace_row(event))
 
         await self._write(insert)
 
     async def list_trace(self, session_id: str, owner: str, *, limit: int) -> list[TraceEvent]:
-        found = await self._fetch(_SELECT_TRACE, session_id, owner, limit)
+        found = await self._fetch(SQL.select_trace, session_id, owner, limit)
         return [rows.trace_from_row(dict(row)) for row in found]
 
     # -- replicas ---------------------------------------------------------------
 
     async def renew_replica(self, replica_id: str, now: float) -> None:
         async def renew(conn: Connection, out: list[Update]) -> None:
-            await conn.execute(_RENEW_REPLICA, replica_id, now)
+            await conn.execute(SQL.renew_replica, replica_id, now)
 
         await self._write(renew)
 
@@ -936,13 +1050,13 @@ class PostgresStore:
         return rows.update_log(self._epoch, row[0], row[1])
 
     async def list_updates(self, owner: str, *, after_offset: int, limit: int) -> list[Update]:
-        found = await self._fetch(_SELECT_UPDATES, owner, after_offset, limit)
+        found = await self._fetch(SQL.select_updates, owner, after_offset, limit)
         return [rows.update_from_row(tuple(row)) for row in found]
 
     async def prune_updates(self, older_than: float) -> int:
         # The counters in update_heads keep each owner's last offset: nothing to save.
         async def delete(conn: Connection, out: list[Update]) -> int:
-            status = await conn.execute("DELETE FROM updates WHERE created_at < $1", older_than)
+            status = await conn.execute(SQL.prune_updates, older_than)
             return int(status.split()[-1])
 
         return await self._write(delete)

@@ -176,9 +176,19 @@ def update_from_row(row: Sequence[Any]) -> Update:
     )
 
 
+Change = tuple[tuple[UpdateItem, ...], tuple[Entity, ...]]  # one update's items and entities
+
+
 def updated_items(entities: Iterable[Entity]) -> tuple[UpdateItem, ...]:
     """One `updated` item per entity, in order."""
     return tuple(UpdateItem(ENTITY_KINDS[type(e)], "updated", e.id) for e in entities)
+
+
+def changes(*pairs: tuple[Action, Entity]) -> Change:
+    """One update's items and entities from (action, entity) pairs, in order; an item's
+    kind is its entity's."""
+    items = tuple(UpdateItem(ENTITY_KINDS[type(e)], action, e.id) for action, e in pairs)
+    return items, tuple(entity for _, entity in pairs)
 
 
 def owned(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -186,30 +196,27 @@ def owned(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return data.pop("owner"), data
 
 
-Change = tuple[tuple[UpdateItem, ...], tuple[Entity, ...]]  # one update's items and entities
-
-
 def begun_turn(
     stored: Message, action: Action, turn: Turn, session: Session, replies: Sequence[Message]
 ) -> Change:
     """What `begin_turn` logs: the user's message, the turn, the touched session, then
     the reply created with them, if any."""
-    items = (
-        UpdateItem("message", "created", stored.id),
-        UpdateItem("turn", action, turn.id),
-        UpdateItem("session", "updated", session.id),
-        *(UpdateItem("message", "created", created.id) for created in replies),
+    return changes(
+        ("created", stored),
+        (action, turn),
+        ("updated", session),
+        *(("created", created) for created in replies),
     )
-    return items, (stored, turn, session, *replies)
+
+
+def ended_turn(turn: Turn, action: Action, reply: tuple[Action, Message] | None) -> Change:
+    """What `end_turn` logs: the reply (stored or appended), when given, then the turn."""
+    return changes(*(() if reply is None else (reply,)), (action, turn))
 
 
 def forked(session: Session, messages: Sequence[Message]) -> Change:
     """What `fork_session` logs: the session, then each message."""
-    items = (
-        UpdateItem("session", "created", session.id),
-        *(UpdateItem("message", "created", message.id) for message in messages),
-    )
-    return items, (session, *messages)
+    return changes(("created", session), *(("created", message) for message in messages))
 
 
 # -- interrupting orphaned turns ---------------------------------------------------------

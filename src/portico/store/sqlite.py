@@ -42,7 +42,7 @@ from portico.core.model import (
 from portico.core.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
 from portico.health import IN_PROCESS, Health
-from portico.store import rows
+from portico.store import rows, sql
 from portico.store.base import (
     UpdateListener,
     as_store_error,
@@ -254,32 +254,12 @@ MIGRATIONS: tuple[str, ...] = (
 )
 
 
-def _insert_sql(table: str, columns: tuple[str, ...], verb: str = "INSERT") -> str:
-    return f"{verb} INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
-
-
-def _replace_sql(table: str, columns: tuple[str, ...]) -> str:
-    """Every column but `id` (the first), bound in order, then the id."""
-    assignments = ", ".join(f"{column} = ?" for column in columns[1:])
-    return f"UPDATE {table} SET {assignments} WHERE id = ?"
-
-
+SQL = sql.Statements(sql.SQLITE)
 # Built once: sqlite3 caches compiled statements by their text.
-_INSERT_SESSION = _insert_sql("sessions", rows.SESSION_COLUMNS)
-_INSERT_SESSION_IF_ABSENT = _insert_sql("sessions", rows.SESSION_COLUMNS, "INSERT OR IGNORE")
-_REPLACE_SESSION = _replace_sql("sessions", rows.SESSION_COLUMNS) + " RETURNING *"
-_SELECT_SESSION = "SELECT * FROM sessions WHERE id = ?"
-_TOUCH_SESSION = "UPDATE sessions SET last_activity_at = ?, updated_at = ? WHERE id = ? RETURNING *"
-_LAST_MESSAGE_OFFSET = "SELECT COALESCE(MAX(global_offset), 0) FROM messages WHERE session_id = ?"
-_UPDATE_MESSAGE = (
-    "UPDATE messages SET content = ?, parts = ?, status = ?, metadata = ?, updated_at = ? "
-    "WHERE id = ? RETURNING *"
+_INSERT_SESSION_IF_ABSENT = sql.insert(
+    sql.SQLITE, "sessions", rows.SESSION_COLUMNS, "INSERT OR IGNORE"
 )
-_INSERT_TURN = _insert_sql("turns", rows.TURN_COLUMNS)
-_REPLACE_TURN = _replace_sql("turns", rows.TURN_COLUMNS)
-_INSERT_TOOL_CALL = _insert_sql("tool_calls", rows.TOOL_CALL_COLUMNS)
-_REPLACE_TOOL_CALL = _replace_sql("tool_calls", rows.TOOL_CALL_COLUMNS)
-
+_LAST_MESSAGE_OFFSET = "SELECT COALESCE(MAX(global_offset), 0) FROM messages WHERE session_id = ?"
 # An owner's last offset: its newest update, or the head prune left when it dropped
 # that one. A read, not a counter row written by every write: the log is hot.
 _LAST_OFFSET_OF = (
@@ -292,11 +272,6 @@ _LAST_OFFSET_OF = (
 _NEXT_OFFSET = f"SELECT ?1, 1 + {_LAST_OFFSET_OF.format('?1')}"
 _NEXT_OFFSET_OF_SESSION = (
     f"SELECT s.owner, 1 + {_LAST_OFFSET_OF.format('s.owner')} FROM sessions s WHERE s.id = ?"
-)
-_INSERT_UPDATE = _insert_sql("updates", rows.UPDATE_COLUMNS)
-_SELECT_UPDATES = (
-    f"SELECT {', '.join(rows.UPDATE_COLUMNS)} FROM updates "
-    "WHERE owner = ? AND log_offset > ? ORDER BY log_offset LIMIT ?"
 )
 _UPDATE_LOG = (
     f"SELECT {_LAST_OFFSET_OF.format('?1')}, (SELECT MIN(log_offset) FROM updates WHERE owner = ?1)"
@@ -313,25 +288,11 @@ _KEEP_HEADS = (
 )
 
 
-_COUNT_MEMORIES = "SELECT COUNT(*) FROM memories WHERE principal = ? AND agent = ? AND facet = ?"
-_INSERT_MEMORY = _insert_sql("memories", rows.MEMORY_COLUMNS)
-_SEARCH_MEMORY = (
-    "SELECT * FROM memories WHERE principal = ? AND agent = ? AND facet = ? "
-    "AND instr(lower(content), lower(?)) > 0 ORDER BY created_at DESC, id DESC LIMIT ?"
-)
-_FORGET_MEMORY = "DELETE FROM memories WHERE principal = ? AND agent = ? AND facet = ? AND id = ?"
-_INSERT_TRACE = _insert_sql("traces", rows.TRACE_COLUMNS)
-_SELECT_TRACE = (
-    f"SELECT {', '.join(rows.TRACE_COLUMNS)} FROM traces "
-    "WHERE session_id = ? AND owner = ? ORDER BY seq LIMIT ?"
-)
-
-
 def _save_memory(conn: Archive, out: list[Update], entry: MemoryEntry, max_entries: int) -> bool:
-    held: int = conn.execute(_COUNT_MEMORIES, astuple(entry.key)).fetchone()[0]
+    held: int = conn.execute(SQL.count_memories, astuple(entry.key)).fetchone()[0]
     if held >= max_entries:
         return False
-    conn.execute(_INSERT_MEMORY, rows.memory_row(entry))
+    conn.execute(SQL.insert_memory, rows.memory_row(entry))
     return True
 
 
@@ -379,7 +340,7 @@ def _log(
         return
     owner, offset = head
     update = rows.new_update(owner, offset, items, data_list)
-    conn.execute(_INSERT_UPDATE, rows.update_row(update))
+    conn.execute(SQL.insert_update, rows.update_row(update))
     conn.heads.updates[owner] = offset
     out.append(update)
 
@@ -449,17 +410,16 @@ def _insert_messages(conn: Archive, messages: Sequence[Message]) -> list[Message
 
 def _append_message(conn: Archive, out: list[Update], message: Message) -> Message:
     stored = _insert_message(conn, message)
-    item = UpdateItem("message", "created", stored.id)
-    _log_for_session(conn, out, stored.session_id, (item,), (stored,))
+    _log_for_session(conn, out, stored.session_id, *rows.changes(("created", stored)))
     return stored
 
 
 def _save_turn(conn: Archive, turn: Turn) -> Action:
     """Replace in place when known (keeping the rowid, so creation order holds)."""
     row = rows.turn_row(turn)
-    if conn.execute(_REPLACE_TURN, (*row[1:], turn.id)).rowcount:
+    if conn.execute(SQL.replace_turn, row).rowcount:
         return "updated"
-    conn.execute(_INSERT_TURN, row)
+    conn.execute(SQL.insert_turn, row)
     return "created"
 
 
@@ -467,10 +427,10 @@ def _create_turn(conn: Archive, turn: Turn) -> Action:
     """Insert first: a turn being created is new, so this is one statement."""
     row = rows.turn_row(turn)
     try:
-        conn.execute(_INSERT_TURN, row)
+        conn.execute(SQL.insert_turn, row)
     except sqlite3.IntegrityError:
         # A known id is replaced, as save_turn would; a missing session fails still.
-        if not conn.execute(_REPLACE_TURN, (*row[1:], turn.id)).rowcount:
+        if not conn.execute(SQL.replace_turn, row).rowcount:
             raise
         return "updated"
     return "created"
@@ -483,14 +443,7 @@ def _log_turn(
     turn: Turn,
 ) -> None:
     action = save(conn, turn)
-    _log_for_session(conn, out, turn.session_id, (UpdateItem("turn", action, turn.id),), (turn,))
-
-
-_OWNERS_CLIENT_ID = (
-    "SELECT m.session_id, m.id FROM messages m JOIN sessions s ON s.id = m.session_id "
-    "WHERE m.client_id = ? AND m.client_id != '' "
-    "AND s.owner = (SELECT owner FROM sessions WHERE id = ?) ORDER BY m.rowid LIMIT 1"
-)
+    _log_for_session(conn, out, turn.session_id, *rows.changes((action, turn)))
 
 
 def _begin_turn(
@@ -502,7 +455,7 @@ def _begin_turn(
     unique_client_id: bool = False,
 ) -> Message:
     if unique_client_id and message.client_id:
-        taken = conn.execute(_OWNERS_CLIENT_ID, (message.client_id, message.session_id))
+        taken = conn.execute(SQL.owners_client_id, (message.client_id, message.session_id))
         if (row := taken.fetchone()) is not None:
             raise DuplicateClientId(message.client_id, session_id=row[0], message_id=row[1])
     # The user's message and the pending reply: one statement, which fails first on
@@ -511,10 +464,8 @@ def _begin_turn(
         conn, (message,) if reply is None else (message, reply)
     )
     action = _create_turn(conn, turn)
-    at = message.created_at
-    session = _session_from_row(
-        conn.execute(_TOUCH_SESSION, (at, at, message.session_id)).fetchone()
-    )
+    touched = conn.execute(SQL.touch_session, (message.session_id, message.created_at))
+    session = _session_from_row(touched.fetchone())
     _log_for_owner(
         conn, out, session.owner, *rows.begun_turn(stored, action, turn, session, reply_stored)
     )
@@ -524,15 +475,15 @@ def _begin_turn(
 def _save_tool_call(conn: Archive, out: list[Update], call: ToolCallRecord) -> None:
     row = rows.tool_call_row(call)
     action: Action = "updated"
-    if not conn.execute(_REPLACE_TOOL_CALL, (*row[1:], call.id)).rowcount:
-        conn.execute(_INSERT_TOOL_CALL, row)
+    if not conn.execute(SQL.replace_tool_call, row).rowcount:
+        conn.execute(SQL.insert_tool_call, row)
         action = "created"
-    _log_for_session(conn, out, call.session_id, (UpdateItem("rtc", action, call.id),), (call,))
+    _log_for_session(conn, out, call.session_id, *rows.changes((action, call)))
 
 
 def _replace_message(conn: Archive, message: Message) -> Message | None:
     """The stored message after its content changed; None when there is none."""
-    row = conn.execute(_UPDATE_MESSAGE, (*rows.message_change(message), message.id)).fetchone()
+    row = conn.execute(SQL.update_message, (message.id, *rows.message_change(message))).fetchone()
     return None if row is None else _message_from_row(row)
 
 
@@ -540,24 +491,19 @@ def _update_message(conn: Archive, out: list[Update], message: Message) -> Messa
     stored = _replace_message(conn, message)
     if stored is None:
         raise StoreError(f"no message {message.id}")
-    item = UpdateItem("message", "updated", stored.id)
-    _log_for_session(conn, out, stored.session_id, (item,), (stored,))
+    _log_for_session(conn, out, stored.session_id, *rows.changes(("updated", stored)))
     return stored
 
 
 def _end_turn(conn: Archive, out: list[Update], turn: Turn, reply: Message | None) -> None:
-    items: list[UpdateItem] = []
-    entities: list[Entity] = []
+    stored: tuple[Action, Message] | None = None
     if reply is not None:
-        stored = _replace_message(conn, reply)
-        action: Action = "updated"
-        if stored is None:
-            stored, action = _insert_message(conn, reply), "created"
-        items.append(UpdateItem("message", action, stored.id))
-        entities.append(stored)
-    items.append(UpdateItem("turn", _save_turn(conn, turn), turn.id))
-    entities.append(turn)
-    _log_for_session(conn, out, turn.session_id, tuple(items), tuple(entities))
+        replaced = _replace_message(conn, reply)
+        stored = (
+            ("created", _insert_message(conn, reply)) if replaced is None else ("updated", replaced)
+        )
+    change = rows.ended_turn(turn, _save_turn(conn, turn), stored)
+    _log_for_session(conn, out, turn.session_id, *change)
 
 
 def _fork_session(
@@ -565,8 +511,8 @@ def _fork_session(
 ) -> list[Message]:
     if any(message.session_id != session.id for message in messages):
         raise StoreError(f"a forked message does not belong to session {session.id}")
-    conn.execute(_INSERT_SESSION, rows.session_row(session))  # an existing id fails here
-    created = _session_from_row(conn.execute(_SELECT_SESSION, (session.id,)).fetchone())
+    conn.execute(SQL.insert_session, rows.session_row(session))  # an existing id fails here
+    created = _session_from_row(conn.execute(SQL.select_session, (session.id,)).fetchone())
     stored = [_insert_message(conn, message) for message in messages]
     _log_for_owner(conn, out, created.owner, *rows.forked(created, stored))
     return stored
@@ -588,10 +534,6 @@ _ORPHANED_REPLIES = (
     "ORDER BY m.rowid"
 )
 _FAIL_REPLY = "UPDATE messages SET status = ?, updated_at = ? WHERE id = ?"
-_RENEW_REPLICA = (
-    "INSERT INTO replicas (id, last_seen) VALUES (?, ?) "
-    "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen"
-)
 
 
 def _interrupt_orphaned_turns(
@@ -631,7 +573,7 @@ def _interrupt_orphaned_turns(
 
 def _prune_updates(conn: Archive, out: list[Update], older_than: float) -> int:
     conn.execute(_KEEP_HEADS, (older_than,))  # so offsets go on from where they were
-    return conn.execute("DELETE FROM updates WHERE created_at < ?", (older_than,)).rowcount
+    return conn.execute(SQL.prune_updates, (older_than,)).rowcount
 
 
 def _run_batch(conn: Archive, operations: list[Operation]) -> list[Outcome]:
@@ -700,39 +642,6 @@ def _run_in_savepoints(conn: Archive, operations: list[Operation]) -> list[Outco
         else:
             outcomes.append((result, updates))
     return outcomes
-
-
-@functools.cache
-def _list_sessions_sql(include_deleted: bool, after_cursor: bool) -> str:
-    deleted = "" if include_deleted else " AND deleted_at IS NULL"
-    # A cursor unknown to this owner compares as NULL: an empty page.
-    after = (
-        " AND (created_at, id) < (SELECT created_at, id FROM sessions WHERE id = ? AND owner = ?)"
-        if after_cursor
-        else ""
-    )
-    return (
-        f"SELECT * FROM sessions WHERE owner = ?{deleted}{after} "
-        "ORDER BY created_at DESC, id DESC LIMIT ?"
-    )
-
-
-@functools.cache
-def _page_sql(table: str, after_cursor: bool) -> str:
-    after = (
-        f" AND (created_at, rowid) < "
-        f"(SELECT created_at, rowid FROM {table} WHERE id = ? AND session_id = ?)"
-        if after_cursor
-        else ""
-    )
-    return (
-        f"SELECT * FROM {table} WHERE session_id = ?{after} "
-        "ORDER BY created_at DESC, rowid DESC LIMIT ?"
-    )
-
-
-def _page_args(session_id: str, cursor: str, limit: int) -> tuple[Any, ...]:
-    return (session_id, cursor, session_id, limit) if cursor else (session_id, limit)
 
 
 SESSION_CACHE_SIZE = 10_000  # sessions kept in memory (most recently used)
@@ -999,10 +908,9 @@ class SqliteStore:
     async def create_session(self, session: Session) -> Session:
         def insert_or_get(conn: Archive, out: list[Update]) -> Session:
             inserted = conn.execute(_INSERT_SESSION_IF_ABSENT, rows.session_row(session)).rowcount
-            stored = _session_from_row(conn.execute(_SELECT_SESSION, (session.id,)).fetchone())
+            stored = _session_from_row(conn.execute(SQL.select_session, (session.id,)).fetchone())
             if inserted:
-                item = UpdateItem("session", "created", stored.id)
-                _log_for_owner(conn, out, stored.owner, (item,), (stored,))
+                _log_for_owner(conn, out, stored.owner, *rows.changes(("created", stored)))
             return stored
 
         return await self._write(insert_or_get)
@@ -1013,7 +921,7 @@ class SqliteStore:
             return cached
 
         def select(conn: Archive) -> Session | None:
-            row = conn.execute(_SELECT_SESSION, (session_id,)).fetchone()
+            row = conn.execute(SQL.select_session, (session_id,)).fetchone()
             return None if row is None else _session_from_row(row)
 
         generation = self._sessions.generation
@@ -1025,33 +933,30 @@ class SqliteStore:
     async def list_sessions(
         self, owner: str, *, limit: int, cursor: str = "", include_deleted: bool = True
     ) -> list[Session]:
-        sql = _list_sessions_sql(include_deleted, bool(cursor))
-        args = (owner, cursor, owner, limit) if cursor else (owner, limit)
+        statement = sql.list_sessions(sql.SQLITE, include_deleted, bool(cursor))
+        args = sql.page_args(owner, limit, cursor)
 
         def select(conn: Archive) -> list[Session]:
-            return [_session_from_row(row) for row in conn.execute(sql, args).fetchall()]
+            return [_session_from_row(row) for row in conn.execute(statement, args).fetchall()]
 
         return await self._read(select)
 
     async def touch_session(self, session_id: str, now: float) -> None:
         def update(conn: Archive, out: list[Update]) -> None:
-            row = conn.execute(_TOUCH_SESSION, (now, now, session_id)).fetchone()
+            row = conn.execute(SQL.touch_session, (session_id, now)).fetchone()
             if row is not None:  # touching a missing session changes nothing
                 session = _session_from_row(row)
-                item = UpdateItem("session", "updated", session.id)
-                _log_for_owner(conn, out, session.owner, (item,), (session,))
+                _log_for_owner(conn, out, session.owner, *rows.changes(("updated", session)))
 
         await self._write(update)
 
     async def update_session(self, session: Session) -> Session:
         def update(conn: Archive, out: list[Update]) -> Session:
-            values = (*rows.session_row(session)[1:], session.id)
-            row = conn.execute(_REPLACE_SESSION, values).fetchone()
+            row = conn.execute(SQL.replace_session, rows.session_row(session)).fetchone()
             if row is None:
                 raise StoreError(f"no session {session.id}")
             stored = _session_from_row(row)
-            item = UpdateItem("session", "updated", stored.id)
-            _log_for_owner(conn, out, stored.owner, (item,), (stored,))
+            _log_for_owner(conn, out, stored.owner, *rows.changes(("updated", stored)))
             return stored
 
         return await self._write(update)
@@ -1071,7 +976,7 @@ class SqliteStore:
 
     async def get_message(self, message_id: str) -> Message | None:
         def select(conn: Archive) -> Message | None:
-            row = conn.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
+            row = conn.execute(SQL.get_message, (message_id,)).fetchone()
             return None if row is None else _message_from_row(row)
 
         return await self._read(select)
@@ -1081,13 +986,7 @@ class SqliteStore:
             return None
 
         def select(conn: Archive) -> Message | None:
-            # `client_id != ''` lets the planner use the partial index.
-            row = conn.execute(
-                "SELECT m.* FROM messages m JOIN sessions s ON s.id = m.session_id "
-                "WHERE m.client_id = ? AND m.client_id != '' AND s.owner = ? "
-                "ORDER BY m.rowid LIMIT 1",
-                (client_id, owner),
-            ).fetchone()
+            row = conn.execute(SQL.find_by_client_id, (client_id, owner)).fetchone()
             return None if row is None else _message_from_row(row)
 
         return await self._read(select)
@@ -1115,11 +1014,9 @@ class SqliteStore:
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None
     ) -> list[Message]:
         def select(conn: Archive) -> list[Message]:
-            found = conn.execute(
-                "SELECT * FROM messages WHERE session_id = ? AND global_offset > ? "
-                "ORDER BY global_offset LIMIT ?",
-                (session_id, after_offset, -1 if limit is None else limit),
-            ).fetchall()
+            # A negative LIMIT is none in SQLite.
+            args = (session_id, after_offset, -1 if limit is None else limit)
+            found = conn.execute(SQL.list_messages, args).fetchall()
             return [_message_from_row(row) for row in found]
 
         return await self._read(select)
@@ -1137,27 +1034,24 @@ class SqliteStore:
 
     async def get_turn(self, turn_id: str) -> Turn | None:
         def select(conn: Archive) -> Turn | None:
-            row = conn.execute("SELECT * FROM turns WHERE id = ?", (turn_id,)).fetchone()
+            row = conn.execute(SQL.get_turn, (turn_id,)).fetchone()
             return None if row is None else _turn_from_row(row)
 
         return await self._read(select)
 
     async def list_turns(self, session_id: str) -> list[Turn]:
         def select(conn: Archive) -> list[Turn]:
-            found = conn.execute(
-                "SELECT * FROM turns WHERE session_id = ? ORDER BY created_at, rowid",
-                (session_id,),
-            ).fetchall()
+            found = conn.execute(SQL.list_turns, (session_id,)).fetchall()
             return [_turn_from_row(row) for row in found]
 
         return await self._read(select)
 
     async def page_turns(self, session_id: str, *, limit: int, cursor: str = "") -> list[Turn]:
-        sql = _page_sql("turns", bool(cursor))
-        args = _page_args(session_id, cursor, limit)
+        statement = sql.page(sql.SQLITE, "turns", bool(cursor))
+        args = sql.page_args(session_id, limit, cursor)
 
         def select(conn: Archive) -> list[Turn]:
-            return [_turn_from_row(row) for row in conn.execute(sql, args).fetchall()]
+            return [_turn_from_row(row) for row in conn.execute(statement, args).fetchall()]
 
         return await self._read(select)
 
@@ -1168,17 +1062,14 @@ class SqliteStore:
 
     async def get_tool_call(self, call_id: str) -> ToolCallRecord | None:
         def select(conn: Archive) -> ToolCallRecord | None:
-            row = conn.execute("SELECT * FROM tool_calls WHERE id = ?", (call_id,)).fetchone()
+            row = conn.execute(SQL.get_tool_call, (call_id,)).fetchone()
             return None if row is None else _tool_call_from_row(row)
 
         return await self._read(select)
 
     async def list_tool_calls(self, session_id: str) -> list[ToolCallRecord]:
         def select(conn: Archive) -> list[ToolCallRecord]:
-            found = conn.execute(
-                "SELECT * FROM tool_calls WHERE session_id = ? ORDER BY created_at, rowid",
-                (session_id,),
-            ).fetchall()
+            found = conn.execute(SQL.list_tool_calls, (session_id,)).fetchall()
             return [_tool_call_from_row(row) for row in found]
 
         return await self._read(select)
@@ -1186,17 +1077,17 @@ class SqliteStore:
     async def page_tool_calls(
         self, session_id: str, *, limit: int, cursor: str = ""
     ) -> list[ToolCallRecord]:
-        sql = _page_sql("tool_calls", bool(cursor))
-        args = _page_args(session_id, cursor, limit)
+        statement = sql.page(sql.SQLITE, "tool_calls", bool(cursor))
+        args = sql.page_args(session_id, limit, cursor)
 
         def select(conn: Archive) -> list[ToolCallRecord]:
-            return [_tool_call_from_row(row) for row in conn.execute(sql, args).fetchall()]
+            return [_tool_call_from_row(row) for row in conn.execute(statement, args).fetchall()]
 
         return await self._read(select)
 
     async def renew_replica(self, replica_id: str, now: float) -> None:
         def renew(conn: Archive, out: list[Update]) -> None:
-            conn.execute(_RENEW_REPLICA, (replica_id, now))
+            conn.execute(SQL.renew_replica, (replica_id, now))
 
         await self._write(renew)
 
@@ -1222,14 +1113,14 @@ class SqliteStore:
 
     async def search_memory(self, key: MemoryKey, query: str, *, limit: int) -> list[MemoryEntry]:
         def select(conn: Archive) -> list[MemoryEntry]:
-            found = conn.execute(_SEARCH_MEMORY, (*astuple(key), query, limit)).fetchall()
+            found = conn.execute(SQL.search_memory, (*astuple(key), query, limit)).fetchall()
             return [rows.memory_from_row(_row_dict(row)) for row in found]
 
         return await self._read(select)
 
     async def forget_memory(self, key: MemoryKey, memory_id: str) -> bool:
         def delete(conn: Archive, out: list[Update]) -> bool:
-            return conn.execute(_FORGET_MEMORY, (*astuple(key), memory_id)).rowcount > 0
+            return conn.execute(SQL.forget_memory, (*astuple(key), memory_id)).rowcount > 0
 
         return await self._write(delete)
 
@@ -1237,13 +1128,13 @@ class SqliteStore:
 
     async def append_trace(self, event: TraceEvent) -> None:
         def insert(conn: Archive, out: list[Update]) -> None:
-            conn.execute(_INSERT_TRACE, rows.trace_row(event))
+            conn.execute(SQL.insert_trace, rows.trace_row(event))
 
         await self._write(insert)
 
     async def list_trace(self, session_id: str, owner: str, *, limit: int) -> list[TraceEvent]:
         def select(conn: Archive) -> list[TraceEvent]:
-            found = conn.execute(_SELECT_TRACE, (session_id, owner, limit)).fetchall()
+            found = conn.execute(SQL.select_trace, (session_id, owner, limit)).fetchall()
             return [rows.trace_from_row(_row_dict(row)) for row in found]
 
         return await self._read(select)
@@ -1259,7 +1150,7 @@ class SqliteStore:
 
     async def list_updates(self, owner: str, *, after_offset: int, limit: int) -> list[Update]:
         def select(conn: Archive) -> list[Update]:
-            found = conn.execute(_SELECT_UPDATES, (owner, after_offset, limit)).fetchall()
+            found = conn.execute(SQL.select_updates, (owner, after_offset, limit)).fetchall()
             return [rows.update_from_row(row) for row in found]
 
         return await self._read(select)
