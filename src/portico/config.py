@@ -39,7 +39,7 @@ DuplexRuntimeName = Literal["scripted", "grpc", "openai-realtime", "embedded"]
 StoreName = Literal["sqlite", "memory", "postgres"]
 # What chat-completions endpoints accept as a function name.
 ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-# A memory facet (spec/identity.md): the same rule as core/memory.py FACET_PATTERN.
+# A memory facet (spec/identity.md): the same rule as domain/memory.py FACET_PATTERN.
 MemoryFacet = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/\-]{0,127}$")]
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from portico.core.states import TurnState
+from portico.domain.states import TurnState
 from support.archive import open_archive
 from support.omnia import OmniaClient, scenario
 from support.rpc import RpcProbe

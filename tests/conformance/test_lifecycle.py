@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from portico.core.states import TurnState
+from portico.domain.states import TurnState
 from support.archive import open_archive, wait_for_messages, wait_for_open_reply
 from support.omnia import OmniaClient, scenario
 from support.server import SCRIPT, ServerProcess, run_cli

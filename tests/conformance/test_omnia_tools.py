@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from conftest import BOB, SHORT_TOOL_ACK_TIMEOUT, Connect
 
-from portico.core.states import ToolCallState
+from portico.domain.states import ToolCallState
 from support.archive import open_archive, wait_for_messages
 from support.omnia import OmniaClient, scenario
 from support.server import SCRIPT, ServerProcess

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from conftest import BOB, SHORT_CONTEXT_TTL, SHORT_PONG_TIMEOUT, SMALL_MAX_PAYLOAD, Connect
 
-from portico.core.states import TurnState
+from portico.domain.states import TurnState
 from portico.errors import SessionExpired
 from support.archive import open_archive, wait_for_messages
 from support.omnia import scenario

@@ -12,8 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from portico.core.model import Message, Turn
-from portico.core.states import TurnState
+from portico.domain.model import Message, Turn
+from portico.domain.states import TurnState
 from portico.store.postgres import PostgresStore
 from support.omnia import OmniaClient, scenario
 from support.postgres import create_schema, drop_schemas, require_postgres, schema_url

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from portico.core.states import TurnState
+from portico.domain.states import TurnState
 from portico.store.postgres import PostgresStore
 from support.omnia import OmniaClient
 from support.postgres import create_schema, drop_schemas, require_postgres, schema_url

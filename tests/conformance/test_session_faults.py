@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from portico.client import SessionClient
-from portico.core.states import TurnState
+from portico.domain.states import TurnState
 from support.archive import Ledger, assert_ledger, wait_for_messages
 from support.faultproxy import (
     CLIENT_TO_SERVER,

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from portico.core.model import Message, Turn
+from portico.domain.model import Message, Turn
 from portico.store.postgres import PostgresStore
 from support.archive import ENDED, OPEN
 from support.postgres import create_schema, drop_schemas, require_postgres, schema_url

@@ -14,7 +14,7 @@ from contextlib import AsyncExitStack
 import pytest
 
 from portico.client import ReconnectPolicy, SessionClient
-from portico.core.states import TurnState
+from portico.domain.states import TurnState
 from portico.protocols.session import frames as f
 from support.archive import open_archive
 from support.faultproxy import FaultProxy

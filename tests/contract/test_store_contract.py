@@ -18,8 +18,8 @@ import asyncpg
 import msgspec
 import pytest
 
-from portico.core.memory import MemoryEntry, MemoryKey
-from portico.core.model import (
+from portico.domain.memory import MemoryEntry, MemoryKey
+from portico.domain.model import (
     ENTITY_KINDS,
     ContentPart,
     MediaContent,
@@ -31,8 +31,8 @@ from portico.core.model import (
     Update,
     UpdateLog,
 )
-from portico.core.states import TERMINAL_TURN_STATES, ToolCallState, TurnState
-from portico.core.trace import TraceEvent
+from portico.domain.states import TERMINAL_TURN_STATES, ToolCallState, TurnState
+from portico.domain.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
 from portico.store import postgres as postgres_backend
 from portico.store import rows

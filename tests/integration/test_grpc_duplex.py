@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from portico.core.model import Message
+from portico.domain.model import Message
 from portico.runtime.base import Chunk, TurnInput
 from portico.runtime.duplex.base import (
     AgentText,

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from portico.core.model import Message, ToolCallRecord, Turn
-from portico.core.states import TurnState
+from portico.domain.model import Message, ToolCallRecord, Turn
+from portico.domain.states import TurnState
 from portico.store.sqlite import SqliteStore
 
 OPEN = ("pending", "streaming")  # a reply still being written

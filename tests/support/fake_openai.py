@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 
 from portico.config import AgentSettings
-from portico.core.model import ContentPart, ContentType, MediaContent, Message, Role, new_id
+from portico.domain.model import ContentPart, ContentType, MediaContent, Message, Role, new_id
 from portico.errors import MediaNotFound
 from portico.runtime.base import (
     Chunk,

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import asyncpg
 import pytest
 
-from portico.core.model import new_id
+from portico.domain.model import new_id
 
 DATABASE_URL = os.environ.get(
     "PORTICO_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"

@@ -3,7 +3,7 @@ its end with tool calls answered from a list (the runtime unit tests share these
 
 from __future__ import annotations
 
-from portico.core.model import ContentPart, Message
+from portico.domain.model import ContentPart, Message
 from portico.runtime.base import Runtime, RuntimeEvent, ToolCall, ToolOutcome, TurnInput
 
 

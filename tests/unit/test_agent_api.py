@@ -16,7 +16,7 @@ from portico.agent import Reply, ToolRejected, ToolResult, Turn
 from portico.agent.api import MEDIA_CHUNK_BYTES, HistoryMessage
 from portico.agent.loader import load_handler
 from portico.agent.server import Memory
-from portico.core.model import ContentPart, MediaContent, Message
+from portico.domain.model import ContentPart, MediaContent, Message
 from portico.errors import PluginError
 from portico.runtime.base import (
     Chunk,

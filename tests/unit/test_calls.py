@@ -13,8 +13,8 @@ from portico.calls.parking import InProcessParkingLot
 from portico.calls.rules import CallRules, VoiceTurnRecord
 from portico.calls.service import CallService, LiveCall
 from portico.calls.slots import AudioSessionSlots
-from portico.core.model import Message, Session
-from portico.core.states import TurnState
+from portico.domain.model import Message, Session
+from portico.domain.states import TurnState
 from portico.errors import DuplexError, PorticoError, RateLimited, SessionExpired
 from portico.runtime.duplex.base import (
     AgentText,

@@ -11,10 +11,10 @@ import pytest
 from portico.config import AgentSettings
 from portico.core.engine import Engine, UserMessage
 from portico.core.events import TERMINAL_EVENTS, TurnChunk, TurnCompleted, TurnEvent, TurnFailed
-from portico.core.model import Message, Session, Turn
-from portico.core.states import TurnState
 from portico.core.tools import ClientToolBroker
-from portico.core.validation import CLIENT_ID_MAX_LENGTH, check_client_id
+from portico.domain.model import Message, Session, Turn
+from portico.domain.states import TurnState
+from portico.domain.validation import CLIENT_ID_MAX_LENGTH, check_client_id
 from portico.errors import (
     DuplicateMessage,
     InvalidMessage,

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from portico.contract import runtime_pb2 as pb
-from portico.core.model import ContentPart, MediaContent, Message
+from portico.domain.model import ContentPart, MediaContent, Message
 from portico.runtime.base import (
     Chunk,
     Done,

@@ -6,7 +6,7 @@ import re
 import threading
 import time
 
-from portico.core.model import new_id
+from portico.domain.model import new_id
 
 ID = re.compile(r"msg-[0-9a-f]{32}")
 

@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from portico.config import Settings
-from portico.core.model import MediaContent, Session
 from portico.core.reservations import SessionReservations
+from portico.domain.model import MediaContent, Session
 from portico.errors import (
     ConfigError,
     InvalidMessage,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from portico.core.memory import AgentMemory, MemoryKey, MemoryLimits, ascii_lower
+from portico.domain.memory import AgentMemory, MemoryKey, MemoryLimits, ascii_lower
 from portico.errors import FacetRefused, InvalidMessage, MemoryFull
 from portico.protocols.omnia.connection import (
     ConnectionLimits,

@@ -20,8 +20,8 @@ from portico.core.events import (
     TurnToolCall,
     TurnToolCallTimedOut,
 )
-from portico.core.model import ContentPart, MediaContent
-from portico.core.validation import base64_decoded_size
+from portico.domain.model import ContentPart, MediaContent
+from portico.domain.validation import base64_decoded_size
 from portico.errors import SessionExpired, TurnInProgress
 from portico.protocols.omnia.binary import media_frames
 from portico.protocols.omnia.connection import (

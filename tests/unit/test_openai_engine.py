@@ -12,7 +12,7 @@ import msgspec
 from portico.config import AgentSettings
 from portico.core.engine import Engine, UserMessage
 from portico.core.events import TERMINAL_EVENTS, TurnCompleted, TurnEvent
-from portico.core.model import Message, Session, Turn
+from portico.domain.model import Message, Session, Turn
 from portico.runtime.base import ClientTool, Done, Runtime, TurnInput, TurnStream
 from portico.runtime.openai import SUMMARY_PROMPT, OpenAIRuntime
 from portico.store.memory import MemoryStore

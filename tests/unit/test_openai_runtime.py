@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from portico.core.compaction import model_summary_items, summarize
-from portico.core.model import ContentPart, MediaContent, Message
+from portico.domain.model import ContentPart, MediaContent, Message
 from portico.runtime.base import (
     AGENT_PROMPT,
     Chunk,

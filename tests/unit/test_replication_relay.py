@@ -15,8 +15,8 @@ from portico.core.events import (
     TurnToolCall,
     TurnToolCallTimedOut,
 )
-from portico.core.model import ContentPart, Update
 from portico.core.tools import ClientReply
+from portico.domain.model import ContentPart, Update
 from portico.replication.codec import (
     Reply,
     Request,

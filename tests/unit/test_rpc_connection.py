@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from portico.core.model import Message, Session, Update, UpdateItem
+from portico.domain.model import Message, Session, Update, UpdateItem
 from portico.errors import (
     InternalError,
     InvalidMessage,

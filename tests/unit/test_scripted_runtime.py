@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import yaml
 
-from portico.core.model import ContentPart, MediaContent, Message
+from portico.domain.model import ContentPart, MediaContent, Message
 from portico.errors import MediaNotFound, ScriptError
 from portico.runtime.base import (
     Chunk,

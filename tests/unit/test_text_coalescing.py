@@ -21,8 +21,8 @@ from portico.agent.pump import (
     run_handler_ready,
 )
 from portico.contract import runtime_pb2 as pb
-from portico.core.coalesce import merge_adjacent_text
-from portico.core.model import ContentPart
+from portico.domain.coalesce import merge_adjacent_text
+from portico.domain.model import ContentPart
 from portico.runtime.base import Chunk, Done, Failure, ToolCall
 from portico.runtime.grpc.mapping import TurnReader
 from portico.runtime.grpc.runtime import Broken, _Conversation

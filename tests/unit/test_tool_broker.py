@@ -8,9 +8,9 @@ import time
 import pytest
 
 from portico.core.events import TurnEvent, TurnToolCall, TurnToolCallTimedOut
-from portico.core.model import Session
-from portico.core.states import ToolCallState
 from portico.core.tools import TIMED_OUT, TURN_ENDED, ClientToolBroker
+from portico.domain.model import Session
+from portico.domain.states import ToolCallState
 from portico.errors import InvalidMessage
 from portico.runtime.base import ToolCall, ToolOutcome
 from portico.store.memory import MemoryStore

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from portico.core.states import (
+from portico.domain.states import (
     TERMINAL_TOOL_CALL_STATES,
     TERMINAL_TURN_STATES,
     TOOL_CALL_TRANSITIONS,

@@ -24,7 +24,7 @@ from portico.agent.api import (
     Usage,
 )
 from portico.agent.voice import AudioFormat, AudioFrame, VoiceCall, VoiceHandler
-from portico.core.model import MediaContent
+from portico.domain.model import MediaContent
 from portico.errors import AgentError
 
 __all__ = [

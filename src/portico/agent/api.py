@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from portico.core.memory import MemoryEntry
-from portico.core.model import ContentPart, Role
+from portico.domain.memory import MemoryEntry
+from portico.domain.model import ContentPart, Role
 
 # A part of the user's message or of the reply: `Part(type="text", text="...")`, or
 # `Part(type="image", media=MediaContent(mime_type="image/png", url="https://..."))`.

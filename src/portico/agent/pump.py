@@ -18,8 +18,8 @@ import msgspec
 
 from portico.agent.api import Handler, Media, Reply, ToolAnswer, ToolCaller, ToolRequest, Turn
 from portico.agent.api import Usage as AgentUsage
-from portico.core.coalesce import merge_adjacent_text
-from portico.core.model import ContentPart
+from portico.domain.coalesce import merge_adjacent_text
+from portico.domain.model import ContentPart
 from portico.errors import GENERIC_INTERNAL_MESSAGE, AgentError, InternalError
 
 log = logging.getLogger("portico.agent")

@@ -59,7 +59,7 @@ from portico.agent.voice import VoiceHandler
 from portico.agent.voice_server import serve_voice_call
 from portico.contract import runtime_pb2 as pb
 from portico.contract import runtime_pb2_grpc as pb_grpc
-from portico.core.model import ContentPart, new_id, text_of_parts
+from portico.domain.model import ContentPart, new_id, text_of_parts
 from portico.errors import ConfigError
 
 log = logging.getLogger("portico.agent")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from portico.core.model import Update
+from portico.domain.model import Update
 
 log = logging.getLogger("portico.bus")
 UpdateSubscriber = Callable[[Update], None]

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from portico.core.states import TurnState
+from portico.domain.states import TurnState
 from portico.runtime.duplex.base import (
     AgentText,
     DuplexEvent,

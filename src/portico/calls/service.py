@@ -24,7 +24,7 @@ from portico.calls.rules import DUPLEX_ERROR, CallRules, VoiceTurnRecord
 from portico.calls.slots import AudioSessionSlots
 from portico.core.compaction import since_latest_summary
 from portico.core.engine import HISTORY_LIMIT
-from portico.core.model import Message, Session, Turn, new_id
+from portico.domain.model import Message, Session, Turn, new_id
 from portico.errors import (
     DuplexError,
     MediaNotEnabled,

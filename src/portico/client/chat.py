@@ -41,7 +41,7 @@ from portico.client.session import (
     Turn,
     duplicate_details,
 )
-from portico.core.model import ContentPart
+from portico.domain.model import ContentPart
 from portico.protocols.session import frames as f
 
 DEFAULT_URL: Final = "ws://127.0.0.1:8080/v1/session"

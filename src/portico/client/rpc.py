@@ -102,7 +102,7 @@ from aiohttp import WSMsgType
 from portico.client.credentials import CredentialProvider, ask, keep_fresh
 from portico.client.session import ReconnectPolicy
 from portico.client.supervision import Retries, Supervision, open_socket, serve_socket
-from portico.core.model import ContentPart
+from portico.domain.model import ContentPart
 
 log = logging.getLogger("portico.client.rpc")
 

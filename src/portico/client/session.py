@@ -94,7 +94,7 @@ from portico.client.supervision import (
     open_socket,
     serve_socket,
 )
-from portico.core.model import ContentPart, new_id
+from portico.domain.model import ContentPart, new_id
 from portico.errors import BinaryFrameError, BufferOverflow, DuplicateMessage, ProtocolViolation
 from portico.protocols.omnia.binary import decode_frame
 from portico.protocols.session import frames as f

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from portico.core.model import Message, message_text
+from portico.domain.model import Message, message_text
 from portico.runtime.base import Summarizer
 
 log = logging.getLogger("portico.compaction")

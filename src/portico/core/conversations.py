@@ -17,10 +17,10 @@ from typing import Any, Generic, Literal, TypeVar
 import msgspec
 
 from portico.core.engine import Engine, UserMessage
-from portico.core.model import ContentPart, Message, Session, ToolCallRecord, Turn, new_id
 from portico.core.tools import ClientToolBroker
-from portico.core.trace import TraceEvent
-from portico.core.validation import check_parts, split_metadata
+from portico.domain.model import ContentPart, Message, Session, ToolCallRecord, Turn, new_id
+from portico.domain.trace import TraceEvent
+from portico.domain.validation import check_parts, split_metadata
 from portico.errors import (
     ClientIdConflict,
     DuplicateClientId,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from portico.core.model import Message
-from portico.core.states import TurnState
+from portico.domain.model import Message
+from portico.domain.states import TurnState
 from portico.errors import DuplicateMessage
 from portico.store.base import Store
 

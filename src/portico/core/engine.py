@@ -20,16 +20,16 @@ from portico.config import AgentSettings, ClientToolSettings
 from portico.core.compaction import SUMMARY_THROUGH, compose_summary, since_latest_summary
 from portico.core.duplicates import earlier_send, running_duplicate
 from portico.core.events import Listener, TurnEvent
-from portico.core.memory import NO_FACET, AgentMemory, MemoryKey, MemoryLimits
-from portico.core.model import ContentPart, Message, Session, Turn, new_id
 from portico.core.periodic import every
 from portico.core.replicalink import ReplicaLink
 from portico.core.reservations import SessionReservations
-from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.core.tools import NoClientTools, ToolBroker
-from portico.core.trace import MESSAGE_METADATA, SessionTraces
 from portico.core.turns import StreamedSoFar, TurnRunner
+from portico.domain.memory import NO_FACET, AgentMemory, MemoryKey, MemoryLimits
+from portico.domain.model import ContentPart, Message, Session, Turn, new_id
+from portico.domain.states import TurnState, TurnTrigger, next_turn_state
+from portico.domain.trace import MESSAGE_METADATA, SessionTraces
 from portico.errors import (
     DuplicateMessage,
     InternalError,

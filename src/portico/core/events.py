@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from portico.core.model import ContentPart
+from portico.domain.model import ContentPart
 from portico.runtime.base import MediaChunk, ToolCall
 
 

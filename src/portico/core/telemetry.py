@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from portico.core.states import ToolCallState, TurnState
+from portico.domain.states import ToolCallState, TurnState
 
 
 class Telemetry(Protocol):

@@ -25,14 +25,14 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from portico.core.events import TurnEvent, TurnToolCall, TurnToolCallTimedOut
-from portico.core.model import Message, ToolCallRecord, new_id
-from portico.core.states import (
+from portico.core.telemetry import NoTelemetry, Telemetry
+from portico.domain.model import Message, ToolCallRecord, new_id
+from portico.domain.states import (
     TERMINAL_TOOL_CALL_STATES,
     ToolCallState,
     ToolCallTrigger,
     next_tool_call_state,
 )
-from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.errors import Forbidden, IllegalTransition, InvalidMessage, RtcInvalidTransition
 from portico.runtime.base import ToolCall, ToolOutcome
 from portico.store.base import Store

@@ -20,11 +20,11 @@ from portico.core.events import (
     TurnFailed,
     TurnMediaChunk,
 )
-from portico.core.model import ContentPart, Message, MessageStatus, PartType, Turn, new_id
-from portico.core.states import TurnState, TurnTrigger, next_turn_state
 from portico.core.telemetry import Telemetry
 from portico.core.tools import ToolBroker
-from portico.core.trace import ERROR, SessionTraces
+from portico.domain.model import ContentPart, Message, MessageStatus, PartType, Turn, new_id
+from portico.domain.states import TurnState, TurnTrigger, next_turn_state
+from portico.domain.trace import ERROR, SessionTraces
 from portico.errors import (
     GENERIC_INTERNAL_MESSAGE,
     InternalError,

@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 import msgspec
 
-from portico.core.model import new_id
+from portico.domain.model import new_id
 from portico.errors import UploadFailed, UploadTooLarge
 from portico.health import Health
 

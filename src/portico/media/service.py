@@ -23,9 +23,9 @@ import aiohttp
 import msgspec
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from portico.core.model import MediaContent
 from portico.core.reservations import SessionReservations
-from portico.core.validation import base64_decoded_size
+from portico.domain.model import MediaContent
+from portico.domain.validation import base64_decoded_size
 from portico.errors import (
     InvalidMessage,
     MediaNotEnabled,

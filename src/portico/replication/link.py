@@ -21,11 +21,11 @@ from typing import Any, Protocol
 
 from portico.bus.port import Bus
 from portico.core.events import TurnEvent
-from portico.core.model import ToolCallRecord, Update, new_id
 from portico.core.periodic import every
 from portico.core.replicalink import RemoteSink
-from portico.core.states import TurnState
 from portico.core.tools import ClientReply, RtcStep
+from portico.domain.model import ToolCallRecord, Update, new_id
+from portico.domain.states import TurnState
 from portico.errors import (
     BusUnavailable,
     Forbidden,

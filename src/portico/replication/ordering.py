@@ -11,7 +11,7 @@ offset n only after n - 1, and says which range the archive must fill.
 
 from __future__ import annotations
 
-from portico.core.model import Update
+from portico.domain.model import Update
 
 
 class UpdateOrder:

@@ -14,8 +14,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
-from portico.core.memory import AgentMemory
-from portico.core.model import ContentPart, MediaContent, Message
+from portico.domain.memory import AgentMemory
+from portico.domain.model import ContentPart, MediaContent, Message
 from portico.errors import MediaNotEnabled
 
 # The directive carrying RPC `message.send`'s `agent_prompt`: an instruction from the

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from portico.core.compaction import summary_text
-from portico.core.model import ContentPart, MediaContent, Message, message_text
+from portico.domain.model import ContentPart, MediaContent, Message, message_text
 from portico.errors import PorticoError
 
 log = logging.getLogger("portico.runtime")

@@ -18,7 +18,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from portico.core.model import ContentPart, MediaContent, message_text, new_id
+from portico.domain.model import ContentPart, MediaContent, message_text, new_id
 from portico.errors import PorticoError
 from portico.runtime.base import (
     Chunk,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from portico.core.model import message_text
+from portico.domain.model import message_text
 from portico.runtime.base import Done, TurnInput, TurnStream
 
 

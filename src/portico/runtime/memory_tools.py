@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from portico.core.memory import AgentMemory, MemoryEntry
+from portico.domain.memory import AgentMemory, MemoryEntry
 from portico.errors import InvalidMessage
 from portico.runtime.server_tools import ServerTool, ToolError
 

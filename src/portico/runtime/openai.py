@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from portico.config import AgentSettings
-from portico.core.model import Message
+from portico.domain.model import Message
 from portico.runtime.base import (
     AGENT_PROMPT,
     Chunk,

@@ -25,7 +25,7 @@ from portico.agent.api import (
 from portico.agent.api import Usage as AgentUsage
 from portico.agent.loader import load_handler
 from portico.agent.pump import Failed, Finished, PendingTool, run_handler
-from portico.core.model import ContentPart, message_text, new_id
+from portico.domain.model import ContentPart, message_text, new_id
 from portico.runtime.base import (
     Chunk,
     Done,

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import msgspec
 
 from portico.config_errors import read_yaml
-from portico.core.model import ContentPart, message_text, new_id
+from portico.domain.model import ContentPart, message_text, new_id
 from portico.errors import ScriptError
 from portico.runtime.base import (
     Chunk,

@@ -32,7 +32,7 @@ from portico.config import (
     ClientToolSettings,
     HttpToolSettings,
 )
-from portico.core.model import new_id
+from portico.domain.model import new_id
 from portico.runtime.base import ClientTool, ToolCall
 
 log = logging.getLogger("portico.tools")

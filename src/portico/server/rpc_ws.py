@@ -15,7 +15,7 @@ from aiohttp import web
 
 from portico.core.conversations import ForkRequest, Page, SendRequest
 from portico.core.events import TurnChunk, TurnCompleted, TurnEvent, TurnFailed
-from portico.core.model import Update
+from portico.domain.model import Update
 from portico.errors import (
     InvalidRequest,
     PorticoError,

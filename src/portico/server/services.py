@@ -23,10 +23,10 @@ from portico.config import DEFAULT_AGENT, AgentSettings, Settings
 from portico.core.conversations import Conversations
 from portico.core.engine import Engine
 from portico.core.lifecycle import Lifecycle, Phase
-from portico.core.memory import MemoryLimits
-from portico.core.model import new_id
 from portico.core.reservations import SessionReservations
 from portico.core.tools import ClientToolBroker
+from portico.domain.memory import MemoryLimits
+from portico.domain.model import new_id
 from portico.errors import IdentityProviderUnavailable, Unauthenticated
 from portico.media.base import MediaStore
 from portico.media.local import LocalMediaStore

@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from portico.core.model import Turn
-from portico.core.states import TurnState
+from portico.domain.model import Turn
+from portico.domain.states import TurnState
 from portico.errors import InternalError
 from portico.protocols.session import frames as f
 from portico.protocols.session.channel import Numbered

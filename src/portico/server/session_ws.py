@@ -28,9 +28,9 @@ from portico.core.events import (
     TurnToolCall,
     TurnToolCallTimedOut,
 )
-from portico.core.model import new_id
 from portico.core.tools import ClientReply
-from portico.core.validation import check_client_id, check_parts, split_metadata
+from portico.domain.model import new_id
+from portico.domain.validation import check_client_id, check_parts, split_metadata
 from portico.errors import (
     BufferOverflow,
     InternalError,

@@ -20,9 +20,9 @@ from portico.calls.service import LiveCall
 from portico.config import DEFAULT_AGENT
 from portico.core.engine import UserMessage
 from portico.core.events import TurnCompleted, TurnEvent, TurnFailed
-from portico.core.model import new_id
 from portico.core.tools import ClientReply
-from portico.core.trace import DISCLOSURE_DISPLAYED
+from portico.domain.model import new_id
+from portico.domain.trace import DISCLOSURE_DISPLAYED
 from portico.errors import (
     DeclareTooLarge,
     DuplexError,

@@ -38,9 +38,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Protocol, TypeVar
 
-from portico.core.memory import MemoryEntry, MemoryKey
-from portico.core.model import Message, Session, ToolCallRecord, Turn, Update, UpdateLog
-from portico.core.trace import TraceEvent
+from portico.domain.memory import MemoryEntry, MemoryKey
+from portico.domain.model import Message, Session, ToolCallRecord, Turn, Update, UpdateLog
+from portico.domain.trace import TraceEvent
 from portico.errors import StoreError
 from portico.health import Health
 
@@ -237,7 +237,7 @@ class Store(Protocol):
         turns it holds at start-up are orphans of a stopped server.
         """
 
-    # -- agent memory (core/memory.py; no update is logged) ---------------------------
+    # -- agent memory (domain/memory.py; no update is logged) ---------------------------
 
     async def save_memory(self, entry: MemoryEntry, *, max_entries: int) -> bool:
         """Store `entry` under its key unless the key already holds `max_entries`
@@ -250,7 +250,7 @@ class Store(Protocol):
     async def forget_memory(self, key: MemoryKey, memory_id: str) -> bool:
         """Delete the key's entry with this id; False when the key holds none."""
 
-    # -- session traces (core/trace.py; no update is logged) --------------------------
+    # -- session traces (domain/trace.py; no update is logged) --------------------------
 
     async def append_trace(self, event: TraceEvent) -> None:
         """Append an event to its session's trace (the session need not be stored yet:

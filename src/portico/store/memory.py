@@ -7,8 +7,8 @@ from typing import Literal, TypeVar
 
 import msgspec
 
-from portico.core.memory import MemoryEntry, MemoryKey, ascii_lower
-from portico.core.model import (
+from portico.domain.memory import MemoryEntry, MemoryKey, ascii_lower
+from portico.domain.model import (
     Entity,
     Message,
     Session,
@@ -19,8 +19,8 @@ from portico.core.model import (
     UpdateLog,
     new_id,
 )
-from portico.core.states import TERMINAL_TURN_STATES
-from portico.core.trace import TraceEvent
+from portico.domain.states import TERMINAL_TURN_STATES
+from portico.domain.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
 from portico.health import IN_PROCESS, Health
 from portico.store import rows

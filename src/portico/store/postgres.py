@@ -28,8 +28,8 @@ import asyncpg
 import msgspec
 from asyncpg.pool import PoolConnectionProxy
 
-from portico.core.memory import MemoryEntry, MemoryKey
-from portico.core.model import (
+from portico.domain.memory import MemoryEntry, MemoryKey
+from portico.domain.model import (
     Entity,
     Message,
     Session,
@@ -39,8 +39,8 @@ from portico.core.model import (
     UpdateItem,
     UpdateLog,
 )
-from portico.core.states import TurnState
-from portico.core.trace import TraceEvent
+from portico.domain.states import TurnState
+from portico.domain.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
 from portico.health import Health, probe
 from portico.store import rows, sql
@@ -182,7 +182,7 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE sessions ADD COLUMN binding text COLLATE "C" NOT NULL DEFAULT '';
     """,
-    # Agent memory (core/memory.py) and session traces (core/trace.py). A trace may
+    # Agent memory (domain/memory.py) and session traces (domain/trace.py). A trace may
     # start before its session is stored, so it references no session row.
     """
     CREATE TABLE memories (

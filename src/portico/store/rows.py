@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from portico.core.memory import MemoryEntry
-from portico.core.model import (
+from portico.domain.memory import MemoryEntry
+from portico.domain.model import (
     ENTITY_KINDS,
     ContentPart,
     Entity,
@@ -30,8 +30,8 @@ from portico.core.model import (
     UpdateLog,
     new_id,
 )
-from portico.core.states import ToolCallState, TurnState
-from portico.core.trace import TraceEvent
+from portico.domain.states import ToolCallState, TurnState
+from portico.domain.trace import TraceEvent
 
 SESSION_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Session))
 MESSAGE_COLUMNS = tuple(field.name for field in msgspec.structs.fields(Message))

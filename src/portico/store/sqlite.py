@@ -28,8 +28,8 @@ from typing import IO, Any, Literal, TypeVar
 import msgspec
 from msgspec.structs import astuple
 
-from portico.core.memory import MemoryEntry, MemoryKey
-from portico.core.model import (
+from portico.domain.memory import MemoryEntry, MemoryKey
+from portico.domain.model import (
     Entity,
     Message,
     Session,
@@ -39,7 +39,7 @@ from portico.core.model import (
     UpdateItem,
     UpdateLog,
 )
-from portico.core.trace import TraceEvent
+from portico.domain.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
 from portico.health import IN_PROCESS, Health
 from portico.store import rows, sql
@@ -229,7 +229,7 @@ MIGRATIONS: tuple[str, ...] = (
     """
     ALTER TABLE sessions ADD COLUMN binding TEXT NOT NULL DEFAULT '';
     """,
-    # Agent memory (core/memory.py) and session traces (core/trace.py). A trace may
+    # Agent memory (domain/memory.py) and session traces (domain/trace.py). A trace may
     # start before its session is stored, so it references no session row.
     """
     CREATE TABLE memories (

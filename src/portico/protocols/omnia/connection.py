@@ -27,10 +27,10 @@ from portico.core.events import (
     TurnToolCall,
     TurnToolCallTimedOut,
 )
-from portico.core.limits import TokenBucket
-from portico.core.memory import NO_FACET, valid_facet
-from portico.core.model import ContentPart
-from portico.core.validation import (
+from portico.domain.limits import TokenBucket
+from portico.domain.memory import NO_FACET, valid_facet
+from portico.domain.model import ContentPart
+from portico.domain.validation import (
     base64_decoded_size,
     check_parts,
     declare_fits,

@@ -39,7 +39,7 @@ from typing import Final
 
 import msgspec
 
-from portico.core.limits import TokenBucket
+from portico.domain.limits import TokenBucket
 from portico.errors import (
     GENERIC_INTERNAL_MESSAGE,
     RUNTIME_PASSTHROUGH_CODES,

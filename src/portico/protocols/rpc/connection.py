@@ -25,9 +25,9 @@ from typing import Any
 import msgspec
 
 from portico.auth.base import Identity
-from portico.core.limits import TokenBucket
-from portico.core.model import Message, ToolCallRecord, Update
-from portico.core.states import ToolCallState
+from portico.domain.limits import TokenBucket
+from portico.domain.model import Message, ToolCallRecord, Update
+from portico.domain.states import ToolCallState
 from portico.errors import (
     InvalidRequest,
     MethodNotFound,

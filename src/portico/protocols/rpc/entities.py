@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from portico.core.model import (
+from portico.domain.model import (
     ContentPart,
     Entity,
     Message,
@@ -16,7 +16,7 @@ from portico.core.model import (
     Turn,
     Update,
 )
-from portico.core.trace import TraceEvent
+from portico.domain.trace import TraceEvent
 from portico.protocols.rpc.frames import UpdateItemWire, UpdateWire
 
 # Content types whose `content_data` is a JSON value, archived as JSON text.

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from portico.core.model import ContentPart
+from portico.domain.model import ContentPart
 
 PROTOCOL_VERSION = 1
 

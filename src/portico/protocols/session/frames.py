@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from portico.core.model import ContentPart
+from portico.domain.model import ContentPart
 
 PROTOCOL_VERSION = 1
 

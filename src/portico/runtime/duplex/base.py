@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from portico.core.memory import AgentMemory
+from portico.domain.memory import AgentMemory
 from portico.runtime.base import HistoryReader
 
 PCM16 = "pcm16"  # signed 16-bit little-endian linear PCM, the format every runtime hears

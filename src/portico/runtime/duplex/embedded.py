@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from portico.config import Settings
-from portico.core.model import Message, new_id
+from portico.domain.model import Message, new_id
 from portico.runtime.base import Chunk, TurnInput
 from portico.runtime.demo import DemoRuntime
 from portico.runtime.duplex.base import (

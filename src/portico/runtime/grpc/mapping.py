@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 import msgspec
 
 from portico.contract import runtime_pb2 as pb
-from portico.core.coalesce import merge_adjacent_text
-from portico.core.model import ContentPart, MediaContent
-from portico.core.validation import check_parts
+from portico.domain.coalesce import merge_adjacent_text
+from portico.domain.model import ContentPart, MediaContent
+from portico.domain.validation import check_parts
 from portico.errors import InternalError, InvalidMessage
 from portico.runtime.base import (
     Chunk,

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from portico.core.model import ContentPart
+from portico.domain.model import ContentPart
 from portico.errors import InvalidMessage
 
 RESERVED_METADATA_KEYS = frozenset({"mock_scenario", "content_type"})

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import msgspec
 
-from portico.core.model import new_id
+from portico.domain.model import new_id
 from portico.errors import InvalidMessage, MemoryFull
 
 # 1 to 128 ASCII letters, digits and `. _ : / -`, starting with a letter or digit.

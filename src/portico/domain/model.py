@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from portico.core.states import ToolCallState, TurnState
+from portico.domain.states import ToolCallState, TurnState
 
 PartType = Literal["text", "image", "audio", "video", "file"]
 Role = Literal["user", "assistant", "tool", "system"]
