@@ -87,6 +87,19 @@ class UploadTicket(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float
     expires_at: float
 
+    def media_info(self, created_at: float, expires_at: float | None) -> MediaInfo:
+        """The record of the media this ticket's body became (stored at `created_at`)."""
+        return MediaInfo(
+            media_id=self.media_id,
+            session_id=self.session_id,
+            owner=self.owner,
+            filename=self.filename,
+            mime_type=self.mime_type,
+            size_bytes=self.size_bytes,
+            created_at=created_at,
+            expires_at=expires_at,
+        )
+
 
 class MediaInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A stored media item. `expires_at` None: kept until deleted."""

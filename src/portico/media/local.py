@@ -192,7 +192,9 @@ class LocalMediaStore:
         created_at: float,
         expires_at: float | None,
     ) -> MediaInfo:
-        ticket = await self._io(_load, self._ticket_path(upload_id, UPLOADING), _ticket_decoder)
+        ticket: UploadTicket | None = await self._io(
+            _load, self._ticket_path(upload_id, UPLOADING), _ticket_decoder
+        )
         if ticket is None:
             raise UploadNotFound("the upload was not claimed")
         file, tmp = await self._io(self._open_part, self._shard(ticket.media_id), ticket.media_id)
@@ -209,16 +211,7 @@ class LocalMediaStore:
                     await self._finish(pending)
             pending = self._start(self._close_part, file, bytes(buffer))
             await self._finish(pending)
-            info = MediaInfo(
-                media_id=ticket.media_id,
-                session_id=ticket.session_id,
-                owner=ticket.owner,
-                filename=ticket.filename,
-                mime_type=ticket.mime_type,
-                size_bytes=ticket.size_bytes,
-                created_at=created_at,
-                expires_at=expires_at,
-            )
+            info = ticket.media_info(created_at, expires_at)
             committing = info
             pending = self._start(self._commit, tmp, info, upload_id)
             await self._finish(pending)

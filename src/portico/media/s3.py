@@ -402,7 +402,7 @@ class S3MediaStore:
             if head is None:
                 raise UploadFailed("nothing was uploaded to the upload URL")
             self._check_arrived(ticket, head)
-            info = self._info_of(ticket, created_at, expires_at)
+            info = ticket.media_info(created_at, expires_at)
             await self._commit(upload_id, info)
         except UploadFailed:
             await asyncio.shield(self._forget(final, staged))  # the body was not the one
@@ -448,19 +448,6 @@ class S3MediaStore:
         with contextlib.suppress(StoreError):
             await self._delete(*keys)
 
-    @staticmethod
-    def _info_of(ticket: UploadTicket, created_at: float, expires_at: float | None) -> MediaInfo:
-        return MediaInfo(
-            media_id=ticket.media_id,
-            session_id=ticket.session_id,
-            owner=ticket.owner,
-            filename=ticket.filename,
-            mime_type=ticket.mime_type,
-            size_bytes=ticket.size_bytes,
-            created_at=created_at,
-            expires_at=expires_at,
-        )
-
     async def _commit(self, upload_id: str, info: MediaInfo) -> None:
         """Record the stored bytes, then mark the ticket used; undone on any failure."""
         digest = upload_key(upload_id)
@@ -492,7 +479,7 @@ class S3MediaStore:
         final = f"objects/{ticket.media_id}"
         try:
             await self._upload(final, exactly(chunks, ticket.size_bytes), ticket.mime_type)
-            info = self._info_of(ticket, created_at, expires_at)
+            info = ticket.media_info(created_at, expires_at)
             await self._commit(upload_id, info)
         except BaseException:
             await asyncio.shield(self._forget(final))
