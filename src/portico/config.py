@@ -410,7 +410,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 )
             if agent is not None and agent.runtime in ("openai", "openai-realtime"):
                 check_openai_agent(name, agent, os.environ if env is None else env)
-            if agent is not None and agent.runtime == "grpc":
+            # Either half on grpc dials the same target with the same settings.
+            if agent is not None and "grpc" in (agent.runtime, agent.duplex_runtime):
                 check_grpc_agent(name, agent, os.environ if env is None else env)
             if agent is not None and agent.duplex_runtime == "scripted" and not agent.duplex_script:
                 raise ConfigError(

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from portico.config import AgentSettings, Settings
 from portico.errors import ConfigError
 from portico.runtime.duplex.embedded import EmbeddedVoiceRuntime
+from portico.runtime.duplex.grpc import GrpcDuplexRuntime
 from portico.runtime.duplex.scripted import ScriptedDuplexRuntime
 from portico.server.duplex import UnavailableRuntime, build_duplex_runtime
 from support.server import FIXTURES
@@ -25,9 +24,14 @@ def test_each_agent_gets_the_duplex_runtime_its_settings_name() -> None:
     scripted = AgentSettings(duplex_runtime="scripted", duplex_script=str(FIXTURES / "voice.yaml"))
     assert isinstance(build_duplex_runtime(scripted, settings), ScriptedDuplexRuntime)
     assert build_duplex_runtime(AgentSettings(runtime="echo"), settings) is None
-    # The grpc duplex half is its own module; until it is there a grpc agent takes no calls.
-    if importlib.util.find_spec("portico.runtime.duplex.grpc") is None:
-        assert build_duplex_runtime(AgentSettings(runtime="grpc"), settings) is None
+    grpc_agent = AgentSettings(runtime="grpc", grpc_target="127.0.0.1:50051")
+    assert isinstance(build_duplex_runtime(grpc_agent, settings), GrpcDuplexRuntime)
+
+
+def test_a_grpc_duplex_runtime_beside_another_text_runtime_needs_its_target_to_start() -> None:
+    agent = AgentSettings(runtime="echo", duplex_runtime="grpc")
+    with pytest.raises(ConfigError, match="grpc_target"):
+        Settings(agents={"voice": agent}).check_startable(env={})
 
 
 def test_the_demo_agent_takes_calls_with_the_embedded_voice_agent_or_says_why_not() -> None:
