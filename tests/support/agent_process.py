@@ -38,6 +38,18 @@ class AgentProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> AgentProcess:
+        """Once more if the process died of a signal before listening: grpcio's event
+        engine has aborted at start now and then under load ("epoll_wait error: Bad file
+        descriptor", SIGABRT), in no code of ours. Any other failure raises at once."""
+        try:
+            return self._start()
+        except RuntimeError:
+            if self.process is None or (self.process.returncode or 0) >= 0:
+                raise
+            stop_child(self.process, signal.SIGKILL)
+            return self._start()
+
+    def _start(self) -> AgentProcess:
         command = [sys.executable, "-m", "portico", "agent", "serve", self.handler]
         command += ["--port", str(self.port), *self.args]
         with self.log_path.open("a") as log:
