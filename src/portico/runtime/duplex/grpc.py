@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
@@ -49,6 +49,8 @@ from portico.runtime.grpc.channel import (
     call_metadata,
     classify,
     connect,
+    credential_refusal,
+    final_cause,
     open_channel,
 )
 
@@ -89,8 +91,10 @@ class GrpcDuplexCall:
         settings: AgentSettings,
         where: tuple[str, str, str],
         on_end: Callable[[GrpcDuplexCall], None] = lambda call: None,
+        probe: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
         self._stream = stream
+        self._probe = probe  # names a credential refusal that grpc.aio reports as INTERNAL
         self._on_end = on_end
         self._session_id = start.session_id
         self._settings = settings
@@ -146,7 +150,9 @@ class GrpcDuplexCall:
                 assert isinstance(message, pb.ServerMessage)
                 await self._inbox.put(message)
         except grpc.aio.AioRpcError as exc:
-            await self._inbox.put(Broken(classify(exc)))
+            within = self._settings.grpc_connect_timeout
+            cause = await final_cause(self._stream, classify(exc), within=within, probe=self._probe)
+            await self._inbox.put(Broken(cause))
         except Exception as exc:  # a bug or a gRPC internal: the call must still end
             log.exception("reading a grpc duplex stream failed")
             await self._inbox.put(Broken(f"unexpected {type(exc).__name__}"))
@@ -252,7 +258,14 @@ class GrpcDuplexRuntime:
             )
             return FailedCall(DuplexFailure(DUPLEX_ERROR, UNREACHABLE))
         stream = stub.Converse(metadata=self._metadata)
-        call = GrpcDuplexCall(stream, start, self._settings, where, on_end=self._calls.discard)
+        metadata, within = self._metadata, self._settings.grpc_connect_timeout
+
+        async def probe() -> str | None:
+            return await credential_refusal(stub, metadata, within)
+
+        call = GrpcDuplexCall(
+            stream, start, self._settings, where, on_end=self._calls.discard, probe=probe
+        )
         self._calls.add(call)
         try:
             await call.open(start)
