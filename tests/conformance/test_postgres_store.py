@@ -135,6 +135,10 @@ def replica(tmp_path: Path, name: str, database_url: str) -> ServerProcess:
             "PORTICO_DATABASE_URL": database_url,
             "PORTICO_REPLICA_ID": name,
             "PORTICO_REPLICA_LEASE": str(LEASE),
+            # A held tool call must outlast B's start on a loaded machine (CI saw B take
+            # longer than the 5 s an unacknowledged call waits, and the turn ended first).
+            "PORTICO_TOOL_ACK_TIMEOUT": "300",
+            "PORTICO_CLIENT_TOOL_TIMEOUT": "300",
         },
     )
 
