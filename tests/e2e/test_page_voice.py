@@ -1,0 +1,132 @@
+"""The page's microphone (docs/web.md, "Voice"): a spoken conversation with the embedded
+voice agent, end to end, in Chromium.
+
+Chromium's fake capture device plays a WAV file made here with espeak-ng: "hello", then
+silence, looped by Chromium. The page captures it (getUserMedia, the AudioWorklet
+resampling to the call's format), sends it as binary OMNI frames on its own `/ws`
+connection (authenticated: the server runs with API keys), and the demo agent's embedded
+runtime recognises "hello" and answers with its greeting, spoken (about 20 s of speech).
+The file's next "hello" comes while the agent still speaks: barge-in. So one call shows
+the caller's transcript, the reply's audio played through Web Audio, and an `interrupt`
+stopping the playback that was queued.
+"""
+
+from __future__ import annotations
+
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.harness import ARTIFACTS, CHROMIUM, TcpProxy, require_tools
+from support.duplex_runtimes_embedded import spoken
+
+SAMPLE_RATE = 16_000  # what `spoken` makes
+LOOP_SILENCE_MS = 3_500  # after "hello": the agent has started its reply when the loop repeats
+CALL_TIMEOUT = 60_000  # ms: the embedded agent's decoder setup and recognition, on a busy machine
+
+
+def caller_wav(path: Path) -> Path:
+    """"hello" by the test caller's voice, with silence after it: one loop of the mic."""
+    pytest.importorskip("pocketsphinx")
+    pcm = spoken("hello", pad_ms=300) + bytes(2 * SAMPLE_RATE * LOOP_SILENCE_MS // 1000)
+    with wave.open(str(path), "wb") as writer:
+        writer.setnchannels(1)
+        writer.setsampwidth(2)
+        writer.setframerate(SAMPLE_RATE)
+        writer.writeframes(pcm)
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Chromium whose microphone is the WAV file (and asks nobody for permission)."""
+    require_tools()
+    from playwright.sync_api import sync_playwright
+
+    wav = caller_wav(tmp_path_factory.mktemp("voice") / "hello.wav")
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=str(CHROMIUM),
+            headless=True,
+            args=[
+                "--autoplay-policy=no-user-gesture-required",
+                "--use-fake-device-for-media-stream",
+                "--use-fake-ui-for-media-stream",
+                f"--use-file-for-fake-audio-capture={wav}",
+            ],
+        )
+        yield chromium
+        chromium.close()
+
+
+def number(page: Any, attribute: str) -> int:
+    return int(page.locator("#voice").get_attribute(f"data-{attribute}") or 0)
+
+
+def wait_for(page: Any, attribute: str, minimum: int) -> None:
+    page.wait_for_function(
+        "([name, minimum]) => Number(document.getElementById('voice').dataset[name]) >= minimum",
+        arg=[attribute, minimum],
+        timeout=CALL_TIMEOUT,
+    )
+
+
+def test_the_page_speaks_with_the_embedded_agent(page: Any) -> None:
+    from playwright.sync_api import expect
+
+    page.context.grant_permissions(["microphone"])
+    page.locator("#mic").click()
+    expect(page.locator("#mic")).to_have_attribute("aria-pressed", "true")
+    voice = page.locator("#voice")
+    expect(voice).to_have_attribute("data-state", "listening", timeout=CALL_TIMEOUT)
+
+    heard = page.locator('.msg[data-source="voice"][data-role="user"]').first
+    expect(heard).to_have_text("hello", timeout=CALL_TIMEOUT)
+    reply = page.locator('.msg[data-source="voice"][data-role="assistant"]').first
+    expect(reply).to_contain_text("Portico demo agent", timeout=CALL_TIMEOUT)
+    wait_for(page, "playedSamples", 1)  # reply audio went through Web Audio
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "voice-page.png"))
+
+    # The looped "hello" talks over the greeting: the server's interrupt stops the audio
+    # that was queued at once (cut samples) and the cut reply says so.
+    wait_for(page, "interrupts", 1)
+    assert number(page, "cut-samples") > 0
+    expect(reply.locator(".meta")).to_have_text("stopped")
+    expect(page.locator('.msg[data-source="voice"][data-role="user"]')).to_have_count(
+        2, timeout=CALL_TIMEOUT
+    )
+    page.screenshot(path=str(ARTIFACTS / "voice-page-barge-in.png"))
+
+    page.locator("#voice-stop").click()
+    expect(voice).to_have_attribute("data-state", "ended")
+    expect(page.locator("#mic")).to_have_attribute("aria-pressed", "false")
+    # The call was archived turn by turn: the page now shows that conversation.
+    session = voice.get_attribute("data-session")
+    assert session
+    page.wait_for_function("(id) => location.hash === `#s=${id}`", arg=session)
+    expect(page.locator('.msg[data-role="user"]').first).to_have_text("hello")
+
+
+def test_a_dropped_call_is_resumed(page: Any, proxy: TcpProxy) -> None:
+    """A network drop mid-call: the page reconnects with `?resume=` within the grace
+    window, the server hands the parked call over, and the conversation goes on."""
+    from playwright.sync_api import expect
+
+    page.context.grant_permissions(["microphone"])
+    page.locator("#mic").click()
+    voice = page.locator("#voice")
+    users = page.locator('.msg[data-source="voice"][data-role="user"]')
+    expect(users.first).to_have_text("hello", timeout=CALL_TIMEOUT)
+    session = voice.get_attribute("data-session")
+
+    assert proxy.cut_all() > 0
+    wait_for(page, "resumes", 1)
+    assert voice.get_attribute("data-session") == session
+    count = users.count()
+    expect(users).to_have_count(count + 1, timeout=CALL_TIMEOUT)  # heard after the resume
+    page.locator("#mic").click()  # the same button ends the call
+    expect(voice).to_have_attribute("data-state", "ended")
