@@ -29,7 +29,7 @@ CALL_TIMEOUT = 60_000  # ms: the embedded agent's decoder setup and recognition,
 
 
 def caller_wav(path: Path) -> Path:
-    """"hello" by the test caller's voice, with silence after it: one loop of the mic."""
+    """ "hello" by the test caller's voice, with silence after it: one loop of the mic."""
     pytest.importorskip("pocketsphinx")
     pcm = spoken("hello", pad_ms=300) + bytes(2 * SAMPLE_RATE * LOOP_SILENCE_MS // 1000)
     with wave.open(str(path), "wb") as writer:
@@ -108,7 +108,8 @@ def test_the_page_speaks_with_the_embedded_agent(page: Any) -> None:
     session = voice.get_attribute("data-session")
     assert session
     page.wait_for_function("(id) => location.hash === `#s=${id}`", arg=session)
-    expect(page.locator('.msg[data-role="user"]').first).to_have_text("hello")
+    archived = page.locator('.msg[data-role="user"][data-source="voice"] .text').first
+    expect(archived).to_have_text("hello")
 
 
 def test_a_dropped_call_is_resumed(page: Any, proxy: TcpProxy) -> None:

@@ -567,6 +567,7 @@ function toolItem(callId, offset = null) {
 
 function applyMessage(m) {
   const data = m.content_data;
+  const spoken = m.metadata?.source === "voice"; // a voice call's turn (docs/voice.md)
   if (m.content_type === "toolcall_input" && data && typeof data === "object") {
     const calls = view.turnCalls.get(m.turn_id) ?? new Set();
     view.turnCalls.set(m.turn_id, calls.add(m.global_offset));
@@ -584,6 +585,7 @@ function applyMessage(m) {
     const item = newItem(key, "user", m.global_offset);
     Object.assign(item, { id: m.id, text: String(data ?? ""), status: "sent" });
     if (m.parts?.length) item.parts = m.parts;
+    if (spoken) item.el.dataset.source = "voice";
     scheduleRender(item);
   } else if (m.role === "assistant" && m.content_type === "markdown") {
     const item = m.turn_id
@@ -591,6 +593,7 @@ function applyMessage(m) {
       : newItem(`m:${m.id}`, "reply", m.global_offset);
     item.id = m.id;
     view.messageKeys.set(m.id, item.key);
+    if (spoken) item.el.dataset.source = "voice";
     item.text ??= "";
     if (m.status === "completed" || m.status === "failed") {
       item.final = String(data ?? "");
@@ -1383,6 +1386,7 @@ async function startVoice() {
   call.addEventListener("interrupt", () => voiceInterrupted());
   $("title").textContent = "Voice conversation";
   $("input").disabled = true;
+  $("input").placeholder = "A voice call is on: end it to type";
   renderBusy();
   voiceView.timer = setInterval(() => renderVoiceStats(call), 250);
   try {
@@ -1427,6 +1431,7 @@ function endVoice(call) {
   clearInterval(voiceView.timer);
   if (voiceView.reply?.status === "streaming") voiceInterrupted();
   $("input").disabled = false;
+  placeholder();
   renderBusy();
   // What was said is archived turn by turn: show that conversation from now on.
   if (voiceView.count && call.sessionId && !leavingVoice) navigate(call.sessionId);

@@ -2454,7 +2454,10 @@ export class Microphone {
       rate = DEFAULT_CALL_FORMAT.sample_rate,
       frameMs = 20,
       workletUrl = new URL("./voice-worklet.js", import.meta.url),
-      constraints = { echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+      // Echo cancellation keeps the agent from hearing (and barging in on) itself. Noise
+      // suppression and gain control are off: they turned a clear "hello" into "slow" for
+      // the embedded agent's recogniser (docs/web.md, "Voice").
+      constraints = { echoCancellation: true, noiseSuppression: false, autoGainControl: false },
     } = {},
   ) {
     Object.assign(this, { context, rate, frameMs, workletUrl, constraints });
