@@ -2547,8 +2547,10 @@ export class VoiceConversation extends EventTarget {
     this.microphone.onframe = (pcm) => this.call.sendAudio(pcm);
     try {
       await this.context.resume();
-      await this.microphone.start();
+      // The socket first: the call starts with the first frame, so the caller's first
+      // words are not lost to the connection's setup.
       await this.call.connect();
+      await this.microphone.start();
     } catch (error) {
       this.stop({ code: error.code ?? error.name, message: error.message });
       throw error;
