@@ -1392,7 +1392,7 @@ async function startVoice() {
   try {
     await call.start();
   } catch (error) {
-    const denied = error.name === "NotAllowedError" || error.name === "NotFoundError";
+    const denied = ["NotAllowedError", "NotFoundError", "NotSupportedError"].includes(error.name);
     showNotice(
       denied
         ? `The microphone is not available: ${error.message}`

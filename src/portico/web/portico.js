@@ -2467,6 +2467,12 @@ export class Microphone {
   }
 
   async start() {
+    if (!navigator.mediaDevices?.getUserMedia || !this.context.audioWorklet) {
+      // Browsers offer both only to a secure page: https, or http on localhost.
+      throw Object.assign(new Error("the microphone needs an https (or localhost) page"), {
+        name: "NotSupportedError",
+      });
+    }
     this._stream = await navigator.mediaDevices.getUserMedia({ audio: this.constraints });
     await this.context.audioWorklet.addModule(this.workletUrl);
     const source = this.context.createMediaStreamSource(this._stream);
