@@ -9,20 +9,28 @@ runtime recognises "hello" and answers with its greeting, spoken (about 20 s of 
 The file's next "hello" comes while the agent still speaks: barge-in. So one call shows
 the caller's transcript, the reply's audio played through Web Audio, and an `interrupt`
 stopping the playback that was queued.
+
+A scripted duplex agent (docs/voice.md) that counter-offers 24 kHz checks the format
+negotiation: the page's first frame proposes 16 kHz, the worklet resamples to 24 kHz once
+`session_config` says so.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import struct
 import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from e2e.harness import ARTIFACTS, CHROMIUM, TcpProxy, require_tools
+from e2e.harness import ARTIFACTS, CHROMIUM, USERS, TcpProxy, require_tools, watch
 from support.duplex_runtimes_embedded import spoken
+from support.server import SCRIPT, ServerProcess
 
 SAMPLE_RATE = 16_000  # what `spoken` makes
 LOOP_SILENCE_MS = 3_500  # after "hello": the agent has started its reply when the loop repeats
@@ -150,3 +158,78 @@ def test_a_dropped_call_is_resumed(page: Any, proxy: TcpProxy) -> None:
     )
     page.locator("#mic").click()  # the same button ends the call
     expect(voice).to_have_attribute("data-state", "ended")
+
+
+# Speaks 8 s of tone once an utterance ends (200 ms of silence after speech): the next
+# loop's "hello" talks over it.
+STORY = {
+    "format": {"codec": "pcm16", "sample_rate": 24000, "channels": 1},
+    "turns": [
+        {"after_silence_frames": 10, "transcript": "tell me a story"}
+        | {"reply": "Once upon a time", "tone_ms": 8000}
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def scripted_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    data_dir = tmp_path_factory.mktemp("voice-scripted")
+    story = data_dir / "story.yaml"
+    story.write_text(yaml.safe_dump(STORY))
+    config = data_dir / "portico.yaml"
+    agent = {"runtime": "scripted", "script": str(SCRIPT)}
+    voice_agent = agent | {"duplex_runtime": "scripted", "duplex_script": str(story)}
+    settings = {
+        "auth": "apikey",
+        "api_keys": {f"key-{n}": f"user-{n}" for n in range(USERS)},
+        **agent,
+        "agents": {"story": voice_agent},
+    }
+    config.write_text(yaml.safe_dump(settings))
+    process = ServerProcess(data_dir, args=("--config", str(config))).start()
+    yield process
+    process.stop()
+
+
+def omni_frame(payload: bytes) -> tuple[dict[str, Any], int]:
+    """An OMNI frame's metadata and payload length."""
+    metadata_length, payload_length = struct.unpack(">II", payload[8:16])
+    metadata = json.loads(payload[32 : 32 + metadata_length])
+    return metadata, payload_length
+
+
+def test_the_page_captures_at_the_format_the_agent_negotiates(
+    context: Any, scripted_server: ServerProcess, errors: list[str]
+) -> None:
+    from playwright.sync_api import expect
+
+    tab = context.new_page()
+    watch(tab, errors)
+    sent: list[bytes] = []
+    tab.on(
+        "websocket",
+        lambda ws: ws.on(
+            "framesent", lambda frame: sent.append(frame) if isinstance(frame, bytes) else None
+        ),
+    )
+    tab.goto(scripted_server.http_url + "/?agent=story")
+    context.grant_permissions(["microphone"])
+    tab.locator("#mic").click()
+    story = tab.locator('.msg[data-source="voice"][data-role="user"] .text').first
+    expect(story).to_have_text("tell me a story", timeout=CALL_TIMEOUT)
+    expect(tab.locator('.msg[data-source="voice"][data-role="assistant"]').first).to_contain_text(
+        "Once upon a time"
+    )
+    wait_for(tab, "playedSamples", 1)
+    wait_for(tab, "interrupts", 1)  # the next "hello" talks over the tone
+    assert number(tab, "cut-samples") > 0
+
+    first, first_length = omni_frame(sent[0])
+    assert (first["codec"], first["sample_rate"], first["channels"]) == ("pcm16", 16000, 1)
+    assert first_length == 640  # 20 ms at 16 kHz, pcm16 mono
+    lengths = {omni_frame(frame)[1] for frame in sent[1:]}
+    assert 960 in lengths  # 20 ms at 24 kHz: resampled to what session_config said
+    assert all("sample_rate" not in omni_frame(frame)[0] for frame in sent[1:])
+    tab.locator("#voice-stop").click()
+    expect(tab.locator("#voice")).to_have_attribute("data-state", "ended")
+    assert not errors, errors
