@@ -11,6 +11,10 @@
  *                  ordered update stream with offset recovery, live chunks.
  *   uploadFile     POST /media/request-upload, then PUT: a file as a message part.
  *   fetchMedia     GET /media/download/...: stored media as a Blob (owner only).
+ *   VoiceCall      GET /ws?binary=true  a voice call (docs/voice.md): binary OMNI frames
+ *                  up, agent audio, transcripts, barge-in, hangup, `?resume` after a drop.
+ *   VoiceConversation  a VoiceCall with the microphone (`Microphone`, an AudioWorklet in
+ *                  `voice-worklet.js`) and the speaker (`VoicePlayer`, Web Audio).
  *
  * SessionClient, as Python's `SessionClient` (docs/session.md, spec sessions-protocol.md):
  *
@@ -2558,14 +2562,20 @@ export class VoiceConversation extends EventTarget {
       await this.call.connect();
       await this.microphone.start();
     } catch (error) {
+      if (this._over) return; // stopped meanwhile: not a failure
       this.stop({ code: error.code ?? error.name, message: error.message });
       throw error;
     }
+    if (this._over) this.microphone.stop(); // stopped while the browser asked for it
+  }
+
+  get _over() {
+    return this.state === "ended" || this.state === "failed";
   }
 
   /** Hang up (or, given `error`, end as failed) and release the microphone. */
   stop(error = null) {
-    if (this.state === "ended" || this.state === "failed") return;
+    if (this._over) return;
     this.call.hangup();
     this.microphone?.stop();
     this.player?.stop();
