@@ -30,7 +30,7 @@ import yaml
 
 from e2e.harness import ARTIFACTS, CHROMIUM, USERS, TcpProxy, require_tools, watch
 from support.duplex_runtimes_embedded import spoken
-from support.server import SCRIPT, ServerProcess
+from support.server import FIXTURES, SCRIPT, ServerProcess
 
 SAMPLE_RATE = 16_000  # what `spoken` makes
 LOOP_SILENCE_MS = 3_500  # after "hello": the agent has started its reply when the loop repeats
@@ -183,7 +183,10 @@ def scripted_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
         "auth": "apikey",
         "api_keys": {f"key-{n}": f"user-{n}" for n in range(USERS)},
         **agent,
-        "agents": {"story": voice_agent},
+        "agents": {
+            "story": voice_agent,
+            "failing": voice_agent | {"duplex_script": str(FIXTURES / "voice_fail.yaml")},
+        },
     }
     config.write_text(yaml.safe_dump(settings))
     process = ServerProcess(data_dir, args=("--config", str(config))).start()
@@ -232,4 +235,25 @@ def test_the_page_captures_at_the_format_the_agent_negotiates(
     assert all("sample_rate" not in omni_frame(frame)[0] for frame in sent[1:])
     tab.locator("#voice-stop").click()
     expect(tab.locator("#voice")).to_have_attribute("data-state", "ended")
+    assert not errors, errors
+
+
+def test_a_failed_call_says_why_and_frees_the_page(
+    context: Any, scripted_server: ServerProcess, errors: list[str]
+) -> None:
+    """The runtime fails on the first utterance: one DUPLEX_ERROR, shown in the bar; the
+    page hangs up, and the message box works again."""
+    from playwright.sync_api import expect
+
+    tab = context.new_page()
+    watch(tab, errors)
+    tab.goto(scripted_server.http_url + "/?agent=failing")
+    context.grant_permissions(["microphone"])
+    tab.locator("#mic").click()
+    voice = tab.locator("#voice")
+    expect(voice).to_have_attribute("data-state", "failed", timeout=CALL_TIMEOUT)
+    expect(tab.locator("#voice-status")).to_have_text("Call failed: the voice model is unavailable")
+    expect(tab.locator("#voice-stop")).to_be_hidden()
+    expect(tab.locator("#mic")).to_have_attribute("aria-pressed", "false")
+    expect(tab.locator("#input")).to_be_enabled()
     assert not errors, errors
