@@ -2135,7 +2135,9 @@ function base64Bytes(text) {
  * disconnected is dropped (`sendAudio` answers false): audio is never resent. A resume
  * the server refuses (`resumed: false`) ends the call: status closed with a
  * `SESSION_EXPIRED` error. With `credentialProvider`, a 4401 close resumes with a fresh
- * token, and the token is refreshed before its `exp` as `openOmniaSocket` does.
+ * token, and the token is refreshed before its `exp` as `openOmniaSocket` does. Each
+ * connection attempt waits `connectTimeout` s for `connected`. A `hangup()` while
+ * disconnected cannot reach the server: the parked call ends with its window.
  */
 export class VoiceCall extends EventTarget {
   constructor(
@@ -2145,6 +2147,7 @@ export class VoiceCall extends EventTarget {
       credentialProvider = null,
       format = DEFAULT_CALL_FORMAT,
       graceWindow = 15,
+      connectTimeout = 15,
       reconnect = new ReconnectPolicy({ initial: 0.2, maximum: 2 }),
     } = {},
   ) {
@@ -2152,7 +2155,7 @@ export class VoiceCall extends EventTarget {
     const url = new URL(path, "http://placeholder/");
     url.searchParams.set("binary", "true");
     this.path = url.pathname + url.search;
-    Object.assign(this, { token, credentialProvider, graceWindow, reconnect });
+    Object.assign(this, { token, credentialProvider, graceWindow, connectTimeout, reconnect });
     this.proposed = { ...format };
     this.sessionId = null;
     this.config = null; // the runtime's format (`session_config`), once it came
@@ -2240,6 +2243,8 @@ export class VoiceCall extends EventTarget {
     this._ws = ws;
     return new Promise((resolve, reject) => {
       let connected = false;
+      // No `connected` in time: give up this attempt (its close rejects).
+      const timer = setTimeout(() => connected || ws.close(), this.connectTimeout * 1000);
       ws.addEventListener("message", (event) => {
         if (ws !== this._ws) return;
         if (typeof event.data !== "string") return this._onBinary(event.data);
@@ -2251,11 +2256,13 @@ export class VoiceCall extends EventTarget {
         }
         if (frame.type === "connected") {
           connected = true;
+          clearTimeout(timer);
           this._onConnected(frame, resume);
           resolve(frame);
         } else this._onFrame(frame);
       });
       ws.addEventListener("close", (event) => {
+        clearTimeout(timer);
         if (ws !== this._ws) return;
         if (!connected) {
           reject(
