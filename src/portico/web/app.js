@@ -272,6 +272,8 @@ function showStreamed(item) {
 // -- live conversations over /v1/session -----------------------------------------------------
 
 const lives = new Map(); // session id -> LiveConversation, the sessions this tab holds
+let voice = null; // the VoiceConversation running, if any
+let leavingVoice = false; // the user opened another conversation: the call ends, the view stays
 const CONTINUED_NOTICE = "The server restarted: this conversation goes on.";
 // Refusals shown with their message instead of as a notice: an invalid one fails its
 // line; a duplicate is a line the server already had, answered (see showDuplicate).
@@ -1367,8 +1369,6 @@ const VOICE_LABELS = {
   ended: "Call ended",
   failed: "Call failed",
 };
-let voice = null; // the VoiceConversation running, if any
-let leavingVoice = false; // the user opened another conversation: the call ends, the view stays
 const voiceView = { user: null, reply: null, count: 0, timer: null };
 
 async function startVoice() {
