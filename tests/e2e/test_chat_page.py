@@ -187,6 +187,7 @@ def test_page_and_assets_are_served_with_a_strict_policy(server: ServerProcess) 
         "app.js": "text/javascript; charset=utf-8",
         "portico.js": "text/javascript; charset=utf-8",
         "markdown.js": "text/javascript; charset=utf-8",
+        "voice-worklet.js": "text/javascript; charset=utf-8",
         "style.css": "text/css; charset=utf-8",
         "favicon.svg": "image/svg+xml",
     }

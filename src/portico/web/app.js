@@ -6,6 +6,7 @@ import {
   RpcAuthenticationError,
   RpcClient,
   SessionClient,
+  VoiceConversation,
   fetchMedia,
   partType,
   uploadFile,
@@ -271,6 +272,8 @@ function showStreamed(item) {
 // -- live conversations over /v1/session -----------------------------------------------------
 
 const lives = new Map(); // session id -> LiveConversation, the sessions this tab holds
+let voice = null; // the VoiceConversation running, if any
+let leavingVoice = false; // the user opened another conversation: the call ends, the view stays
 const CONTINUED_NOTICE = "The server restarted: this conversation goes on.";
 // Refusals shown with their message instead of as a notice: an invalid one fails its
 // line; a duplicate is a line the server already had, answered (see showDuplicate).
@@ -566,6 +569,7 @@ function toolItem(callId, offset = null) {
 
 function applyMessage(m) {
   const data = m.content_data;
+  const spoken = m.metadata?.source === "voice"; // a voice call's turn (docs/voice.md)
   if (m.content_type === "toolcall_input" && data && typeof data === "object") {
     const calls = view.turnCalls.get(m.turn_id) ?? new Set();
     view.turnCalls.set(m.turn_id, calls.add(m.global_offset));
@@ -583,6 +587,7 @@ function applyMessage(m) {
     const item = newItem(key, "user", m.global_offset);
     Object.assign(item, { id: m.id, text: String(data ?? ""), status: "sent" });
     if (m.parts?.length) item.parts = m.parts;
+    if (spoken) item.el.dataset.source = "voice";
     scheduleRender(item);
   } else if (m.role === "assistant" && m.content_type === "markdown") {
     const item = m.turn_id
@@ -590,6 +595,7 @@ function applyMessage(m) {
       : newItem(`m:${m.id}`, "reply", m.global_offset);
     item.id = m.id;
     view.messageKeys.set(m.id, item.key);
+    if (spoken) item.el.dataset.source = "voice";
     item.text ??= "";
     if (m.status === "completed" || m.status === "failed") {
       item.final = String(data ?? "");
@@ -658,6 +664,11 @@ function clearView() {
 }
 
 async function select(sessionId) {
+  if (voice) {
+    leavingVoice = true;
+    voice.stop();
+    leavingVoice = false;
+  }
   const generation = ++view.generation;
   clearView();
   view.loading = false; // a load still running for the previous selection no longer counts
@@ -1341,8 +1352,128 @@ function busy() {
 function renderBusy() {
   const running = busy();
   $("stop").hidden = !running;
-  $("send").disabled = running || view.attachments.some((a) => a.status === "uploading");
+  $("send").disabled =
+    running || Boolean(voice) || view.attachments.some((a) => a.status === "uploading");
   renderConnection();
+}
+
+// -- voice: the microphone button (docs/web.md, "Voice") ------------------------------------------
+
+// A call runs on a /ws connection of its own, so it is a conversation of its own: the view
+// shows it live from the call's frames and, once it ends, from the archive.
+const VOICE_LABELS = {
+  starting: "Starting… allow the microphone",
+  listening: "Listening: speak now",
+  speaking: "Agent speaking: talk to interrupt",
+  reconnecting: "Reconnecting the call…",
+  ended: "Call ended",
+  failed: "Call failed",
+};
+const voiceView = { user: null, reply: null, count: 0, timer: null };
+
+async function startVoice() {
+  if (voice) return;
+  navigate(null);
+  hideNotice();
+  const path = AGENT ? `/ws?agent=${encodeURIComponent(AGENT)}` : "/ws";
+  const call = new VoiceConversation(path, { token });
+  voice = call;
+  Object.assign(voiceView, { user: null, reply: null, count: 0 });
+  call.addEventListener("state", (e) => renderVoice(call, e.detail));
+  call.addEventListener("transcript", (e) => voiceHeard(e.detail.text));
+  call.addEventListener("text", (e) => voiceSaid(e.detail.text));
+  call.addEventListener("done", (e) => voiceDone(e.detail.text));
+  call.addEventListener("interrupt", () => voiceInterrupted());
+  $("title").textContent = "Voice conversation";
+  $("input").disabled = true;
+  $("input").placeholder = "A voice call is on: end it to type";
+  renderBusy();
+  voiceView.timer = setInterval(() => renderVoiceStats(call), 250);
+  try {
+    await call.start();
+  } catch (error) {
+    const denied = ["NotAllowedError", "NotFoundError", "NotSupportedError"].includes(error.name);
+    showNotice(
+      denied
+        ? `The microphone is not available: ${error.message}`
+        : `Could not start the voice conversation: ${error.message}`,
+    );
+  }
+}
+
+function renderVoice(call, { state, error }) {
+  const bar = $("voice");
+  bar.hidden = false;
+  bar.dataset.state = state;
+  bar.dataset.session = call.sessionId ?? "";
+  let label = VOICE_LABELS[state] ?? state;
+  if (state === "failed" && error?.message) label += `: ${error.message}`;
+  $("voice-status").textContent = label;
+  const live = state !== "ended" && state !== "failed";
+  $("voice-stop").hidden = !live;
+  $("mic").setAttribute("aria-pressed", String(live));
+  $("mic").setAttribute("aria-label", live ? "End the voice conversation" : "Start a voice conversation");
+  renderVoiceStats(call);
+  if (!live) endVoice(call);
+}
+
+function renderVoiceStats(call) {
+  const bar = $("voice");
+  bar.dataset.playedSamples = String(call.player?.playedSamples ?? 0);
+  bar.dataset.cutSamples = String(call.player?.cutSamples ?? 0);
+  bar.dataset.interrupts = String(call.interrupts);
+  bar.dataset.resumes = String(call.resumes);
+}
+
+function endVoice(call) {
+  if (voice !== call) return;
+  voice = null;
+  clearInterval(voiceView.timer);
+  if (voiceView.reply?.status === "streaming") voiceInterrupted();
+  $("input").disabled = false;
+  placeholder();
+  renderBusy();
+  // What was said is archived turn by turn: show that conversation from now on.
+  if (voiceView.count && call.sessionId && !leavingVoice) navigate(call.sessionId);
+}
+
+function voiceItem(kind) {
+  voiceView.count += 1;
+  const item = newItem(`v:${voiceView.count}`, kind);
+  item.el.dataset.source = "voice";
+  return item;
+}
+
+function voiceHeard(text) {
+  if (!text) return;
+  const item = voiceView.user ?? (voiceView.user = voiceItem("user"));
+  Object.assign(item, { text: item.text ? `${item.text} ${text}` : text, status: "sent" });
+  voiceView.reply = null;
+  scheduleRender(item);
+}
+
+function voiceSaid(text) {
+  const item = voiceView.reply ?? (voiceView.reply = voiceItem("reply"));
+  item.text = (item.text ?? "") + text;
+  item.status = "streaming";
+  voiceView.user = null;
+  scheduleRender(item);
+}
+
+function voiceDone(text) {
+  const item = voiceView.reply ?? voiceItem("reply");
+  item.final = text || item.text || "";
+  item.status = "completed";
+  voiceView.reply = voiceView.user = null;
+  scheduleRender(item);
+}
+
+function voiceInterrupted() {
+  const item = voiceView.reply;
+  if (!item) return;
+  Object.assign(item, { cancelled: true, status: "completed", final: item.text ?? "" });
+  voiceView.reply = null;
+  scheduleRender(item);
 }
 
 // -- composer -----------------------------------------------------------------------------------
@@ -1594,6 +1725,8 @@ const placeholder = () => {
 narrow.addEventListener("change", placeholder);
 placeholder();
 $("stop").addEventListener("click", stop);
+$("mic").addEventListener("click", () => (voice ? voice.stop() : startVoice()));
+$("voice-stop").addEventListener("click", () => voice?.stop());
 $("new-chat").addEventListener("click", () => navigate(null));
 $("more-sessions").addEventListener("click", () =>
   loadMoreSessions().catch((e) => showNotice(e.message)),

@@ -11,6 +11,10 @@
  *                  ordered update stream with offset recovery, live chunks.
  *   uploadFile     POST /media/request-upload, then PUT: a file as a message part.
  *   fetchMedia     GET /media/download/...: stored media as a Blob (owner only).
+ *   VoiceCall      GET /ws?binary=true  a voice call (docs/voice.md): binary OMNI frames
+ *                  up, agent audio, transcripts, barge-in, hangup, `?resume` after a drop.
+ *   VoiceConversation  a VoiceCall with the microphone (`Microphone`, an AudioWorklet in
+ *                  `voice-worklet.js`) and the speaker (`VoicePlayer`, Web Audio).
  *
  * SessionClient, as Python's `SessionClient` (docs/session.md, spec sessions-protocol.md):
  *
@@ -2062,4 +2066,565 @@ export async function fetchMedia(storageRef, { token = null, baseUrl = "" } = {}
   const response = await fetch(baseUrl + path, { headers: authHeaders(token) });
   if (!response.ok) throw await mediaError(response);
   return response.blob();
+}
+
+// -- voice calls over /ws (docs/voice.md, docs/web.md "Voice") -------------------------------
+
+/** The format a call proposes on its first frame: what the embedded agent hears. */
+export const DEFAULT_CALL_FORMAT = Object.freeze({ codec: "pcm16", sample_rate: 16000, channels: 1 });
+const CALL_MEDIA_ID = "c1"; // the caller's audio item (at most 12 bytes)
+const FLAG_IS_LAST = 0x04;
+// Errors that end the call (the server drops its later frames until `hangup`).
+const CALL_FAILURES = new Set(["DUPLEX_ERROR", "UNSATISFIABLE_FORMAT"]);
+
+/** Encode one OMNI frame (type 1, MediaChunk): the inverse of `decodeOmni`. */
+export function encodeOmni({ mediaId, sequence = 0, isLast = false, metadata = {}, payload }) {
+  const meta = encoder.encode(JSON.stringify(metadata));
+  const id = encoder.encode(mediaId);
+  if (id.length > 12) throw new RangeError("a MediaID is at most 12 bytes");
+  const body = payload instanceof Uint8Array ? payload : new Uint8Array(payload);
+  const frame = new Uint8Array(OMNI_HEADER + meta.length + body.length);
+  const view = new DataView(frame.buffer);
+  frame.set(encoder.encode("OMNI"), 0);
+  view.setUint8(4, 1);
+  view.setUint8(5, isLast ? FLAG_IS_LAST : 0);
+  view.setUint16(6, 1);
+  view.setUint32(8, meta.length);
+  view.setUint32(12, body.length);
+  view.setUint32(16, sequence >>> 0);
+  frame.set(id, 20);
+  frame.set(meta, OMNI_HEADER);
+  frame.set(body, OMNI_HEADER + meta.length);
+  return frame.buffer;
+}
+
+const pcmMime = (format) =>
+  format.codec === "pcm16" || format.codec === "pcm"
+    ? `audio/pcm;rate=${format.sample_rate}`
+    : `audio/${format.codec}`;
+
+function base64Bytes(text) {
+  const binary = atob(text);
+  const bytes = new Uint8Array(binary.length);
+  for (let i = 0; i < binary.length; i++) bytes[i] = binary.charCodeAt(i);
+  return bytes;
+}
+
+/**
+ * One voice call on its own `/ws` connection (`binary=true`), the wire only: no
+ * microphone, no speaker (see `VoiceConversation` for both).
+ *
+ *   const call = new VoiceCall("/ws?agent=demo", { token });
+ *   call.addEventListener("audio", (e) => play(e.detail.payload, e.detail.format));
+ *   call.addEventListener("interrupt", () => stopPlaying());   // barge-in: at once
+ *   await call.connect();                                      // `connected`
+ *   call.sendAudio(pcm16);   // the first frame starts the call with `format` in its metadata
+ *   call.hangup();
+ *
+ * Events: `status` {state: connecting|open|reconnecting|closed, resumed, error},
+ * `config` (the runtime's `session_config`: capture at that format from then on),
+ * `audio` {mediaId, sequence, isLast, payload, format} (binary OMNI frames, or base64
+ * `media_chunk` from a server that sends those), `transcript` {role: "user", text} (what
+ * the agent heard), `text` {text} (the agent's words as they stream), `done` {text} (a
+ * spoken turn ended), `interrupt` (barge-in: drop buffered audio now), `error` {code,
+ * message, details, fatal} (`fatal`: the call failed; hang up).
+ *
+ * A connection that drops without `hangup` leaves the call parked on the server for its
+ * grace window (`graceWindow`, the server's `realtime_grace_window`): the client
+ * reconnects with `?resume=<session id>` and backoff until then. Audio sent while
+ * disconnected is dropped (`sendAudio` answers false): audio is never resent. A resume
+ * the server refuses (`resumed: false`) ends the call: status closed with a
+ * `SESSION_EXPIRED` error. With `credentialProvider`, a 4401 close resumes with a fresh
+ * token, and the token is refreshed before its `exp` as `openOmniaSocket` does. Each
+ * connection attempt waits `connectTimeout` s for `connected`. A `hangup()` while
+ * disconnected cannot reach the server: the parked call ends with its window.
+ */
+export class VoiceCall extends EventTarget {
+  constructor(
+    path = "/ws",
+    {
+      token = null,
+      credentialProvider = null,
+      format = DEFAULT_CALL_FORMAT,
+      graceWindow = 15,
+      connectTimeout = 15,
+      reconnect = new ReconnectPolicy({ initial: 0.2, maximum: 2 }),
+    } = {},
+  ) {
+    super();
+    const url = new URL(path, "http://placeholder/");
+    url.searchParams.set("binary", "true");
+    this.path = url.pathname + url.search;
+    Object.assign(this, { token, credentialProvider, graceWindow, connectTimeout, reconnect });
+    this.proposed = { ...format };
+    this.sessionId = null;
+    this.config = null; // the runtime's format (`session_config`), once it came
+    this.state = "idle";
+    this.framesSent = 0;
+    this._ws = null;
+    this._started = false; // the first frame went: the server holds a call
+    this._failed = false;
+    this._closing = false;
+    this._wake = new Set();
+  }
+
+  get open() {
+    return this._ws?.readyState === WebSocket.OPEN && this.state === "open";
+  }
+
+  /** Open the connection; resolves on `connected`. Rejects with ConnectError. */
+  async connect() {
+    this._status("connecting");
+    try {
+      await this._open(null);
+    } catch (error) {
+      this._status("closed", { error });
+      throw error;
+    }
+  }
+
+  /**
+   * Send caller audio (an ArrayBuffer or Uint8Array in the proposed format until
+   * `config` comes, in `config`'s after). The first frame carries the format and starts
+   * the call. False when the frame was dropped (not connected, or the call failed).
+   */
+  sendAudio(pcm, { isLast = false } = {}) {
+    if (!this.open || this._failed) return false;
+    const metadata = { session_id: this.sessionId };
+    if (!this._started) {
+      const fmt = this.proposed;
+      Object.assign(metadata, {
+        mime_type: pcmMime(fmt),
+        codec: fmt.codec,
+        sample_rate: fmt.sample_rate,
+        channels: fmt.channels,
+      });
+    }
+    this._ws.send(
+      encodeOmni({ mediaId: CALL_MEDIA_ID, sequence: this.framesSent, isLast, metadata, payload: pcm }),
+    );
+    this._started = true;
+    this.framesSent += 1;
+    return true;
+  }
+
+  /** End the call on purpose (`hangup`: not parked) and close the connection. */
+  hangup() {
+    if (this._closing) return;
+    this._closing = true;
+    const ws = this._ws;
+    if (ws?.readyState === WebSocket.OPEN) {
+      if (this._started || this._failed) ws.send(JSON.stringify({ type: "hangup" }));
+      ws.close(CLOSE_NORMAL);
+    }
+    [...this._wake].forEach((fn) => fn());
+    this._status("closed");
+  }
+
+  _status(state, extra = {}) {
+    if (this.state === "closed") return;
+    this.state = state;
+    this.dispatchEvent(new CustomEvent("status", { detail: { state, ...extra } }));
+  }
+
+  _emit(type, detail = {}) {
+    this.dispatchEvent(new CustomEvent(type, { detail }));
+  }
+
+  /** One connection; resolves with `connected` (rejects when it closes before). */
+  _open(resume) {
+    const url = new URL(this.path, "http://placeholder/");
+    if (resume) url.searchParams.set("resume", resume);
+    const ws = openOmniaSocket(url.pathname + url.search, {
+      token: this.token,
+      credentialProvider: this.credentialProvider,
+    });
+    ws.binaryType = "arraybuffer";
+    this._ws = ws;
+    return new Promise((resolve, reject) => {
+      let connected = false;
+      // No `connected` in time: give up this attempt (its close rejects).
+      const timer = setTimeout(() => connected || ws.close(), this.connectTimeout * 1000);
+      ws.addEventListener("message", (event) => {
+        if (ws !== this._ws) return;
+        if (typeof event.data !== "string") return this._onBinary(event.data);
+        let frame;
+        try {
+          frame = JSON.parse(event.data);
+        } catch {
+          return;
+        }
+        if (frame.type === "connected") {
+          connected = true;
+          clearTimeout(timer);
+          this._onConnected(frame, resume);
+          resolve(frame);
+        } else this._onFrame(frame);
+      });
+      ws.addEventListener("close", (event) => {
+        clearTimeout(timer);
+        if (ws !== this._ws) return;
+        if (!connected) {
+          reject(
+            new ConnectError(`the voice connection closed (${event.code})`, {
+              closeCode: event.code,
+            }),
+          );
+        } else this._dropped(event);
+      });
+    });
+  }
+
+  _onConnected(frame, resume) {
+    this.sessionId = frame.session_id;
+    const resumed = frame.connected?.resumed;
+    if (resume && resumed === false) {
+      // The call is gone (its window passed, or the server restarted): nothing to resume.
+      this._closing = true;
+      this._ws.close(CLOSE_NORMAL);
+      const error = new SessionError("the call could not be resumed", { code: "SESSION_EXPIRED" });
+      this._emit("error", { code: "SESSION_EXPIRED", message: error.message, fatal: true });
+      this._status("closed", { error });
+      return;
+    }
+    this._status("open", { resumed: Boolean(resumed) });
+  }
+
+  _onFrame(frame) {
+    switch (frame.type) {
+      case "session_config":
+        this.config = { ...frame.session_config };
+        if (this.config.codec === "pcm") this.config.codec = "pcm16";
+        this._emit("config", this.config);
+        break;
+      case "media_chunk": {
+        const chunk = frame.media_chunk ?? {};
+        this._emit("audio", {
+          mediaId: chunk.media_id,
+          sequence: chunk.sequence,
+          isLast: Boolean(chunk.is_last),
+          payload: base64Bytes(chunk.data ?? ""),
+          format: this.config,
+        });
+        break;
+      }
+      case "chunk":
+        if (frame.role === "user") this._emit("transcript", { role: "user", text: frame.content ?? "" });
+        else this._emit("text", { text: frame.content ?? "" });
+        break;
+      case "done":
+        this._emit("done", { text: frame.content ?? "" });
+        break;
+      case "interrupt":
+        this._emit("interrupt");
+        break;
+      case "error": {
+        const { code, message, details } = frame.error ?? {};
+        // Before `session_config` an error refuses the call (a limit, the runtime).
+        const fatal = CALL_FAILURES.has(code) || (this._started && this.config == null);
+        if (fatal) this._failed = true;
+        this._emit("error", { code, message, details: details ?? {}, fatal });
+        break;
+      }
+    }
+  }
+
+  _onBinary(data) {
+    let frame;
+    try {
+      frame = decodeOmni(data);
+    } catch (error) {
+      return console.warn("voice: a malformed binary frame", describe(error));
+    }
+    const meta = frame.metadata ?? {};
+    const format = meta.sample_rate
+      ? { codec: meta.codec ?? "pcm16", sample_rate: meta.sample_rate, channels: meta.channels ?? 1 }
+      : this.config;
+    this._emit("audio", {
+      mediaId: frame.mediaId,
+      sequence: frame.sequence,
+      isLast: frame.isLast,
+      payload: frame.payload,
+      format,
+    });
+  }
+
+  /** The connection went without our `hangup`: resume the parked call in its window. */
+  async _dropped(event) {
+    if (this._closing || this.state === "closed") return;
+    if (event.code === CLOSE_UNAUTHENTICATED && !this.credentialProvider) {
+      const error = new AuthenticationError("the credential was refused", { closeCode: 4401 });
+      return this._status("closed", { error });
+    }
+    const resume = this._started && !this._failed ? this.sessionId : null;
+    this._status("reconnecting", { closeCode: event.code });
+    const deadline = now() + (resume ? this.graceWindow : (this.reconnect.giveUpAfter ?? 120));
+    for (let attempt = 0; !this._closing; attempt++) {
+      if (now() >= deadline) {
+        const error = new ConnectionLostError("no connection within the call's grace window");
+        return this._status("closed", { error });
+      }
+      await backoff(Math.min(this.reconnect.delay(attempt), deadline - now()), this._wake);
+      if (this._closing) return;
+      if (this.credentialProvider && event.code === CLOSE_UNAUTHENTICATED) {
+        try {
+          this.token = await this.credentialProvider();
+        } catch {}
+      }
+      try {
+        await this._open(resume);
+        if (!resume) this._started = this._failed = false; // a fresh session: a new call
+        return;
+      } catch {}
+    }
+  }
+}
+
+/**
+ * Plays pcm16 audio through Web Audio as it arrives: each chunk is scheduled right after
+ * the previous one; `stop()` silences everything scheduled at once (barge-in).
+ * `playedSamples` counts what was heard, `cutSamples` what a `stop()` dropped.
+ */
+export class VoicePlayer extends EventTarget {
+  constructor(context, { lead = 0.05 } = {}) {
+    super();
+    this.context = context;
+    this.lead = lead; // seconds of margin before the first chunk after silence
+    this.playedSamples = 0;
+    this.cutSamples = 0;
+    this._sources = new Set();
+    this._next = 0;
+  }
+
+  get playing() {
+    return this._sources.size > 0;
+  }
+
+  /** Queue pcm16 little-endian bytes of `format` (codec pcm16 only). */
+  play(bytes, format) {
+    if (!format || (format.codec !== "pcm16" && format.codec !== "pcm")) return;
+    const channels = format.channels || 1;
+    const frames = Math.floor(bytes.byteLength / 2 / channels);
+    if (!frames) return;
+    const view = new DataView(bytes.buffer, bytes.byteOffset, frames * 2 * channels);
+    const buffer = this.context.createBuffer(channels, frames, format.sample_rate);
+    for (let c = 0; c < channels; c++) {
+      const out = buffer.getChannelData(c);
+      for (let i = 0; i < frames; i++) out[i] = view.getInt16((i * channels + c) * 2, true) / 32768;
+    }
+    const source = this.context.createBufferSource();
+    source.buffer = buffer;
+    source.connect(this.context.destination);
+    const at = Math.max(this._next, this.context.currentTime + this.lead);
+    source.startAt = at;
+    this._next = at + buffer.duration;
+    const wasPlaying = this.playing;
+    this._sources.add(source);
+    source.addEventListener("ended", () => {
+      if (!this._sources.delete(source)) return; // stopped: counted by stop()
+      this.playedSamples += frames;
+      if (!this.playing) this._changed();
+    });
+    source.start(at);
+    if (!wasPlaying) this._changed();
+  }
+
+  /** Silence at once and forget what is queued; returns the samples dropped. */
+  stop() {
+    const t = this.context.currentTime;
+    let cut = 0;
+    for (const source of this._sources) {
+      const { length, sampleRate } = source.buffer;
+      const heard = Math.min(length, Math.max(0, Math.round((t - source.startAt) * sampleRate)));
+      this.playedSamples += heard;
+      cut += length - heard;
+      source.stop();
+    }
+    const was = this.playing;
+    this._sources.clear();
+    this._next = 0;
+    this.cutSamples += cut;
+    if (was) this._changed();
+    return cut;
+  }
+
+  _changed() {
+    this.dispatchEvent(new CustomEvent("playing", { detail: { playing: this.playing } }));
+  }
+}
+
+/**
+ * The microphone as pcm16 frames: `getUserMedia`, then an AudioWorklet
+ * (`voice-worklet.js`, served beside this file) that mixes to mono and resamples to
+ * `rate`, posting `frameMs` frames; `setRate()` follows a `session_config`.
+ */
+export class Microphone {
+  constructor(
+    context,
+    {
+      rate = DEFAULT_CALL_FORMAT.sample_rate,
+      frameMs = 20,
+      workletUrl = new URL("./voice-worklet.js", import.meta.url),
+      // Echo cancellation keeps the agent from hearing (and barging in on) itself. Noise
+      // suppression and gain control are off: they turned a clear "hello" into "slow" for
+      // the embedded agent's recogniser (docs/web.md, "Voice").
+      constraints = { echoCancellation: true, noiseSuppression: false, autoGainControl: false },
+    } = {},
+  ) {
+    Object.assign(this, { context, rate, frameMs, workletUrl, constraints });
+    this.onframe = null; // (ArrayBuffer of pcm16) => void
+    this._stream = null;
+    this._node = null;
+  }
+
+  async start() {
+    if (!navigator.mediaDevices?.getUserMedia || !this.context.audioWorklet) {
+      // Browsers offer both only to a secure page: https, or http on localhost.
+      throw Object.assign(new Error("the microphone needs an https (or localhost) page"), {
+        name: "NotSupportedError",
+      });
+    }
+    this._stream = await navigator.mediaDevices.getUserMedia({ audio: this.constraints });
+    await this.context.audioWorklet.addModule(this.workletUrl);
+    const source = this.context.createMediaStreamSource(this._stream);
+    // No output: the node is a sink, pulled by the graph (it must not be heard).
+    this._node = new AudioWorkletNode(this.context, "portico-capture", {
+      numberOfOutputs: 0,
+      processorOptions: { rate: this.rate, frameMs: this.frameMs },
+    });
+    this._node.port.onmessage = (event) => this.onframe?.(event.data);
+    source.connect(this._node);
+  }
+
+  setRate(rate) {
+    this.rate = rate;
+    this._node?.port.postMessage({ rate });
+  }
+
+  stop() {
+    this._stream?.getTracks().forEach((track) => track.stop());
+    if (this._node) {
+      this._node.port.onmessage = null;
+      this._node.disconnect();
+    }
+    this._stream = this._node = null;
+  }
+}
+
+/**
+ * A spoken conversation: the microphone to a `VoiceCall`, its audio to a `VoicePlayer`,
+ * barge-in stopping playback at once. Start it from a user gesture (a click): browsers
+ * only let a page start audio and ask for the microphone then.
+ *
+ *   const voice = new VoiceConversation("/ws?agent=demo", { token });
+ *   voice.addEventListener("state", (e) => show(e.detail.state)); // listening, speaking...
+ *   voice.addEventListener("transcript", (e) => addLine("user", e.detail.text));
+ *   voice.addEventListener("text", (e) => appendReply(e.detail.text));
+ *   voice.addEventListener("done", () => endReply());
+ *   await voice.start();
+ *   ...
+ *   voice.stop();                                            // hangup
+ *
+ * States: starting, listening, speaking (agent audio playing), reconnecting, ended,
+ * failed (`error` says why). Other events are the `VoiceCall`'s, passed on.
+ */
+export class VoiceConversation extends EventTarget {
+  constructor(path = "/ws", { token = null, credentialProvider = null, workletUrl, graceWindow } = {}) {
+    super();
+    this.call = new VoiceCall(path, { token, credentialProvider, graceWindow });
+    this.context = null;
+    this.player = null;
+    this.microphone = null;
+    this.interrupts = 0;
+    this.resumes = 0; // reconnections that took the parked call back
+    this.state = "idle";
+    this._workletUrl = workletUrl;
+    this._interrupted = new Set(); // media ids cut by a barge-in: their stragglers are dropped
+    for (const type of ["transcript", "text", "done", "config", "error"])
+      this.call.addEventListener(type, (e) => this._pass(type, e.detail));
+    this.call.addEventListener("config", (e) => this.microphone?.setRate(e.detail.sample_rate));
+    this.call.addEventListener("audio", (e) => this._onAudio(e.detail));
+    this.call.addEventListener("interrupt", () => this._interrupt());
+    this.call.addEventListener("status", (e) => this._onStatus(e.detail));
+    this.call.addEventListener("error", (e) => e.detail.fatal && this.stop(e.detail));
+  }
+
+  get sessionId() {
+    return this.call.sessionId;
+  }
+
+  async start() {
+    this._state("starting");
+    this.context = new AudioContext();
+    this.player = new VoicePlayer(this.context);
+    this.player.addEventListener("playing", () => this._onPlaying());
+    const options = { rate: this.call.proposed.sample_rate };
+    if (this._workletUrl) options.workletUrl = this._workletUrl;
+    this.microphone = new Microphone(this.context, options);
+    this.microphone.onframe = (pcm) => this.call.sendAudio(pcm);
+    try {
+      await this.context.resume();
+      // The socket first: the call starts with the first frame, so the caller's first
+      // words are not lost to the connection's setup.
+      await this.call.connect();
+      await this.microphone.start();
+    } catch (error) {
+      if (this._over) return; // stopped meanwhile: not a failure
+      this.stop({ code: error.code ?? error.name, message: error.message });
+      throw error;
+    }
+    if (this._over) this.microphone.stop(); // stopped while the browser asked for it
+  }
+
+  get _over() {
+    return this.state === "ended" || this.state === "failed";
+  }
+
+  /** Hang up (or, given `error`, end as failed) and release the microphone. */
+  stop(error = null) {
+    if (this._over) return;
+    this.call.hangup();
+    this.microphone?.stop();
+    this.player?.stop();
+    this.context?.close().catch(() => {});
+    this._state(error ? "failed" : "ended", error ? { error } : {});
+  }
+
+  _pass(type, detail) {
+    this.dispatchEvent(new CustomEvent(type, { detail }));
+  }
+
+  _state(state, extra = {}) {
+    this.state = state;
+    this.dispatchEvent(new CustomEvent("state", { detail: { state, ...extra } }));
+  }
+
+  _onAudio({ mediaId, payload, format }) {
+    if (this._interrupted.has(mediaId) || !this.player) return;
+    this._item = mediaId;
+    this.player.play(payload, format ?? this.call.config);
+  }
+
+  _interrupt() {
+    if (this._item) this._interrupted.add(this._item);
+    const cut = this.player?.stop() ?? 0;
+    this.interrupts += 1;
+    this._pass("interrupt", { cutSamples: cut });
+  }
+
+  _onPlaying() {
+    if (this.state === "listening" || this.state === "speaking")
+      this._state(this.player.playing ? "speaking" : "listening");
+  }
+
+  _onStatus({ state, error, resumed }) {
+    if (state === "open") {
+      if (resumed) this.resumes += 1;
+      this._state(this.player?.playing ? "speaking" : "listening");
+    }
+    else if (state === "reconnecting") {
+      this.player?.stop(); // what was in flight is lost: audio is never resent
+      this._state("reconnecting");
+    } else if (state === "closed" && error) this.stop({ code: error.code ?? error.name, message: error.message });
+  }
 }
