@@ -191,9 +191,13 @@ class ServerToolResult(_Frame, frozen=True, tag="tool_result"):
 
 
 class Transcript(_Frame, frozen=True, tag="transcript"):
+    """Recognised speech of the caller (`role` "user"); `final` false: a partial
+    transcript of an utterance still being heard, which the final one replaces."""
+
     seq: int
     role: str
     text: str
+    final: bool = True
 
 
 class AudioStart(_Frame, frozen=True, tag="audio_start"):
