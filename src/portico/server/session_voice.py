@@ -5,7 +5,8 @@ The session's first audio starts a call (with the format `ready.audio.input` cho
 the call then lasts as long as the session: through drops and resumes (it keeps
 running in the resume window, its numbered messages wait in the resend buffer, its
 audio reaches no one), until `end`, the window's end, or its own end or failure,
-after which the next audio starts a new call. So the session is the call's parking:
+after which the client's next item starts a new call (the rest of the item it was
+sending is dropped). So the session is the call's parking:
 `/v1/session` needs no parking lot of its own.
 """
 
@@ -19,7 +20,7 @@ from portico.calls.service import LiveCall
 from portico.errors import PorticoError, RateLimited
 from portico.protocols.session import frames as f
 from portico.protocols.session.voice import CallerItems, SpokenTurns, VoiceOut, runtime_format
-from portico.runtime.duplex.base import AudioIn, DuplexEvent
+from portico.runtime.duplex.base import AudioIn, DuplexEvent, DuplexFailure
 from portico.server.duplex import voice_limits
 from portico.server.services import Services
 from portico.store.base import detached
@@ -115,7 +116,11 @@ class SessionCall:
     def _on_event(self, epoch: int, event: DuplexEvent | None) -> None:
         if epoch != self._epoch:
             return
-        if event is None:  # the call is over: its turn in progress ends
+        if event is None or isinstance(event, DuplexFailure):
+            # The call is over: its turn in progress ends, and the client's open item
+            # goes with it (the next item starts a new call).
+            self.items.refuse()
+        if event is None:
             self._call = None
             outs = self.turns.cut()
         else:
@@ -127,6 +132,7 @@ class SessionCall:
         """A `/ws ?resume` of this session by its owner took the call over."""
         self._call = None
         self._epoch += 1
+        self.items.refuse()
         for out in self.turns.cut():
             self._emit(out)
 
