@@ -129,7 +129,8 @@ class Speaker:
     def drop(self) -> None:
         """Drop the connection abruptly, as a network failure would."""
         connection = self.p.ws._response.connection  # type: ignore[attr-defined]
-        assert connection is not None and connection.transport is not None
+        assert connection is not None
+        assert connection.transport is not None
         connection.transport.abort()
 
     async def speak(
@@ -323,10 +324,13 @@ async def test_the_clients_interrupt_cuts_the_agents_speech(
     # The rest of that speech never comes; the interrupt was acknowledged.
     assert await speaker.flush() == []
     assert interrupt_seq == 1
-    async with open_archive(server.archive_path) as store:
-        async with asyncio.timeout(WAIT):
-            while not (turns := await store.list_turns(speaker.session_id)):
-                await asyncio.sleep(0.05)
+    messages = await wait_for_messages(server.archive_path, speaker.session_id, 2)
+    assert [(m.role, m.content) for m in messages] == [
+        ("user", "tell me a story"),
+        ("assistant", STORY),
+    ]
+    async with open_archive(server.archive_path) as store:  # written with its messages
+        turns = await store.list_turns(speaker.session_id)
     assert [t.state for t in turns] == [TurnState.CANCELLED]
 
 
@@ -352,7 +356,8 @@ async def test_a_drop_mid_call_loses_audio_in_flight_and_keeps_messages_exactly_
     await speaker.binary_of(first["item_id"])
     speaker.drop()
     ready = await speaker.resume()
-    assert ready["type"] == "ready" and ready["resumed"] is True
+    assert ready["type"] == "ready"
+    assert ready["resumed"] is True
     # The call went on: the open items ended lost, the speech goes on in a new item.
     frames = await speaker.until(
         lambda frame: frame["type"] == "audio_start" and frame["item_id"] != first["item_id"]
@@ -360,9 +365,11 @@ async def test_a_drop_mid_call_loses_audio_in_flight_and_keeps_messages_exactly_
     fresh = frames[-1]
     assert fresh["turn_id"] == first["turn_id"]
     ends = [frame for frame in speaker.p.received if frame["type"] == "audio_end"]
-    assert ends and all(end["lost"] for end in ends)
+    assert ends
+    assert all(end["lost"] for end in ends)
     new_frames = await speaker.binary_of(fresh["item_id"])
-    assert new_frames[0].sequence == 0 and new_frames[0].metadata.mime_type is not None
+    assert new_frames[0].sequence == 0
+    assert new_frames[0].metadata.mime_type is not None
     # The client's item in flight is gone: its next frame names an unknown item.
     await speaker.speak("c1", QUIET, first=False)
     errors = [frame for frame in await speaker.flush() if frame["type"] == "error"]
@@ -496,7 +503,8 @@ async def test_the_sdk_sends_audio_and_gets_transcripts_and_the_spoken_reply(
         assert reply.text == REPLY
         assert not reply.cancelled
         (item,) = reply.audio
-        assert item.complete and len(item.data) == 5 * 640
+        assert item.complete
+        assert len(item.data) == 5 * 640
         # Barge-in from the SDK.
         await client.interrupt()
 
