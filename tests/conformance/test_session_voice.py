@@ -505,8 +505,56 @@ async def test_the_sdk_sends_audio_and_gets_transcripts_and_the_spoken_reply(
         (item,) = reply.audio
         assert item.complete
         assert len(item.data) == 5 * 640
-        # Barge-in from the SDK.
+
+
+async def test_the_sdk_barges_in(server: ServerProcess) -> None:
+    client = SessionClient(
+        server.http_url + "/v1/session",
+        credential=token(),
+        agent="long",
+        audio_input=[f.AudioFormat(codec="pcm16", sample_rate=16000, channels=1)],
+        audio_output=[f.AudioFormat(codec="pcm16")],
+    )
+    async with client:
+        for _ in range(3):
+            await client.send_audio(LOUD)
+        async with asyncio.timeout(WAIT):
+            async for frame in client:
+                if isinstance(frame, f.AudioStart):
+                    break
         await client.interrupt()
+        reply = await client.voice_reply(within=WAIT)
+        assert reply.cancelled
+        assert reply.text == STORY
+        (item,) = reply.audio
+        assert not item.complete  # ended `lost`: the client drops it
+
+
+async def test_the_sdk_starts_a_new_item_after_a_reconnect(server: ServerProcess) -> None:
+    opened = asyncio.Event()
+    client = SessionClient(
+        server.http_url + "/v1/session",
+        credential=token(),
+        audio_input=[f.AudioFormat(codec="pcm16", sample_rate=16000, channels=1)],
+        transcripts=True,
+        on_status=lambda status: opened.set() if status.resumed else None,
+    )
+    async with client:
+        assert await client.send_audio(QUIET)  # item c1, left open
+        client.abort_connection()
+        async with asyncio.timeout(WAIT):
+            await opened.wait()
+        for _ in range(3):  # a new item: the server does not see a frame of a lost one
+            assert await client.send_audio(LOUD)
+        reply = await client.voice_reply(within=WAIT)
+        assert [type(frame).__name__ for frame in reply.frames] == [
+            "Transcript",
+            "Chunk",
+            "AudioStart",
+            "AudioEnd",
+            "Done",
+        ]  # and no error: nothing of the lost item reached the server after the drop
+        assert reply.heard == "hello there"
 
 
 async def test_the_sdk_refuses_audio_the_server_does_not_hear(server: ServerProcess) -> None:

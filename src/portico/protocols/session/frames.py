@@ -14,6 +14,9 @@ import msgspec
 from portico.domain.model import ContentPart
 
 PROTOCOL_VERSION = 1
+# A spoken agent turn's `turn_id` starts `vturn-`: it answers no `message`, so a
+# client routes it to its own stream (docs/voice.md).
+VOICE_TURN_PREFIX = "vturn"
 
 
 class _Frame(msgspec.Struct, frozen=True, omit_defaults=True, tag_field="type"):

@@ -53,7 +53,6 @@ from portico.runtime.duplex.base import (
     Transcript,
 )
 
-VOICE_TURN_PREFIX: Final = "vturn"  # a spoken turn's id: `vturn-…` (clients tell them apart)
 SPEECH_MEDIA_ID: Final = "speech"  # the runtime media id of speech that names none
 
 # The exact messages of the refusals, so a client can tell them apart.
@@ -174,7 +173,7 @@ class CallerItems:
 
 
 def _turn_id() -> str:
-    return new_id(VOICE_TURN_PREFIX)
+    return new_id(f.VOICE_TURN_PREFIX)
 
 
 VoiceOut = TurnChunk | TurnMediaChunk | TurnCompleted | f.Transcript | f.Error
