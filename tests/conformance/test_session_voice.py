@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import struct
+import subprocess
+import sys
+import wave
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -568,3 +573,40 @@ async def test_the_sdk_refuses_audio_the_server_does_not_hear(server: ServerProc
         assert client.audio_input is None
         with pytest.raises(Exception, match="hears no audio"):
             await client.send_audio(LOUD)
+
+
+# -- portico chat -------------------------------------------------------------------------------
+
+
+def test_portico_chat_says_a_wav_file_and_prints_the_voice_reply(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    speech = tmp_path / "hello.wav"
+    with wave.open(str(speech), "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(16000)
+        wav.writeframes(LOUD * 3)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "portico",
+            "chat",
+            "--url",
+            server.ws_url.replace("/ws", "/v1/session"),
+            "--credential",
+            token(),
+        ],
+        input=f"/say {speech}\n/say {tmp_path / 'missing.wav'}\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("PORTICO_")},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:3] == ["[heard] hello there", REPLY, "[audio: 0.1 s]"]
+    assert lines[3].startswith("[voice] ")
+    assert "missing.wav" in lines[3]
