@@ -337,6 +337,14 @@ async def test_the_clients_interrupt_cuts_the_agents_speech(
     async with open_archive(server.archive_path) as store:  # written with its messages
         turns = await store.list_turns(speaker.session_id)
     assert [t.state for t in turns] == [TurnState.CANCELLED]
+    # The runtime, never told, speaks on: nothing of it reaches the client. The
+    # caller's next utterance (its first loud frame the runtime's own barge-in) is
+    # answered as a new turn, with nothing in between.
+    await speaker.speak("c2", LOUD, LOUD, LOUD, LOUD, last=True)
+    transcript, *turn = await speaker.until(of("done"))
+    assert transcript["type"] == "transcript"
+    assert turn[0]["type"] == "chunk"
+    assert {frame["turn_id"] for frame in turn} == {turn[0]["turn_id"]} != {start["turn_id"]}
 
 
 async def test_talking_over_the_agent_is_a_barge_in_too(speaker: Speaker) -> None:
@@ -546,6 +554,7 @@ async def test_the_sdk_starts_a_new_item_after_a_reconnect(server: ServerProcess
     )
     async with client:
         assert await client.send_audio(QUIET)  # item c1, left open
+        await client.ask("hi")  # answered: the server has read the frame before it
         client.abort_connection()
         async with asyncio.timeout(WAIT):
             await opened.wait()
