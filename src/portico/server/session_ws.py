@@ -276,7 +276,7 @@ class LiveSession:
             # Items the agent left open (a cancelled turn) end before the turn does.
             for end in self.media.end_all(event.turn_id):
                 self._number(end)
-            ends_turn = event.turn_id
+            ends_turn = _archived_turn(event.turn_id)
         frame = session_frame(event)
         if frame is not None:
             self._number(frame, ends_turn)
@@ -291,7 +291,7 @@ class LiveSession:
             if out.turn_id is not None:  # a spoken turn ends with the call's failure
                 for end in self.media.end_all(out.turn_id):
                     self._number(end)
-            self._number(out, out.turn_id or "")
+            self._number(out)
         else:
             self.on_turn_event(out)
 
@@ -809,6 +809,13 @@ class SessionSocket(ServerSocket):
             ),
             live.on_turn_event,
         )
+
+
+def _archived_turn(turn_id: str) -> str:
+    """The turn id the ledger records as ended (for another replica's catch-up, which
+    answers archived turns): a spoken turn's `vturn-` id is no archived turn, and
+    recording it would push real ones out of the ledger's bounded list."""
+    return "" if turn_id.startswith(f.VOICE_TURN_PREFIX + "-") else turn_id
 
 
 def _how(hello: f.Hello) -> str:
