@@ -39,6 +39,7 @@ from support.session import SessionProbe, check_frame
 
 USERS = 20
 WINDOW = 30.0  # resume window, seconds: the resume tests reconnect long before it
+SHORT_WINDOW = 0.5  # seconds: a session nobody resumes
 WAIT = 10.0  # seconds; a deadline, never a threshold
 LOUD = struct.pack("<320h", *([9000] * 320))  # 20 ms of 16 kHz mono pcm16, loud
 QUIET = bytes(640)
@@ -59,9 +60,7 @@ def agent(script: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    data_dir = tmp_path_factory.mktemp("session-voice")
+def start_server(data_dir: Path, window: float) -> ServerProcess:
     config = data_dir / "portico.yaml"
     config.write_text(
         yaml.safe_dump(
@@ -76,14 +75,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
                     "failing": agent("voice_fail.yaml"),
                     "text": {"runtime": "scripted", "script": str(SCRIPT)},
                 },
-                "resume_window": WINDOW,
+                "resume_window": window,
                 "max_audio_sessions_per_principal": 1,
                 "max_audio_bytes_per_second": 2000,
                 "audio_burst_bytes": 64_000,
             }
         )
     )
-    process = ServerProcess(data_dir, args=("--config", str(config))).start()
+    return ServerProcess(data_dir, args=("--config", str(config))).start()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    process = start_server(tmp_path_factory.mktemp("session-voice"), WINDOW)
     yield process
     process.stop()
 
@@ -419,6 +423,35 @@ async def test_end_hangs_the_call_up_and_archives_its_turn(
     await again.open()
     await again.speak("c1", LOUD, LOUD, LOUD)
     assert (await again.until(of("done")))[-1]["content"] == REPLY
+
+
+async def test_a_session_past_its_window_hangs_its_call_up(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    own = start_server(tmp_path, SHORT_WINDOW)
+    try:
+        credential = token()
+        speaker = Speaker(http, own, credential)
+        await speaker.open(agent="long")
+        await speaker.speak("c1", LOUD, LOUD, LOUD)
+        await speaker.until(of("audio_start"))
+        speaker.drop()  # and never resumed
+        messages = await wait_for_messages(own.archive_path, speaker.session_id, 2)
+        assert [(m.role, m.content) for m in messages] == [
+            ("user", "tell me a story"),
+            ("assistant", STORY),
+        ]
+        async with open_archive(own.archive_path) as store:
+            turns = await store.list_turns(speaker.session_id)
+        assert [t.state for t in turns] == [TurnState.CANCELLED]  # the call ended mid-turn
+        assert (await speaker.resume())["error"]["code"] == "RESUME_FAILED"
+        # Its slot is free: the principal (one call at most) calls again.
+        again = Speaker(http, own, credential)
+        await again.open(agent="long")
+        await again.speak("c1", LOUD, LOUD, LOUD)
+        assert (await again.until(of("audio_start")))[0]["type"] == "transcript"
+    finally:
+        own.stop()
 
 
 # -- bad inputs and limits ----------------------------------------------------------------------
