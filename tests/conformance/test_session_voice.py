@@ -37,7 +37,7 @@ from support.archive import open_archive, wait_for_messages
 from support.server import FIXTURES, SCRIPT, ServerProcess
 from support.session import SessionProbe, check_frame
 
-USERS = 20
+USERS = 60
 WINDOW = 30.0  # resume window, seconds: the resume tests reconnect long before it
 SHORT_WINDOW = 0.5  # seconds: a session nobody resumes
 WAIT = 10.0  # seconds; a deadline, never a threshold
