@@ -498,6 +498,13 @@ class VoiceUnavailable(PorticoError):
     http_status = 503
 
 
+class UnsatisfiableFormat(PorticoError):
+    """A media format Portico cannot carry or did not negotiate."""
+
+    code = "UNSATISFIABLE_FORMAT"
+    http_status = 400
+
+
 class DuplexError(PorticoError):
     """A voice call failed or could not start (`/ws`: one error per call)."""
 

@@ -14,7 +14,9 @@ from portico.protocols.session import frames as f
 from portico.protocols.session.channel import Channel
 from portico.protocols.session.connection import Role, SessionConnection, State, Timing
 from portico.protocols.session.media import MediaItems, choose_audio, item_format
+from portico.protocols.session.voice import SpokenTurns
 from portico.runtime.base import MediaChunk
+from portico.runtime.duplex.base import AudioOut, DuplexFailure, Transcript
 from portico.server.session_ledger import SessionLedger
 from portico.server.session_ws import LiveSession
 from portico.sessionstate.base import BufferLimits
@@ -296,3 +298,28 @@ async def test_without_the_capability_media_are_dropped() -> None:
     live.on_turn_event(media(0, last=True))
     assert socket.text == []
     assert socket.binary == []
+
+
+async def test_a_spoken_turn_failing_ends_its_items_lost_then_its_error() -> None:
+    live = await live_session()
+    socket = _Socket()
+    live.attach(socket)  # type: ignore[arg-type]
+    spoken = SpokenTurns("s-1", transcripts=True, new_turn_id=lambda: "vturn-1")
+    for event in (Transcript("hi"), AudioOut(data=b"ab"), DuplexFailure("X", "y")):
+        for out in spoken.on_event(event):
+            live.voice_out(out)
+    assert [(m["type"], m.get("turn_id"), m.get("lost")) for m in socket.text] == [
+        ("transcript", None, None),
+        ("audio_start", "vturn-1", None),
+        ("audio_end", "vturn-1", True),
+        ("error", "vturn-1", None),
+    ]
+
+
+async def test_spoken_turns_are_not_recorded_as_ended_archived_turns() -> None:
+    live = await live_session()
+    live.on_turn_event(TurnCompleted("s-1", "vturn-1", content="spoken"))
+    live.on_turn_event(TurnCompleted("s-1", "turn-1", content="typed"))
+    snapshot = await live.ledger.states.load("s-1")
+    assert snapshot is not None
+    assert snapshot.ended_turns == ("turn-1",)

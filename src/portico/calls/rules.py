@@ -10,6 +10,10 @@ forward and the voice turns to archive out.
   turn `cancelled` with what the agent had said; a call that ends mid-turn too; a
   failure ends it `failed`. Agent speech with no utterance before it (a greeting) is
   a reply alone.
+- A client's barge-in (`interrupt`, `/v1/session`) while the agent speaks ends its
+  turn `cancelled` with what it had said, and the rest of that spoken turn (its
+  text, its speech, its end) is not forwarded: the runtime is not told (the duplex
+  port has no such message), so Portico mutes it until the runtime's next turn.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import msgspec
 from portico.domain.states import TurnState
 from portico.runtime.duplex.base import (
     AgentText,
+    AudioOut,
     DuplexEvent,
     DuplexFailure,
     Hello,
@@ -56,19 +61,29 @@ class CallRules:
         self._heard: list[str] = []  # partial transcripts of the utterance being heard
         self._user: str | None = None  # the utterance the agent is answering
         self._said: list[str] = []
+        self._speaking = False  # the agent's turn has produced speech
+        self._muted = False  # the client interrupted this spoken turn: drop the rest
 
     def feed(self, event: DuplexEvent) -> Step:
         if self.ended:
             return Step([], [], True)
         if self.hello is None and not isinstance(event, Hello | DuplexFailure):
             return self._fail(DuplexFailure(DUPLEX_ERROR, "the runtime spoke before its format"))
+        if self._muted and isinstance(event, AgentText | AudioOut | SpokenTurnDone | Interruption):
+            # The rest of the turn the client interrupted; its end unmutes.
+            self._muted = not isinstance(event, SpokenTurnDone | Interruption)
+            return Step([], [], False)
         match event:
             case Hello():
                 return self._hello(event)
             case Transcript():
+                if event.final:
+                    self._muted = False  # a new utterance: the agent's next turn is heard
                 return Step([event], self._heard_text(event), False)
             case AgentText(text=text):
                 self._said.append(text)
+            case AudioOut():
+                self._speaking = True
             case SpokenTurnDone(content=content):
                 said = "".join(self._said) if content is None else content
                 return Step([event], self._close(TurnState.COMPLETED, said), False)
@@ -77,6 +92,14 @@ class CallRules:
             case DuplexFailure():
                 return self._fail(event)
         return Step([event], [], False)
+
+    def interrupt(self) -> Step:
+        """The client barged in: the agent's turn in progress (it has spoken) ends
+        cancelled, `Interruption` is forwarded, and the rest of that turn is muted."""
+        if self.ended or self.hello is None or not (self._said or self._speaking):
+            return Step([], [], False)
+        self._muted = True
+        return Step([Interruption()], self._close(TurnState.CANCELLED), False)
 
     def finish(self) -> list[VoiceTurnRecord]:
         """The call ended (hangup, IsLast, close): a turn in progress ends cancelled."""
@@ -113,6 +136,7 @@ class CallRules:
     ) -> list[VoiceTurnRecord]:
         reply = "".join(self._said) if said is None else said
         user, self._user, self._said = self._user, None, []
+        self._speaking = False
         if not user and not reply:
             return []
         return [

@@ -135,6 +135,16 @@ class LiveCall:
                 await self._deliver_step(DuplexFailure(DUPLEX_ERROR, "the voice runtime failed"))
                 self._pump.cancel()  # the call is over: its runtime's events are not read
 
+    async def interrupt(self) -> None:
+        """The client barged in (`/v1/session` `interrupt`): see `CallRules.interrupt`."""
+        if self.over:
+            return
+        step = self._rules.interrupt()
+        for forwarded in step.forward:
+            if self._listener is not None:
+                self._listener(forwarded)
+        await self._archive(step.records)
+
     async def hangup(self) -> None:
         """End the call on purpose (hangup, its parking window ended, shutdown)."""
         self.hung_up = True

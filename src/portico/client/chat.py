@@ -16,15 +16,23 @@ conversation and first prints it so far (read with `v1.message.list` on the
 server's `/v1/rpc`): the user's lines after `> `, the replies, tool calls and
 parts as the live view prints them. Media parts print as `[image: name]`,
 `[audio: 0.5 s]`.
+
+Voice: `/say FILE` speaks a 16-bit PCM WAV file (or raw PCM) in the format the
+server hears (`ready.audio.input`; the chat offers 16 kHz mono) to an agent that
+takes calls, as one audio item followed by half a second of silence, and prints
+what the server heard (`[heard] ...`, its transcripts) and the agent's spoken reply
+as text (with `[audio: 1.2 s]` for its speech, never played).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import struct
 import sys
 import threading
+import wave
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -40,6 +48,7 @@ from portico.client.session import (
     SessionError,
     Turn,
     duplicate_details,
+    is_voice_turn,
 )
 from portico.domain.model import ContentPart
 from portico.protocols.session import frames as f
@@ -54,6 +63,12 @@ AUDIO_OUTPUT: Final = tuple(f.AudioFormat(codec=c) for c in ("wav", "pcm16", "mp
 HISTORY_PAGE: Final = 200  # messages per `v1.message.list` call when printing a history
 USER_PREFIX: Final = "> "  # a user's line in a printed history, as the prompt shows it
 HIDDEN_KINDS: Final = frozenset({"thinking", "summary", "toolcall_output"})  # never shown live
+SAY: Final = "/say"
+# The input format offered for `/say` (the server chooses it when the agent takes calls).
+VOICE_INPUT: Final = (f.AudioFormat(codec="pcm16", sample_rate=16000, channels=1),)
+FRAME_MS: Final = 20  # audio is sent in frames of this length
+TRAILING_SILENCE_MS: Final = 500  # after the file: a runtime that listens for a pause hears one
+VOICE_REPLY_WAIT: Final = 60.0  # seconds the prompt waits for the spoken reply
 RECONNECTED: Final = "(reconnected)"
 CONTINUED: Final = "(reconnected: the server restarted; the conversation goes on)"
 
@@ -184,10 +199,14 @@ class Chat:
             agent=options.agent,
             on_status=self._on_status,
             audio_output=AUDIO_OUTPUT,
+            audio_input=VOICE_INPUT,
+            transcripts=True,
             continue_session=options.session,
             continue_after_restart=True,
         )
         self._opened = False
+        self._voice_done = asyncio.Event()  # the spoken reply to `/say` ended
+        self._voice_streamed = False
         for name, (func, description) in DEMO_TOOLS.items():
             self.client.register_tool(
                 name, func, description=description, parameters=NO_PARAMETERS, consent=self._ask
@@ -196,7 +215,9 @@ class Chat:
     async def converse(self) -> None:
         """Line after line until `/quit` or end of input; each turn shown to its end."""
         while (line := await self._prompt()) is not None and line.strip() != QUIT:
-            if line.strip():
+            if line.strip().startswith(SAY + " "):
+                await self._speak(line.strip()[len(SAY) :].strip())
+            elif line.strip():
                 await self._say(line)
 
     async def _say(self, line: str) -> None:
@@ -204,6 +225,28 @@ class Chat:
         was not answered yet again with its key; the server never takes it twice)."""
         turn = await self.client.start_turn(line, metadata=self._options.metadata or None)
         await self._show(turn)
+
+    async def _speak(self, path: str) -> None:
+        """`/say FILE`: the file as one audio item, then wait for the spoken reply."""
+        fmt = self.client.audio_input
+        if fmt is None:
+            self._screen.line("[voice] this agent hears no audio")
+            return
+        try:
+            pcm = read_pcm(path, fmt)
+        except (OSError, ValueError, EOFError, wave.Error) as exc:
+            self._screen.line(f"[voice] {path}: {exc}")
+            return
+        size = (fmt.sample_rate or 16000) * (fmt.channels or 1) * 2 * FRAME_MS // 1000
+        silence = bytes(size) * (TRAILING_SILENCE_MS // FRAME_MS)
+        self._voice_done.clear()
+        audio = pcm + silence
+        for start in range(0, len(audio), size):
+            await self.client.send_audio(audio[start : start + size])
+        await self.client.end_audio()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(VOICE_REPLY_WAIT):
+                await self._voice_done.wait()
 
     async def _prompt(self) -> str | None:
         if self._lines.interactive:
@@ -215,8 +258,30 @@ class Chat:
     async def watch(self) -> None:
         """Messages outside any turn (late errors); returns or raises when the session stops."""
         async for frame in self.client:
-            if isinstance(frame, f.Error):
+            if isinstance(frame, f.Transcript):
+                if frame.final:
+                    self._screen.line(f"[heard] {frame.text}")
+            elif is_voice_turn(getattr(frame, "turn_id", None)):
+                self._voice(frame)
+            elif isinstance(frame, f.Error):
                 self._screen.status(f"[{frame.error.code}] {frame.error.message}")
+                if frame.ref_seq is None:  # the call's own error: no reply is coming
+                    self._voice_done.set()
+
+    def _voice(self, frame: f.ServerNumbered) -> None:
+        """A frame of a spoken agent turn: its text, its speech's length, its end."""
+        if isinstance(frame, f.Chunk):
+            self._screen.write(frame.content)
+            self._voice_streamed = True
+        elif isinstance(frame, f.AudioEnd):
+            self._screen.line(audio_label(self.client.take_audio(frame.item_id)))
+        elif isinstance(frame, f.Done | f.Error):
+            if isinstance(frame, f.Done):
+                self._done(frame, self._voice_streamed)
+            else:
+                self._error(frame, self._voice_streamed)
+            self._voice_streamed = False
+            self._voice_done.set()
 
     async def _show(self, turn: Turn) -> None:
         """The turn, to its end."""
@@ -350,11 +415,35 @@ def audio_seconds(item: AudioItem) -> float | None:
     if data[:4] == b"RIFF" and data[8:12] == b"WAVE" and len(data) >= 44:
         (byte_rate,) = struct.unpack_from("<I", data, 28)
         size = len(data) - 44  # the canonical header; a longer one errs by a few bytes
-    elif fmt.codec == "pcm16" and fmt.sample_rate:
-        byte_rate, size = fmt.sample_rate * (fmt.channels or 1) * 2, len(data)
+    elif fmt.codec == "pcm16" and (rate := fmt.sample_rate or _mime_number(fmt, "rate")):
+        channels = fmt.channels or _mime_number(fmt, "channels") or 1
+        byte_rate, size = rate * channels * 2, len(data)
     else:
         return None
     return round(size / byte_rate, 1) if byte_rate else None
+
+
+def _mime_number(fmt: f.AudioFormat, name: str) -> int | None:
+    """A number from the MIME type's parameters (`audio/pcm;rate=16000;channels=1`)."""
+    found = re.search(rf";\s*{name}=(\d+)", fmt.mime_type or "")
+    return int(found.group(1)) if found else None
+
+
+def read_pcm(path: str, fmt: f.AudioFormat) -> bytes:
+    """16-bit PCM samples of `fmt` from a WAV file, or a raw file taken as such."""
+    with open(path, "rb") as file:
+        head = file.read(12)
+    if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        with open(path, "rb") as file:
+            return file.read()
+    with wave.open(path, "rb") as wav:
+        got = (wav.getsampwidth(), wav.getframerate(), wav.getnchannels())
+        if got != (2, fmt.sample_rate, fmt.channels or 1):
+            raise ValueError(
+                f"a 16-bit {fmt.sample_rate} Hz, {fmt.channels or 1}-channel WAV is needed, "
+                f"not {got[0] * 8}-bit {got[1]} Hz, {got[2]}-channel"
+            )
+        return wav.readframes(wav.getnframes())
 
 
 def _arguments(arguments: Mapping[str, Any]) -> list[str]:

@@ -43,6 +43,18 @@ with their bytes (`AudioItem`; `complete` is False for an item cut by a
 dropped connection: discard it); when iterating a `Turn` yourself, take an
 item's bytes with `client.take_audio(end.item_id)` on its `audio_end`.
 
+Voice (spec/realtime-audio.md): pass `audio_input=[f.AudioFormat(codec="pcm16",
+sample_rate=16000, channels=1)]` (and `transcripts=True` for the caller's
+recognised speech) to an agent that takes calls. `client.audio_input` is the
+format the server chose (None: it hears no audio). `await client.send_audio(pcm)`
+sends one frame of the current audio item (opened by the first frame, never
+resent: audio sent while no connection is up is dropped, and a new connection
+starts a new item), `await client.end_audio()` ends the item, `interrupt()` is the
+barge-in. The agent's spoken turns are turns of their own (`turn_id` `vturn-…`) on
+the client's stream, as are `transcript` frames; `await client.voice_reply()`
+reads that stream up to the end of the next spoken turn and returns a
+`VoiceReply` (what was heard, the reply's text, its audio items).
+
 Registered tools are declared in `hello` (register them before connecting) and
 answered by the client: it acknowledges the call, asks the tool's `consent`
 callback if it has one, runs the function and sends its result. The
@@ -96,7 +108,8 @@ from portico.client.supervision import (
 )
 from portico.domain.model import ContentPart, new_id
 from portico.errors import BinaryFrameError, BufferOverflow, DuplicateMessage, ProtocolViolation
-from portico.protocols.omnia.binary import decode_frame
+from portico.protocols.omnia.binary import BinaryFrame, BinaryMetadata, decode_frame, encode_frame
+from portico.protocols.outbox import BinaryData
 from portico.protocols.session import frames as f
 from portico.protocols.session.channel import Channel
 from portico.protocols.session.connection import (
@@ -283,6 +296,46 @@ class Reply:
 
 
 @dataclass(frozen=True)
+class VoiceReply:
+    """One spoken agent turn and what was heard before it, from `voice_reply()`."""
+
+    turn_id: str | None
+    frames: tuple[ServerMessage, ...]  # transcripts, then the turn's frames
+    audio: tuple[AudioItem, ...] = ()
+
+    @property
+    def heard(self) -> str:
+        """The caller's final transcripts, joined."""
+        return " ".join(
+            t.text for t in self.frames if isinstance(t, f.Transcript) and t.final and t.text
+        )
+
+    @property
+    def text(self) -> str:
+        last = self.frames[-1] if self.frames else None
+        if isinstance(last, f.Done) and last.content is not None:
+            return last.content
+        return "".join(
+            c.content for c in self.frames if isinstance(c, f.Chunk) and c.turn_id == self.turn_id
+        )
+
+    @property
+    def cancelled(self) -> bool:
+        last = self.frames[-1] if self.frames else None
+        return isinstance(last, f.Done) and last.cancelled
+
+    @property
+    def error(self) -> f.ErrorInfo | None:
+        last = self.frames[-1] if self.frames else None
+        return last.error if isinstance(last, f.Error) else None
+
+
+def is_voice_turn(turn_id: str | None) -> bool:
+    """A spoken agent turn of the session's voice call (the server mints its id)."""
+    return turn_id is not None and turn_id.startswith(f.VOICE_TURN_PREFIX + "-")
+
+
+@dataclass(frozen=True)
 class _Tool:
     spec: f.ToolSpec
     func: ToolFunction
@@ -390,6 +443,10 @@ class Turn:
 # -- one connection ------------------------------------------------------------------------------
 
 
+def _frame_type(data: bytes) -> WSMsgType:
+    return WSMsgType.BINARY if isinstance(data, BinaryData) else WSMsgType.TEXT
+
+
 class _Link:
     """One WebSocket of the session: feeds the core, writes what it queues, runs its timers."""
 
@@ -443,6 +500,13 @@ class _Link:
         self.core.write_numbered(data)
         self._after_core()
 
+    def write_binary(self, data: bytes) -> bool:
+        """An audio frame (lossy: False when the core dropped it)."""
+        queued = self.core.write_binary(data)
+        if queued:
+            self._writable.set()
+        return queued
+
     def abort(self) -> None:
         """Drop the socket without a close frame, as a network failure would."""
         # aiohttp has no public abort for a client WebSocket; this is the transport
@@ -462,7 +526,7 @@ class _Link:
     async def _close(self, code: int, reason: str) -> None:
         with contextlib.suppress(ConnectionError, aiohttp.ClientError):
             while (data := self.core.next_frame()) is not None:
-                await self.ws.send_frame(data, WSMsgType.TEXT)
+                await self.ws.send_frame(data, _frame_type(data))
         await self.ws.close(code=code, message=reason.encode())
 
     def _after_core(self) -> None:
@@ -493,7 +557,7 @@ class _Link:
                 await self._writable.wait()
                 self._writable.clear()
                 while (data := self.core.next_frame()) is not None:
-                    await self.ws.send_frame(data, WSMsgType.TEXT)
+                    await self.ws.send_frame(data, _frame_type(data))
         except (ConnectionError, aiohttp.ClientError):
             self.abort()  # the read loop then sees the socket gone and ends the link
 
@@ -541,6 +605,8 @@ class SessionClient:
         context: Mapping[str, Any] | None = None,
         capabilities: Sequence[str] = ("tools", "context"),
         audio_output: Sequence[f.AudioFormat] | None = None,  # given: ask for `audio`
+        audio_input: Sequence[f.AudioFormat] | None = None,  # given: ask for `audio`, to speak
+        transcripts: bool = False,  # ask for `transcript` frames of what the server heard
         reconnect: ReconnectPolicy | None = None,
         heartbeat_interval: float = 15.0,  # seconds between pings (ready.heartbeat_ms if shorter)
         dead_after: float = 2.5,  # heartbeat intervals of silence before the link is dead
@@ -568,10 +634,16 @@ class SessionClient:
         self._context = dict(context) if context is not None else None
         self._requested = tuple(capabilities)
         self._audio_offer: f.AudioOffer | None = None
-        if audio_output is not None:
-            self._audio_offer = f.AudioOffer(output=tuple(audio_output))
+        if audio_output is not None or audio_input is not None:
+            self._audio_offer = f.AudioOffer(
+                input=tuple(audio_input or ()), output=tuple(audio_output or ())
+            )
             if "audio" not in self._requested:
                 self._requested += ("audio",)
+        if transcripts and "transcripts" not in self._requested:
+            self._requested += ("transcripts",)
+        self._items = 0  # audio items sent: their ids
+        self._item: tuple[_Link, str, int] | None = None  # the open one: link, id, next seq
         self._audio_open: dict[str, _AudioBuffer] = {}
         self._audio_done: dict[str, AudioItem] = {}
         self._policy = reconnect or ReconnectPolicy()
@@ -767,6 +839,75 @@ class SessionClient:
     async def interrupt(self) -> int:
         """Cancel the running turn; it ends with a `done` carrying `cancelled: true`."""
         return await self._send(f.Interrupt(seq=0))
+
+    # -- speaking -------------------------------------------------------------------------------
+
+    @property
+    def audio_input(self) -> f.AudioFormat | None:
+        """The format the server hears (`ready.audio.input`); None: it hears no audio."""
+        ready = self.ready
+        if ready is None or ready.audio is None or "audio" not in self.capabilities:
+            return None
+        return ready.audio.input
+
+    async def send_audio(self, data: bytes, *, last: bool = False) -> bool:
+        """One frame of the current audio item (opened by the first); `last` ends it.
+
+        False when it was dropped: no connection is up, or the send queue is too full
+        (audio is never resent). A new connection starts a new item.
+        """
+        self._check_open()
+        fmt = self.audio_input
+        if fmt is None:
+            raise SessionError("the server hears no audio: ready.audio.input is null")
+        link = self._link
+        if link is None or link.core.state is not State.OPEN:
+            self._item = None  # what was in flight is lost; the next audio starts anew
+            return False
+        if self._item is None or self._item[0] is not link:
+            self._items += 1
+            self._item = (link, f"c{self._items}", 0)
+        _, item_id, sequence = self._item
+        metadata = (
+            BinaryMetadata(codec=fmt.codec, sample_rate=fmt.sample_rate, channels=fmt.channels)
+            if sequence == 0
+            else BinaryMetadata()
+        )
+        frame = BinaryFrame(
+            media_id=item_id, sequence=sequence, is_last=last, metadata=metadata, payload=data
+        )
+        self._item = None if last else (link, item_id, sequence + 1)
+        return link.write_binary(encode_frame(frame))
+
+    async def end_audio(self) -> bool:
+        """End the current audio item (an empty frame marked last); False if none is open."""
+        if self._item is None:
+            return False
+        return await self.send_audio(b"", last=True)
+
+    async def voice_reply(self, *, within: float | None = None) -> VoiceReply:
+        """Read the client's stream up to the end (`done` or `error`) of the next spoken
+        turn, or a call-level `error`; what was heard before it comes with it. Frames of
+        other kinds on the stream are kept in the reply's `frames` too: read the stream
+        with this or with `messages()`, not both at once."""
+        frames: list[ServerMessage] = []
+        audio: list[AudioItem] = []
+        turn_id: str | None = None
+        async with asyncio.timeout(within):
+            async for frame in self.messages():
+                frames.append(frame)
+                if isinstance(frame, f.AudioEnd) and is_voice_turn(frame.turn_id):
+                    item = self.take_audio(frame.item_id)
+                    if item is not None:
+                        audio.append(item)
+                turn = getattr(frame, "turn_id", None)
+                if is_voice_turn(turn):
+                    turn_id = turn
+                    if _ends_turn(frame):
+                        break
+                elif isinstance(frame, f.Error) and turn is None and frame.ref_seq is None:
+                    break  # the call's own error (refused, failed, a bad frame)
+        return VoiceReply(turn_id=turn_id, frames=tuple(frames), audio=tuple(audio))
 
     async def _send(self, frame: f.ClientNumbered) -> int:
         self._check_open()
@@ -1029,7 +1170,9 @@ class SessionClient:
         if not isinstance(turn_id, str):
             return None
         if turn_id not in self._open_turns:
-            self._open_turns[turn_id] = self._claim_new_turn(turn_id)
+            # A spoken turn answers no message: it goes to the client's stream.
+            claimed = None if is_voice_turn(turn_id) else self._claim_new_turn(turn_id)
+            self._open_turns[turn_id] = claimed
         turn = self._open_turns[turn_id]
         if isinstance(frame, f.ToolCall) and turn is not None:
             self._call_owner[frame.tool_call.id] = turn
@@ -1305,6 +1448,8 @@ __all__ = [
     "SessionError",
     "SessionReplacedError",
     "Turn",
+    "VoiceReply",
     "duplicate_details",
+    "is_voice_turn",
     "new_message_key",
 ]

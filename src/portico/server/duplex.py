@@ -9,6 +9,7 @@ from portico.calls.service import CallService, CallTelemetry
 from portico.config import DEFAULT_AGENT, AgentSettings, Settings
 from portico.core.engine import Engine
 from portico.errors import ConfigError, PorticoError
+from portico.protocols.omnia.voice import VoiceLimits
 from portico.runtime.duplex import duplex_runtime_of
 from portico.runtime.duplex.base import DuplexCall, DuplexRuntime, DuplexStart
 from portico.store.base import Store
@@ -25,6 +26,17 @@ class UnavailableRuntime:
 
     async def start(self, start: DuplexStart) -> DuplexCall:
         raise self.error
+
+
+def voice_limits(settings: Settings, calls: CallService, agent: str) -> VoiceLimits | None:
+    """The per-call limits of calls to `agent` (`/ws` and `/v1/session` alike); None
+    when it takes no calls."""
+    if not calls.takes_calls(agent):
+        return None
+    return VoiceLimits(
+        bytes_per_second=settings.max_audio_bytes_per_second,
+        burst_bytes=settings.audio_burst_bytes,
+    )
 
 
 def build_duplex_runtime(

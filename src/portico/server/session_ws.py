@@ -56,25 +56,29 @@ from portico.protocols.session.connection import (
     Received,
     Role,
     SessionConnection,
+    State,
     Timing,
 )
 from portico.protocols.session.media import MediaItems, choose_audio
+from portico.protocols.session.voice import VoiceOut
 from portico.runtime.base import ClientTool, MediaChunk
 from portico.server.admission import check_admission
 from portico.server.services import SERVICES, Services
 from portico.server.session_catchup import catch_up
 from portico.server.session_ledger import SessionLedger, SessionProfile, decode_profile
+from portico.server.session_voice import SessionCall
 from portico.server.sockets import ServerSocket, run_socket
 from portico.sessionstate.base import SessionSnapshot
 
 log = logging.getLogger("portico.session")
 PROTOCOL = "session"
-SUPPORTED_CAPABILITIES = frozenset({"resume", "tools", "context", "audio"})
+SUPPORTED_CAPABILITIES = frozenset({"resume", "tools", "context", "audio", "transcripts"})
 # Credentials never travel in URLs (they end up in logs and browser history).
 CREDENTIAL_QUERY_KEYS = frozenset({"token", "access_token", "credential", "authorization"})
 # The sessions this process serves now (a connection attached, or inside the window).
 LIVE_SESSIONS = web.AppKey("live_sessions", dict[str, "LiveSession"])
 CLOSE_BACKEND_FAILED = 1011
+NO_AUDIO_INPUT = "binary frames need the audio capability and an input format (ready.audio.input)"
 _TASKS: set[asyncio.Task[None]] = set()
 
 
@@ -175,6 +179,9 @@ class LiveSession:
         self.ledger = ledger
         self.socket: SessionSocket | None = None
         self.ended = False
+        # The voice call half, when `ready.audio.input` chose a format (set by the
+        # socket that built the session: the session does not know the services).
+        self.voice: SessionCall | None = None
         self._sessions = sessions
         self._expiry: asyncio.TimerHandle | None = None
         # Stops the engine's events for this copy once it is dropped (set by the socket
@@ -193,6 +200,8 @@ class LiveSession:
         previous, self.socket = self.socket, socket
         if previous is not None:
             previous.replaced()
+        if self.voice is not None:
+            self.voice.connection_changed()
         # Items opened while no connection was attached lost their frames: end them
         # (before the resend, so the client learns it with the backlog).
         self._end_items()
@@ -204,6 +213,8 @@ class LiveSession:
             return
         self.socket = None
         self._end_items()  # binary frames are never resent: what was in flight is lost
+        if self.voice is not None:
+            self.voice.connection_changed()
         self._expiry = asyncio.get_running_loop().call_later(window, self.expire)
         _spawn(self._set_window(time.time() + window))
 
@@ -238,6 +249,8 @@ class LiveSession:
 
     def _drop(self) -> None:
         self.ended = True
+        if self.voice is not None:
+            self.voice.close()
         self.ledger.stop()
         if self._expiry is not None:
             self._expiry.cancel()
@@ -263,12 +276,24 @@ class LiveSession:
             # Items the agent left open (a cancelled turn) end before the turn does.
             for end in self.media.end_all(event.turn_id):
                 self._number(end)
-            ends_turn = event.turn_id
+            ends_turn = _archived_turn(event.turn_id)
         frame = session_frame(event)
         if frame is not None:
             self._number(frame, ends_turn)
         if isinstance(event, TurnCompleted | TurnFailed) and self.socket is not None:
             self.socket.turn_ended()
+
+    def voice_out(self, out: VoiceOut) -> None:
+        """What the session's call says: spoken turns as turns, the rest as is."""
+        if isinstance(out, f.Transcript):
+            self._number(out)
+        elif isinstance(out, f.Error):
+            if out.turn_id is not None:  # a spoken turn ends with the call's failure
+                for end in self.media.end_all(out.turn_id):
+                    self._number(end)
+            self._number(out)
+        else:
+            self.on_turn_event(out)
 
     def answer(self, frame: Numbered) -> None:
         """The session's answer to a client message it handled (an `error` with `ref_seq`).
@@ -421,8 +446,13 @@ class SessionSocket(ServerSocket):
         self._after_core()
 
     async def on_binary(self, data: bytes, now: float) -> None:
-        # Audio input (client to server) is not implemented: `ready.audio.input` is null.
-        self._core.fail(ProtocolViolation("this server accepts no binary frames"))
+        live = self._live
+        voice = None if live is None or live.ended else live.voice
+        if voice is None or self._core.state is not State.OPEN:
+            # Before `ready`, or a session that hears no audio: a client bug (4400).
+            self._core.fail(ProtocolViolation(NO_AUDIO_INPUT))
+        else:
+            await voice.receive(data, now)
         self._after_core()
 
     async def on_timer(self, now: float) -> None:
@@ -587,7 +617,11 @@ class SessionSocket(ServerSocket):
             binding=self._binding,
             agent=agent,
             capabilities=capabilities,
-            audio=choose_audio(hello.audio) if "audio" in capabilities else None,
+            audio=(
+                choose_audio(hello.audio, hears=self._services.calls.takes_calls(agent))
+                if "audio" in capabilities
+                else None
+            ),
             tools=hello.tools if "tools" in capabilities else (),
             context=dict(hello.context or {}) if "context" in capabilities else {},
             opened_at=time.time(),
@@ -631,6 +665,18 @@ class SessionSocket(ServerSocket):
         engine = self._services.engine
         engine.attach(session_id, live.on_turn_event)
         live.release = lambda: engine.detach(session_id, live.on_turn_event)
+        heard = profile.audio.input if profile.audio is not None else None
+        if heard is not None and self._services.calls.takes_calls(profile.agent):
+            live.voice = SessionCall(
+                session_id=session_id,
+                owner=profile.owner,
+                binding=profile.binding,
+                agent=profile.agent,
+                heard=heard,
+                transcripts="transcripts" in profile.capabilities,
+                services=self._services,
+                emit=live.voice_out,
+            )
         return live
 
     # -- the session-state port ---------------------------------------------------------
@@ -725,6 +771,8 @@ class SessionSocket(ServerSocket):
                 live.context = dict(context)
             case f.Interrupt():
                 await self._services.engine.cancel(live.id)
+                if live.voice is not None:
+                    await live.voice.interrupt()
             case f.End():
                 live.end()
                 self._services.engine.session_ended(live.id, live.agent)
@@ -761,6 +809,13 @@ class SessionSocket(ServerSocket):
             ),
             live.on_turn_event,
         )
+
+
+def _archived_turn(turn_id: str) -> str:
+    """The turn id the ledger records as ended (for another replica's catch-up, which
+    answers archived turns): a spoken turn's `vturn-` id is no archived turn, and
+    recording it would push real ones out of the ledger's bounded list."""
+    return "" if turn_id.startswith(f.VOICE_TURN_PREFIX + "-") else turn_id
 
 
 def _how(hello: f.Hello) -> str:

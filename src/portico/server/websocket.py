@@ -54,9 +54,10 @@ from portico.protocols.omnia.frames import (
     ToolResultFrame,
     UploadReady,
 )
-from portico.protocols.omnia.voice import CallAudio, CallHungUp, CallRequested, VoiceLimits
+from portico.protocols.omnia.voice import CallAudio, CallHungUp, CallRequested
 from portico.runtime.duplex.base import DuplexEvent
 from portico.server.admission import admit
+from portico.server.duplex import voice_limits
 from portico.server.services import SERVICES, Services
 from portico.server.sockets import ServerSocket, run_socket
 
@@ -76,17 +77,6 @@ def connection_limits(services: Services) -> ConnectionLimits:
         media_burst_bytes=settings.media_rate_burst,
         max_send_queue_bytes=settings.max_send_queue_bytes,
         credential_margin=settings.credential_expiry_margin,
-    )
-
-
-def voice_limits(services: Services, agent: str) -> VoiceLimits | None:
-    """The call limits of a connection to `agent`; None when it takes no calls."""
-    if not services.calls.takes_calls(agent):
-        return None
-    settings = services.settings
-    return VoiceLimits(
-        bytes_per_second=settings.max_audio_bytes_per_second,
-        burst_bytes=settings.audio_burst_bytes,
     )
 
 
@@ -138,7 +128,9 @@ class OmniaSocket(ServerSocket):
             ai_disclosure=services.engine.ai_disclosure(agent),
             identity=identity,
             # A reclaimed call keeps its own agent's limits, whatever `agent` this names.
-            voice=voice_limits(services, agent if self._call is None else self._call.agent),
+            voice=voice_limits(
+                services.settings, services.calls, agent if self._call is None else self._call.agent
+            ),
             resumed=None if resume is None else self._call is not None,
         )
         if resume is not None:

@@ -14,6 +14,9 @@ import msgspec
 from portico.domain.model import ContentPart
 
 PROTOCOL_VERSION = 1
+# A spoken agent turn's `turn_id` starts `vturn-`: it answers no `message`, so a
+# client routes it to its own stream (docs/voice.md).
+VOICE_TURN_PREFIX = "vturn"
 
 
 class _Frame(msgspec.Struct, frozen=True, omit_defaults=True, tag_field="type"):
@@ -191,9 +194,13 @@ class ServerToolResult(_Frame, frozen=True, tag="tool_result"):
 
 
 class Transcript(_Frame, frozen=True, tag="transcript"):
+    """Recognised speech of the caller (`role` "user"); `final` false: a partial
+    transcript of an utterance still being heard, which the final one replaces."""
+
     seq: int
     role: str
     text: str
+    final: bool = True
 
 
 class AudioStart(_Frame, frozen=True, tag="audio_start"):

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import Final
 
 from portico.protocols.omnia.binary import BinaryFrame, BinaryMetadata, encode_frame
+from portico.protocols.omnia.voice import MAX_CHANNELS, MAX_SAMPLE_RATE, MIN_SAMPLE_RATE
 from portico.protocols.session import frames as f
 from portico.runtime.base import MediaChunk
+from portico.runtime.duplex.base import PCM16
 
 # Codecs the server can name as a MIME type. The server does not transcode: it
 # sends what the agent emits, so it can offer a format exactly when it can say
@@ -31,15 +33,44 @@ CODEC_MIME_TYPES: Final = {
 _MIME_CODECS: Final = {mime: codec for codec, mime in CODEC_MIME_TYPES.items()}
 
 
-def choose_audio(offer: f.AudioOffer | None) -> f.AudioChoice | None:
-    """`ready.audio`: the first output format the client lists whose codec (or MIME
-    type) the server knows, or null when there is none. Audio input is not
-    implemented, so `input` is always null."""
+def choose_audio(offer: f.AudioOffer | None, *, hears: bool = False) -> f.AudioChoice | None:
+    """`ready.audio`: per direction, the first format the client lists that the server
+    can carry, or null when there is none (both null: `ready.audio` is null). Output:
+    a codec (or MIME type) the server can name. Input, only when the agent takes calls
+    (`hears`): see `choose_input`."""
     if offer is None:
         return None
-    for fmt in offer.output:
-        if fmt.codec in CODEC_MIME_TYPES or fmt.mime_type in _MIME_CODECS:
-            return f.AudioChoice(output=fmt)
+    output = next(
+        (
+            fmt
+            for fmt in offer.output
+            if fmt.codec in CODEC_MIME_TYPES or fmt.mime_type in _MIME_CODECS
+        ),
+        None,
+    )
+    heard = choose_input(offer) if hears else None
+    if output is None and heard is None:
+        return None
+    return f.AudioChoice(input=heard, output=output)
+
+
+def choose_input(offer: f.AudioOffer | None) -> f.AudioFormat | None:
+    """`ready.audio.input`: the first format the client lists that the server hears
+    (PCM16, the format every duplex runtime hears, at 8-192 kHz, 1-8 channels), with
+    its codec, rate and channels spelled out; None when there is none."""
+    if offer is None:
+        return None
+    for fmt in offer.input:
+        codec = (fmt.codec or "").lower()
+        mime = (fmt.mime_type or "").split(";", 1)[0].strip().lower()
+        if codec not in (PCM16, "pcm") and not (not codec and mime == "audio/pcm"):
+            continue
+        rate, channels = fmt.sample_rate, 1 if fmt.channels is None else fmt.channels
+        if rate is None or not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+            continue
+        if not 1 <= channels <= MAX_CHANNELS:
+            continue
+        return f.AudioFormat(codec=PCM16, sample_rate=rate, channels=channels)
     return None
 
 
