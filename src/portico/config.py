@@ -329,7 +329,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_audio_sessions_per_principal: Count = 4
     max_audio_bytes_per_second: Bytes = 256 * 1024  # inbound, per call (48 kHz stereo PCM16 fits)
     audio_burst_bytes: Bytes = 512 * 1024  # inbound audio that may arrive at once
-    keep_audio: bool = False  # archive the call's audio too (transcripts always are)
 
     # /v1/session (issue: resumable sessions).
     resume_window: Seconds = 30.0
