@@ -115,6 +115,7 @@ class OmniaSocket(ServerSocket):
         agent: str,
         memory_facet: str,
         resume: str | None = None,
+        reclaimed: LiveCall | PorticoError | None = None,
     ) -> None:
         super().__init__(request, ws, services)
         # Upload URLs point at this server as the client reached it.
@@ -123,13 +124,11 @@ class OmniaSocket(ServerSocket):
         self._binding = identity.session_value
         self._agent = agent
         self._memory_facet = memory_facet
-        # `?resume=`: this connection takes over the principal's parked call, if any.
-        self._call: LiveCall | None = (
-            None if resume is None else services.calls.reclaim(resume, self._principal)
-        )
+        # `?resume=`: the principal's call this connection took over (`omnia_handler`).
+        self._call = reclaimed if isinstance(reclaimed, LiveCall) else None
         self._call_epoch = 0  # events of an earlier call of this connection are ignored
         self._core = OmniaConnection(
-            session_id=resume if self._call is not None and resume else new_id("sess"),
+            session_id=resume if reclaimed is not None and resume else new_id("sess"),
             binary=request.query.get("binary", "false").lower() == "true",
             limits=connection_limits(services),
             now=self._loop.time(),
@@ -139,10 +138,10 @@ class OmniaSocket(ServerSocket):
             identity=identity,
             # A reclaimed call keeps its own agent's limits, whatever `agent` this names.
             voice=voice_limits(services, agent if self._call is None else self._call.agent),
-            resumed=None if resume is None else self._call is not None,
+            resumed=None if resume is None else reclaimed is not None,
         )
         if resume is not None:
-            self._resume_call(resume)
+            self._resume_call(resume, reclaimed)
         # A dict as an ordered set: empty, it costs 64 bytes where an empty set costs 216.
         self._attached: dict[str, None] = {}
         # The minted id is this principal's before its first message (core/reservations.py).
@@ -239,8 +238,13 @@ class OmniaSocket(ServerSocket):
 
     # -- voice calls --------------------------------------------------------------
 
-    def _resume_call(self, resume: str) -> None:
+    def _resume_call(self, resume: str, reclaimed: LiveCall | PorticoError | None) -> None:
         """After `connected`: the reclaimed call's format, or why there is no call."""
+        if isinstance(reclaimed, PorticoError):
+            # The session continues, its call could not (a limit, the runtime here).
+            self._core.call_resumed(None, self._now())
+            self._core.refuse_call(reclaimed, self._now())
+            return
         call = self._call
         if call is None:
             # Missing, expired and another principal's call look the same.
@@ -394,15 +398,31 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
         raise web.HTTPTooManyRequests(
             text="too many connections for this principal", headers={"Retry-After": "1"}
         )
+    # `?resume=`: the principal's call of that session, wherever it runs (docs/replicas.md).
+    reclaimed = (
+        None
+        if resume is None
+        else await services.calls.reclaim(resume, principal, identity.session_value)
+    )
+    built: list[OmniaSocket] = []
+
+    def socket_for(ws: web.WebSocketResponse) -> OmniaSocket:
+        built.append(
+            OmniaSocket(request, ws, services, identity, agent, memory_facet, resume, reclaimed)
+        )
+        return built[0]
+
     try:
         return await run_socket(
             request,
             services,
-            lambda ws: OmniaSocket(request, ws, services, identity, agent, memory_facet, resume),
+            socket_for,
             protocols=selected_subprotocol(request.headers.get("Sec-WebSocket-Protocol")),
         )
     finally:
         services.principals.give(principal)
+        if not built and isinstance(reclaimed, LiveCall):
+            services.calls.park(reclaimed)  # the upgrade failed: the call waits again
 
 
 def upgrade_memory_facet(request: web.Request, services: Services, agent: str) -> str:
