@@ -252,3 +252,20 @@ async def test_a_call_of_a_killed_replica_is_forgotten_when_its_window_ends(
         await redis.aclose()
     again = await on_b(f"?binary=true&resume={caller.session_id}", token=token)
     assert again.connected_frame["connected"]["resumed"] is False
+
+
+async def test_a_call_of_a_stopped_replica_continues_on_the_other(
+    http: aiohttp.ClientSession, pair: Pair
+) -> None:
+    """Last in the module: it stops replica A (and starts it again after)."""
+    a, b = pair.servers
+    on_a, on_b = Dial(http, a), Dial(http, b)
+    token = on_a.user()
+    caller = await calling(on_a, token)
+    try:
+        a.stop()  # SIGTERM: drain, calls hung up, their records left parked
+        again = await on_b(f"?binary=true&resume={caller.session_id}", token=token)
+        await continues(again, caller.sequence)
+        await again.send({"type": "hangup"})
+    finally:
+        a.start()
