@@ -319,6 +319,10 @@ class BusLink:
     def holds(self, session_id: str) -> bool:
         return self._locks.holds(session_id)
 
+    async def runs_elsewhere(self, session_id: str) -> bool:
+        holder = await self._locks.holder(session_id)
+        return holder is not None and holder.replica != self.replica_id
+
     def release(self, session_id: str) -> None:
         self._spawn(self._release(session_id), f"turn-unlock-{session_id}")
 

@@ -45,6 +45,7 @@ from portico.errors import (
     TooManyConnections,
     Unauthenticated,
 )
+from portico.protocols.credential import held_off
 from portico.protocols.session import frames as f
 from portico.protocols.session.channel import Channel, Numbered
 from portico.protocols.session.connection import (
@@ -427,7 +428,19 @@ class SessionSocket(ServerSocket):
 
     async def on_timer(self, now: float) -> None:
         self._core.on_timer(now)
+        if await self._turn_elsewhere(now):
+            return  # held off until that turn ends; asked again at the next timer
         self._check_expiry()
+
+    async def _turn_elsewhere(self, now: float) -> bool:
+        """Past the credential's close point with no turn here: whether another replica
+        runs the session's turn (a message sent there before this resume)."""
+        clock, live = self._core.credential, self._live
+        if clock is None or live is None or not clock.close_point_passed(now):
+            return False
+        if self.turn_running():
+            return False
+        return held_off(clock, now, await self._services.engine.runs_elsewhere((live.id,)))
 
     def turn_ended(self) -> None:
         # The engine frees the session after its last event: check once it has.

@@ -31,7 +31,11 @@ from portico.errors import (
     RateLimited,
     SessionExpired,
 )
-from portico.protocols.credential import CLOSE_CREDENTIAL_EXPIRED, CREDENTIAL_EXPIRED_REASON
+from portico.protocols.credential import (
+    CLOSE_CREDENTIAL_EXPIRED,
+    CREDENTIAL_EXPIRED_REASON,
+    held_off,
+)
 from portico.protocols.omnia.connection import (
     CLOSE_KEEPALIVE_TIMEOUT,
     CLOSE_SLOW_CONSUMER,
@@ -183,7 +187,19 @@ class OmniaSocket(ServerSocket):
             await self._ws.ping()
         elif action is Keepalive.CLOSE:
             self.start_close(CLOSE_KEEPALIVE_TIMEOUT, "keepalive timeout")
+        if await self._turn_elsewhere(now):
+            return  # held off until that turn ends; asked again at the next timer
         self._check_expiry()
+
+    async def _turn_elsewhere(self, now: float) -> bool:
+        """Past the credential's close point with no turn here: whether another replica
+        runs a turn of an attached session (its output streams to this connection)."""
+        clock = self._core.credential
+        if not clock.close_point_passed(now) or self.turn_running():
+            return False
+        return held_off(
+            clock, now, await self._services.engine.runs_elsewhere(tuple(self._attached))
+        )
 
     def turn_running(self) -> bool:
         return any(self._services.engine.is_busy(s) for s in self._attached)
