@@ -66,7 +66,7 @@ from portico.server.services import SERVICES, Services
 from portico.server.session_catchup import catch_up
 from portico.server.session_ledger import SessionLedger, SessionProfile, decode_profile
 from portico.server.sockets import ServerSocket, run_socket
-from portico.sessionstate.base import SessionSnapshot
+from portico.sessionstate.base import ENDED_TURNS_KEPT, SessionSnapshot
 
 log = logging.getLogger("portico.session")
 PROTOCOL = "session"
@@ -176,6 +176,10 @@ class LiveSession:
         self.ledger = ledger
         self.socket: SessionSocket | None = None
         self.ended = False
+        # Turns whose terminal message this copy numbered, newest last: with `bus: redis`
+        # a turn run elsewhere ends here through its relayed events and through the
+        # catch-up (session_catchup.py); whichever comes second is dropped.
+        self._ended_turns: dict[str, None] = {}
         self._sessions = sessions
         self._expiry: asyncio.TimerHandle | None = None
         # Stops the engine's events for this copy once it is dropped (set by the socket
@@ -249,7 +253,7 @@ class LiveSession:
 
     def on_turn_event(self, event: TurnEvent) -> None:
         """Number every event into the session; write it once the port holds it."""
-        if self.ended:
+        if self.ended or event.turn_id in self._ended_turns:
             return
         if type(event) is TurnChunk:  # most events by far: skip the checks and the match
             chunk = f.Chunk(seq=self.channel.next_seq, turn_id=event.turn_id, content=event.text)
@@ -265,6 +269,7 @@ class LiveSession:
             for end in self.media.end_all(event.turn_id):
                 self._number(end)
             ends_turn = event.turn_id
+            self._turn_over(ends_turn)
         frame = session_frame(event)
         if frame is not None:
             self._number(frame, ends_turn)
@@ -289,7 +294,15 @@ class LiveSession:
 
     def end_turn(self, frame: Numbered, turn_id: str) -> None:
         """A turn's terminal message this replica did not run (see session_catchup)."""
+        if turn_id in self._ended_turns:
+            return  # its relayed terminal event was numbered first
+        self._turn_over(turn_id)
         self._number(frame, turn_id)
+
+    def _turn_over(self, turn_id: str) -> None:
+        self._ended_turns[turn_id] = None
+        if len(self._ended_turns) > ENDED_TURNS_KEPT:
+            del self._ended_turns[next(iter(self._ended_turns))]
 
     def _recorded(self, seq: int, data: bytes) -> None:
         """The port holds message `seq`: keep it for a resend here, and write it."""
