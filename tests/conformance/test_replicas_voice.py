@@ -230,6 +230,22 @@ async def test_a_call_parked_on_a_killed_replica_continues_at_once_on_the_other(
     await again.send({"type": "hangup"})
 
 
+async def test_a_live_call_of_a_killed_replica_continues_on_the_other(
+    http: aiohttp.ClientSession, short_pair: Pair
+) -> None:
+    """Killed mid-call (never parked): its record lives out the lease, so the caller
+    whose socket died with it continues on B."""
+    a, b = short_pair.servers
+    on_a, on_b = Dial(http, a), Dial(http, b)
+    token = on_a.user()
+    caller = await calling(on_a, token)
+    a.stop(signal.SIGKILL)
+    async with asyncio.timeout(WAIT):
+        again = await on_b(f"?binary=true&resume={caller.session_id}", token=token)
+    await continues(again, caller.sequence)
+    await again.send({"type": "hangup"})
+
+
 async def test_a_call_of_a_killed_replica_is_forgotten_when_its_window_ends(
     http: aiohttp.ClientSession, short_pair: Pair
 ) -> None:

@@ -94,10 +94,11 @@ class LiveCall:
         session: Session,
         listener: CallListener,
         caller_format: AudioFormat,
+        token: str,
     ) -> None:
         self.session_id = session.id
         self.caller_format = caller_format
-        self.token = new_id("call")  # this holding of the call, in the call directory
+        self.token = token  # this holding of the call, in the call directory
         self.owner = session.owner
         self.agent = session.agent
         self._service = service
@@ -293,7 +294,13 @@ class CallService:
             if isinstance(exc, PorticoError):
                 self.telemetry.call_refused("runtime" if exc.code == DUPLEX_ERROR else exc.code)
             raise
-        live = LiveCall(self, call, session=session, listener=listener, caller_format=format)
+        token = new_id("call")
+        # Registered before the call's events flow: once its caller hears the call, a
+        # resume anywhere finds it, even if this replica dies the next moment.
+        await self._register(session.id, principal, agent, token, format)
+        live = LiveCall(
+            self, call, session=session, listener=listener, caller_format=format, token=token
+        )
         log.info(
             "call started session=%s principal=%s agent=%s codec=%s sample_rate=%d",
             session.id,
@@ -305,23 +312,24 @@ class CallService:
         self._live.add(live)
         self._sessions[live.session_id] = live
         self.telemetry.call_started()
-        await self._register(live)
         return live
 
-    async def _register(self, call: LiveCall) -> None:
+    async def _register(
+        self, session_id: str, owner: str, agent: str, token: str, caller_format: AudioFormat
+    ) -> None:
         record = CallRecord(
-            session_id=call.session_id,
-            owner=call.owner,
-            agent=call.agent,
+            session_id=session_id,
+            owner=owner,
+            agent=agent,
             replica=self.replica_id,
-            token=call.token,
-            format=call.caller_format,
+            token=token,
+            format=caller_format,
         )
         try:
             await self.directory.register(record)
         except Exception:
             # The call goes on; only a `?resume` on another replica will not find it.
-            log.warning("call directory unreachable: not registered session=%s", call.session_id)
+            log.warning("call directory unreachable: not registered session=%s", session_id)
 
     def _directory_write(self, write: Awaitable[None], what: str, session_id: str) -> None:
         async def run() -> None:
@@ -401,7 +409,9 @@ class CallService:
             call = self._take_here(session_id, principal)
             if call is not None:
                 call.token = new_id("call")  # a new holding: stale writes of the old miss
-                await self._register(call)
+                await self._register(
+                    call.session_id, call.owner, call.agent, call.token, call.caller_format
+                )
             return call
         if self._handover is not None:
             detached(self._release_elsewhere(record), name=f"call-release-{session_id}")
