@@ -414,13 +414,8 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
         raise web.HTTPTooManyRequests(
             text="too many connections for this principal", headers={"Retry-After": "1"}
         )
-    # `?resume=`: the principal's call of that session, wherever it runs (docs/replicas.md).
-    reclaimed = (
-        None
-        if resume is None
-        else await services.calls.reclaim(resume, principal, identity.session_value)
-    )
     built: list[OmniaSocket] = []
+    reclaimed: LiveCall | PorticoError | None = None
 
     def socket_for(ws: web.WebSocketResponse) -> OmniaSocket:
         built.append(
@@ -429,6 +424,9 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
         return built[0]
 
     try:
+        if resume is not None:
+            # The principal's call of that session, wherever it runs (docs/replicas.md).
+            reclaimed = await services.calls.reclaim(resume, principal, identity.session_value)
         return await run_socket(
             request,
             services,
