@@ -429,3 +429,37 @@ async def test_round_robin_resumes_land_on_every_replica_and_lose_nothing(
     finally:
         group.stop()
         await drop_schemas([schema])
+
+
+async def test_a_tool_result_sent_on_the_other_replica_reaches_the_turn_once(
+    http: aiohttp.ClientSession, tmp_path: Path, state_env: dict[str, str]
+) -> None:
+    """The turn waits on A for a client tool's result; the client moved to B and
+    answers there: the result is forwarded to A over the bus (`bus=redis`)."""
+    async with (
+        replica_pair(tmp_path, {**state_env, "PORTICO_BUS": "redis"}) as pair,
+        asyncio.timeout(4 * WITHIN),
+    ):
+        on_a = await SessionProbe.connect(http, Pair.url(pair.a))
+        ready = await on_a.hello(capabilities=["tools"])
+        session_id = ready["session_id"]
+        await on_a.message("where", metadata={"mock_scenario": "tool"})
+        call = await on_a.recv_numbered()
+        assert call["type"] == "tool_call", call
+        call_id = call["tool_call"]["id"]
+        await on_a.ws.close()
+        on_b, _ = await resume(http, Pair.url(pair.b), on_a, session_id)
+        await on_b.numbered("tool_result", call_id=call_id, result={"city": "Oslo"})
+        (*_, done) = await frames_until(on_b, 1)
+        assert done["type"] == "done", done
+        assert done["content"] == 'status=completed result={"city":"Oslo"} error='
+        await on_b.ack()
+        # Once: a second result for the same call is refused, as on one process.
+        refused_seq = await on_b.numbered("tool_result", call_id=call_id, result="again")
+        refused = await on_b.recv_numbered()
+        assert (refused["type"], refused.get("ref_seq")) == ("error", refused_seq), refused
+        _, turns = await archived(pair.database_url, session_id, 2)
+        assert [t.state.value for t in turns] == ["completed"]
+        assert_seqs_once(on_b)
+        assert [f["type"] for f in on_b.received if f["type"] == "done"] == ["done"]
+        await on_b.ws.close()

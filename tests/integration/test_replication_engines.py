@@ -341,3 +341,28 @@ async def test_the_turn_lock_names_its_holder_with_an_increasing_token_and_lapse
     await asyncio.sleep(0.5)  # not renewed: the lease lapses, as when rep-b dies
     assert await a.acquire("s9") is True
     assert await b.renew_all() == ["s9"]  # rep-b finds it lost
+
+
+async def test_a_turn_on_the_other_replica_is_seen_as_running_elsewhere(
+    redis: Any, gate: Gate
+) -> None:
+    """What a credential close on one replica waits for (docs/replicas.md)."""
+    a, b = await make_replicas(redis, gate)
+    try:
+        a.engine.attach_owner("alice", owner_watcher := Recorder())
+        await asyncio.sleep(0.05)  # the readers are up
+        running = Recorder()
+        await b.engine.submit(message("sess-elsewhere"), running)
+        await asyncio.wait_for(gate.started.wait(), WAIT)
+        assert await a.engine.runs_elsewhere(["sess-other", "sess-elsewhere"])
+        assert not await b.engine.runs_elsewhere(["sess-elsewhere"])  # it runs here
+        await owner_watcher.first(TurnChunk)  # A saw B's first chunk for alice
+        assert await a.engine.runs_a_turn_elsewhere_for("alice")
+        assert not await a.engine.runs_a_turn_elsewhere_for("bob")
+        gate.release.set()
+        await running.terminal()
+        await b.link._flush(WAIT)  # the lock's release is a background write
+        assert not await a.engine.runs_elsewhere(["sess-elsewhere"])
+        assert not await a.engine.runs_a_turn_elsewhere_for("alice")
+    finally:
+        await stop_all([a, b])

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from portico.calls.directory import InProcessCallDirectory
 from portico.calls.parking import InProcessParkingLot
 from portico.calls.rules import CallRules, VoiceTurnRecord
 from portico.calls.service import CallService, LiveCall
@@ -328,8 +329,8 @@ async def test_a_parked_call_is_reclaimed_by_its_owner_only(store: MemoryStore) 
     call = await start(service, first)
     await first.until(Hello)
     service.park(call)
-    assert service.reclaim("s1", "bob") is None
-    assert service.reclaim("s1", "alice") is call
+    assert await service.reclaim("s1", "bob", "") is None
+    assert await service.reclaim("s1", "alice", "") is call
     second = Listener()
     call.attach(second)
     for n in range(2):
@@ -350,7 +351,7 @@ async def test_a_parked_call_nobody_reclaims_ends_after_its_window(store: Memory
     assert call.over
     assert service.slots.in_use == 0
     assert len(service.parking) == 0
-    assert service.reclaim("s1", "alice") is None
+    assert await service.reclaim("s1", "alice", "") is None
 
 
 async def test_an_unknown_agent_takes_no_calls(store: MemoryStore) -> None:
@@ -403,9 +404,9 @@ async def test_a_resume_takes_over_a_call_its_owner_still_holds(store: MemorySto
     call = await start(service, first)
     call.attach(first, lambda: released.append(True))
     await first.until(Hello)
-    assert service.reclaim("s1", "bob") is None  # not bob's
+    assert await service.reclaim("s1", "bob", "") is None  # not bob's
     assert released == []
-    assert service.reclaim("s1", "alice") is call
+    assert await service.reclaim("s1", "alice", "") is call
     assert released == [True]  # the old holder let go
     second = Listener()
     call.attach(second)
@@ -414,7 +415,7 @@ async def test_a_resume_takes_over_a_call_its_owner_still_holds(store: MemorySto
     await second.until(SpokenTurnDone)
     assert not any(isinstance(e, Transcript) for e in first.events)
     await call.hangup()
-    assert service.reclaim("s1", "alice") is None  # hung up: nothing to take over
+    assert await service.reclaim("s1", "alice", "") is None  # hung up: nothing to take over
     await service.shutdown()
 
 
@@ -438,3 +439,112 @@ async def test_shutdown_hangs_up_every_call_and_archives_its_open_turn(store: Me
     assert turn.state is TurnState.CANCELLED
     messages = await store.list_messages("s1", after_offset=0, limit=10)
     assert [(m.role, m.content) for m in messages] == [("user", "hello"), ("assistant", "Hi")]
+
+
+# -- two replicas sharing one call directory ------------------------------------------------
+
+
+class Link:
+    """The bus's control between two call services: release on the named replica."""
+
+    def __init__(self) -> None:
+        self.replicas: dict[str, CallService] = {}
+        self.asked: list[tuple[str, str]] = []
+
+    async def release_call(self, replica: str, session_id: str, token: str) -> bool:
+        self.asked.append((replica, session_id))
+        service = self.replicas.get(replica)
+        if service is None:
+            raise TimeoutError("the replica is gone")  # as the bus's deadline answers
+        return await service.release_here(session_id, token)
+
+
+def replica_pair(
+    store: MemoryStore, directory: InProcessCallDirectory, link: Link, **kw: object
+) -> tuple[CallService, CallService]:
+    a, b = (
+        service_of(
+            store,
+            ScriptedDuplexRuntime(SCRIPT, frame_interval=0),
+            directory=directory,
+            replica_id=name,
+            handover=link,
+            **kw,
+        )
+        for name in ("rep-a", "rep-b")
+    )
+    link.replicas.update({"rep-a": a, "rep-b": b})
+    return a, b
+
+
+async def test_a_resume_on_another_replica_continues_the_call_there(store: MemoryStore) -> None:
+    directory, link = InProcessCallDirectory(), Link()
+    a, b = replica_pair(store, directory, link)
+    first = Listener()
+    call = await start(a, first)
+    await first.until(Hello)
+    a.park(call)
+    assert await b.reclaim("s1", "bob", "") is None  # another principal's: refused
+    continued = await b.reclaim("s1", "alice", "")
+    assert isinstance(continued, LiveCall)
+    assert continued.session_id == "s1"
+    assert continued.agent == "voice"
+    second = Listener()
+    continued.attach(second)
+    async with asyncio.timeout(WAIT):
+        await call.wait()  # A let go of its call: it is over there
+    assert call.hung_up
+    assert len(a.parking) == 0
+    assert a.slots.in_use == 0
+    for n in range(2):
+        await continued.send(AudioIn(LOUD, n))
+    await second.until(SpokenTurnDone)
+    assert link.asked == [("rep-a", "s1")]
+    await a.shutdown()
+    await b.shutdown()
+
+
+async def test_two_racing_resumes_continue_the_call_once(store: MemoryStore) -> None:
+    directory, link = InProcessCallDirectory(), Link()
+    a, b = replica_pair(store, directory, link)
+    call = await start(a, Listener())
+    a.park(call)
+    await asyncio.sleep(0)  # the park's directory write
+    got = await asyncio.gather(b.reclaim("s1", "alice", ""), b.reclaim("s1", "alice", ""))
+    # One continuation: the later resume gets nothing, or takes the same call over.
+    assert len({id(g) for g in got if isinstance(g, LiveCall)}) == 1
+    assert b.live_count == 1
+    assert link.asked == [("rep-a", "s1")]
+    await a.shutdown()
+    await b.shutdown()
+
+
+async def test_a_parked_call_past_its_window_is_not_continued_elsewhere(
+    store: MemoryStore,
+) -> None:
+    directory, link = InProcessCallDirectory(), Link()
+    now = [1000.0]
+    a, b = replica_pair(store, directory, link, wall=lambda: now[0])
+    call = await start(a, Listener())
+    a.park(call)
+    await asyncio.sleep(0)
+    now[0] += 31.0  # the window (30 s) is over, whatever A's sweep did
+    assert await b.reclaim("s1", "alice", "") is None
+    assert link.asked == []
+    await a.shutdown()
+    await b.shutdown()
+
+
+async def test_a_resume_after_the_holding_replica_died_continues_at_once(
+    store: MemoryStore,
+) -> None:
+    directory, link = InProcessCallDirectory(), Link()
+    a, b = replica_pair(store, directory, link)
+    call = await start(a, Listener())
+    a.park(call)
+    await asyncio.sleep(0)
+    del link.replicas["rep-a"]  # killed: it answers nothing
+    continued = await b.reclaim("s1", "alice", "")
+    assert isinstance(continued, LiveCall)  # not waiting on the dead replica
+    await b.shutdown()
+    await a.shutdown()

@@ -15,7 +15,7 @@ import pytest
 
 from portico.auth.base import Identity
 from portico.client.credentials import refresh_delay, token_expiry
-from portico.protocols.credential import CredentialClock
+from portico.protocols.credential import CredentialClock, held_off
 from portico.protocols.omnia.connection import (
     ConnectionLimits,
     MessageReceived,
@@ -84,6 +84,20 @@ def test_the_close_waits_for_a_running_turn_then_happens_at_once() -> None:
     assert not clock.close_due(31.0, turn_running=True)
     assert clock.next_deadline() == math.inf  # due: only a turn's end asks again
     assert clock.close_due(31.5, turn_running=False)
+
+
+def test_a_close_held_off_for_a_turn_elsewhere_is_marked_due() -> None:
+    """The adapters ask another replica only past the close point; a held-off close
+    stops asking for a timer, and closes at once when nothing runs any more."""
+    clock = CredentialClock(token(60.0), margin=MARGIN, now=0.0, wall=WALL)
+    assert not clock.close_point_passed(29.9)
+    assert not held_off(clock, 29.9, turn_running=False)
+    assert clock.next_deadline() == 30.0  # asking changed nothing
+    assert clock.close_point_passed(30.0)
+    assert held_off(clock, 30.0, turn_running=True)
+    assert clock.next_deadline() == math.inf
+    assert clock.close_point_passed(31.0)
+    assert clock.close_due(31.0, turn_running=False)
 
 
 @pytest.mark.parametrize(

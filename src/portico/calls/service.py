@@ -19,6 +19,7 @@ from typing import Protocol
 
 import msgspec
 
+from portico.calls.directory import CallDirectory, CallRecord, InProcessCallDirectory
 from portico.calls.parking import InProcessParkingLot, ParkingLot
 from portico.calls.rules import DUPLEX_ERROR, CallRules, VoiceTurnRecord
 from portico.calls.slots import AudioSessionSlots
@@ -64,6 +65,14 @@ class CallTelemetry(Protocol):
     def audio(self, direction: str, size: int) -> None: ...
 
 
+class CallHandover(Protocol):
+    """The replicas' link as the call service sees it (replication/link.py)."""
+
+    async def release_call(self, replica: str, session_id: str, token: str) -> bool:
+        """Ask `replica` to let go of the session's call holding `token`."""
+        ...
+
+
 class NoCallTelemetry:
     def call_started(self) -> None: ...
     def call_ended(self) -> None: ...
@@ -84,8 +93,12 @@ class LiveCall:
         *,
         session: Session,
         listener: CallListener,
+        caller_format: AudioFormat,
+        token: str,
     ) -> None:
         self.session_id = session.id
+        self.caller_format = caller_format
+        self.token = token  # this holding of the call, in the call directory
         self.owner = session.owner
         self.agent = session.agent
         self._service = service
@@ -221,6 +234,9 @@ class CallService:
         max_sessions_per_principal: int | None,
         telemetry: CallTelemetry | None = None,
         parking: ParkingLot[LiveCall] | None = None,
+        directory: CallDirectory | None = None,
+        replica_id: str = "local",
+        handover: CallHandover | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -231,11 +247,16 @@ class CallService:
         self.slots = AudioSessionSlots(max_sessions, max_sessions_per_principal)
         self.telemetry: CallTelemetry = telemetry or NoCallTelemetry()
         self.parking: ParkingLot[LiveCall] = parking or InProcessParkingLot()
+        # Who may take which call over, on this replica or any (docs/replicas.md).
+        self.directory: CallDirectory = directory or InProcessCallDirectory()
+        self.replica_id = replica_id
+        self._handover = handover
         self._clock = clock
         self._wall = wall
         self._live: set[LiveCall] = set()
         self._sessions: dict[str, LiveCall] = {}  # the latest call of each session
         self._sweep: asyncio.TimerHandle | None = None
+        self._stopping = False  # calls ended by shutdown stay claimable (see `shutdown`)
 
     def takes_calls(self, agent: str) -> bool:
         return agent in self._runtimes
@@ -283,7 +304,13 @@ class CallService:
             if isinstance(exc, PorticoError):
                 self.telemetry.call_refused("runtime" if exc.code == DUPLEX_ERROR else exc.code)
             raise
-        live = LiveCall(self, call, session=session, listener=listener)
+        token = new_id("call")
+        # Registered before the call's events flow: once its caller hears the call, a
+        # resume anywhere finds it, even if this replica dies the next moment.
+        await self._register(session.id, principal, agent, token, format)
+        live = LiveCall(
+            self, call, session=session, listener=listener, caller_format=format, token=token
+        )
         log.info(
             "call started session=%s principal=%s agent=%s codec=%s sample_rate=%d",
             session.id,
@@ -296,6 +323,32 @@ class CallService:
         self._sessions[live.session_id] = live
         self.telemetry.call_started()
         return live
+
+    async def _register(
+        self, session_id: str, owner: str, agent: str, token: str, caller_format: AudioFormat
+    ) -> None:
+        record = CallRecord(
+            session_id=session_id,
+            owner=owner,
+            agent=agent,
+            replica=self.replica_id,
+            token=token,
+            format=caller_format,
+        )
+        try:
+            await self.directory.register(record)
+        except Exception:
+            # The call goes on; only a `?resume` on another replica will not find it.
+            log.warning("call directory unreachable: not registered session=%s", session_id)
+
+    def _directory_write(self, write: Awaitable[None], what: str, session_id: str) -> None:
+        async def run() -> None:
+            try:
+                await write
+            except Exception:
+                log.warning("call directory %s failed session=%s", what, session_id)
+
+        detached(run(), name=f"call-directory-{what}-{session_id}")
 
     async def _session(self, principal: str, binding: str, agent: str, session_id: str) -> Session:
         session = await self._open_session(
@@ -319,6 +372,10 @@ class CallService:
         if self._sessions.get(call.session_id) is call:
             del self._sessions[call.session_id]
         self.slots.give(call.owner)
+        if not self._stopping:
+            self._directory_write(
+                self.directory.drop(call.session_id, call.token), "drop", call.session_id
+            )
         if self.parking.discard(call.session_id) is call:
             self.telemetry.call_unparked(reclaimed=False)
         self.telemetry.call_ended()
@@ -331,14 +388,88 @@ class CallService:
             return
         call.detach()
         self.parking.park(call.session_id, call.owner, call, self._clock() + self._grace)
+        until = self._wall() + self._grace
+        self._directory_write(
+            self.directory.park(call.session_id, call.token, until), "park", call.session_id
+        )
         self.telemetry.call_parked()
         log.info("call parked session=%s window_s=%.1f", call.session_id, self._grace)
         self._arm_sweep()
 
-    def reclaim(self, session_id: str, principal: str) -> LiveCall | None:
-        """The principal's call of this session, now the caller's to listen to: a parked
-        one, or one a connection of theirs still holds (a client that reconnects before
-        the server saw its old socket die: the new connection takes the call over)."""
+    async def reclaim(
+        self, session_id: str, principal: str, binding: str
+    ) -> LiveCall | PorticoError | None:
+        """The principal's call of this session, now the caller's to listen to (None:
+        there is none; an error: it was claimed but its continuation could not start).
+
+        The directory decides, whichever replica runs the call. Here: the call itself,
+        parked or taken over from the connection holding it. On another replica: that
+        replica lets it go (its runtime call ends, its last turn archived) and this one
+        continues the session with a new runtime call in the caller's format, the
+        archived turns as its history. A replica that died holding it answers nothing
+        and needs to: its call died with it."""
+        try:
+            record = await self.directory.claim(session_id, principal, self._wall())
+        except Exception:
+            log.warning("call directory unreachable: resume looked up here only")
+            return self._take_here(session_id, principal)
+        if record is None:
+            return None
+        if record.replica == self.replica_id:
+            call = self._take_here(session_id, principal)
+            if call is not None:
+                call.token = new_id("call")  # a new holding: stale writes of the old miss
+                await self._register(
+                    call.session_id, call.owner, call.agent, call.token, call.caller_format
+                )
+            return call
+        if self._handover is not None:
+            detached(self._release_elsewhere(record), name=f"call-release-{session_id}")
+        try:
+            call = await self.start(
+                principal=principal,
+                binding=binding,
+                agent=record.agent,
+                session_id=session_id,
+                format=record.format,
+                listener=_nobody,
+            )
+        except PorticoError as exc:
+            return exc
+        log.info("call continued from replica=%s session=%s", record.replica, session_id)
+        return call
+
+    async def _release_elsewhere(self, record: CallRecord) -> None:
+        assert self._handover is not None
+        try:
+            await self._handover.release_call(record.replica, record.session_id, record.token)
+        except Exception as exc:
+            # Gone (killed) or unreachable: its call is gone with it, or ends at its window.
+            log.info(
+                "replica=%s did not release its call session=%s: %s",
+                record.replica,
+                record.session_id,
+                exc,
+            )
+
+    async def release_here(self, session_id: str, token: str) -> bool:
+        """Another replica took this call over: this one lets go of it and ends it."""
+        call = self._sessions.get(session_id)
+        if call is None or call.token != token or call.over:
+            return False
+        if self.parking.discard(session_id) is call:
+            self.telemetry.call_unparked(reclaimed=True)
+        else:
+            call.take_over()
+        self.telemetry.call_moved()
+        log.info("call handed over to another replica session=%s", session_id)
+        await call.hangup()
+        return True
+
+    def _take_here(self, session_id: str, principal: str) -> LiveCall | None:
+        """The principal's call held by this process: a parked one, or one a connection
+        of theirs still holds (a client that reconnects before the server saw its old
+        socket die: the new connection takes the call over)."""
         call = self.parking.reclaim(session_id, principal, self._clock())
         if call is not None:
             self.telemetry.call_unparked(reclaimed=True)
@@ -428,6 +559,15 @@ class CallService:
         if self._sweep is not None:
             self._sweep.cancel()
         calls = list(self._live)
+        # Their records stay, parked for the window: a caller who reconnects to another
+        # replica continues the session there (docs/replicas.md, "Voice calls").
+        self._stopping = True
+        until = self._wall() + self._grace
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(CLOSE_GRACE):
+                await asyncio.gather(
+                    *(self.directory.park(c.session_id, c.token, until) for c in calls)
+                )
         for call in calls:
             await call.hangup()
         await asyncio.gather(*(call.wait() for call in calls), return_exceptions=True)
@@ -440,3 +580,7 @@ class CallService:
     @property
     def live_count(self) -> int:
         return len(self._live)
+
+
+def _nobody(event: DuplexEvent | None) -> None:
+    """A continued call's listener until its connection attaches (see `reclaim`)."""

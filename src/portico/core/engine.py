@@ -11,7 +11,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import msgspec
@@ -19,7 +19,7 @@ import msgspec
 from portico.config import AgentSettings, ClientToolSettings
 from portico.core.compaction import SUMMARY_THROUGH, compose_summary, since_latest_summary
 from portico.core.duplicates import earlier_send, running_duplicate
-from portico.core.events import Listener, TurnEvent
+from portico.core.events import Listener, TurnCompleted, TurnEvent, TurnFailed
 from portico.core.periodic import every
 from portico.core.replicalink import ReplicaLink
 from portico.core.reservations import SessionReservations
@@ -183,6 +183,9 @@ class Engine:
         self._tasks: dict[str, asyncio.Task[Turn]] = {}
         self._listeners: dict[str, tuple[Listener, ...]] = {}
         self._owner_listeners: dict[str, tuple[Listener, ...]] = {}
+        # Sessions of an owner whose turn another replica streams (its relayed events
+        # seen here, its terminal one not yet): what an RPC credential close waits for.
+        self._streamed_elsewhere: dict[str, set[str]] = {}
         # RPC messages waiting for the session's running turn to end, oldest first.
         self._backlog: dict[str, list[Queued]] = {}
         self._background = Background("archiving in the background")
@@ -275,7 +278,44 @@ class Engine:
         _deliver(self._listeners.get(session_id, ()), event)
 
     def deliver_to_owner(self, owner: str, event: TurnEvent) -> None:
+        if isinstance(event, TurnCompleted | TurnFailed):
+            sessions = self._streamed_elsewhere.get(owner)
+            if sessions is not None:
+                sessions.discard(event.session_id)
+                if not sessions:
+                    del self._streamed_elsewhere[owner]
+        else:
+            self._streamed_elsewhere.setdefault(owner, set()).add(event.session_id)
         _deliver(self._owner_listeners.get(owner, ()), event)
+
+    async def runs_elsewhere(self, session_ids: Iterable[str]) -> bool:
+        """Whether another replica runs a turn of one of these sessions now (its turn
+        lock says so; a dead replica's lapses within the lease). False without replicas
+        or while the bus is unreachable: a credential close is then not held off."""
+        if self._link is None:
+            return False
+        for session_id in session_ids:
+            if session_id in self._running:
+                continue
+            try:
+                if await self._link.runs_elsewhere(session_id):
+                    return True
+            except PorticoError:
+                return False
+        return False
+
+    async def runs_a_turn_elsewhere_for(self, owner: str) -> bool:
+        """`runs_elsewhere` for the owner's sessions whose turn output another replica
+        streams to this one (a turn that has sent nothing yet is not seen). A session
+        whose lock no other replica holds is forgotten (its terminal event was lost)."""
+        sessions = self._streamed_elsewhere.get(owner)
+        for session_id in list(sessions or ()):
+            if await self.runs_elsewhere((session_id,)):
+                return True
+            sessions.discard(session_id)  # type: ignore[union-attr]
+        if sessions is not None and not sessions:
+            self._streamed_elsewhere.pop(owner, None)
+        return False
 
     def _listeners_of(self, session_id: str, owner: str) -> tuple[Listener, ...]:
         listeners = self._listeners.get(session_id, ())

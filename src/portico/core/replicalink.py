@@ -57,6 +57,10 @@ class ReplicaLink(Protocol):
 
     def release(self, session_id: str) -> None: ...
 
+    async def runs_elsewhere(self, session_id: str) -> bool:
+        """Another replica holds the session's turn lock. Raises `BusUnavailable`."""
+        ...
+
     # -- control for turns running elsewhere ---------------------------------------------
 
     async def stop_elsewhere(self, session_id: str) -> bool:

@@ -23,6 +23,14 @@ CLOSE_CREDENTIAL_EXPIRED = 4401
 CREDENTIAL_EXPIRED_REASON = "credential expired"
 
 
+def held_off(clock: CredentialClock, now: float, turn_running: bool) -> bool:
+    """A close that is due waits for `turn_running`: marked due, so the clock stops
+    asking for a timer (a keepalive timer or the turn's end asks again)."""
+    if turn_running:
+        clock.close_due(now, turn_running=True)
+    return turn_running
+
+
 class CredentialClock:
     __slots__ = ("_closing", "_margin", "close_at", "deadline", "identity")  # one per connection
 
@@ -54,6 +62,10 @@ class CredentialClock:
         if now >= self.close_at:
             self._closing = True
         return self._closing and not turn_running
+
+    def close_point_passed(self, now: float) -> bool:
+        """The close is due but for a running turn (asks nothing of the turn)."""
+        return self._closing or now >= self.close_at
 
     def next_deadline(self) -> float:
         """When to ask `close_due` again; once the close is due, a turn's end asks."""

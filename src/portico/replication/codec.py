@@ -76,10 +76,10 @@ def decode_event(payload: bytes) -> Published:
 class Request(msgspec.Struct, frozen=True, kw_only=True, tag="request"):
     id: str
     reply_to: str  # the asking replica's inbox
-    op: Literal["stop", "tool", "rtc"]
+    op: Literal["stop", "tool", "rtc", "call"]
     session_id: str = ""
     principal: str = ""
-    call_id: str = ""
+    call_id: str = ""  # op "call": the token of the voice call to let go of
     reply: ClientReply | None = None
     rtc: RtcStep | None = None
 

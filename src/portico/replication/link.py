@@ -69,6 +69,10 @@ class ToolSettler(Protocol):
     async def rtc_here(self, record: ToolCallRecord, step: RtcStep) -> ToolCallRecord: ...
 
 
+class CallReleaser(Protocol):
+    async def release_here(self, session_id: str, token: str) -> bool: ...
+
+
 class BusLink:
     def __init__(
         self,
@@ -89,6 +93,7 @@ class BusLink:
         self._relay = Relay(replica_id)
         self._sink: RemoteSink | None = None
         self._tools: ToolSettler | None = None
+        self._calls: CallReleaser | None = None
         self._updates: Callable[[Update], None] = _no_updates
         self._order = UpdateOrder()
         self._filling: set[str] = set()  # owners whose archive read runs
@@ -106,6 +111,10 @@ class BusLink:
 
     def bind_tools(self, tools: ToolSettler) -> None:
         self._tools = tools
+
+    def bind_calls(self, calls: CallReleaser) -> None:
+        """The `/ws` voice calls of this replica, which another one may take over."""
+        self._calls = calls
 
     def bind_updates(self, deliver: Callable[[Update], None]) -> None:
         """Where an owner's updates go on this replica (its RPC connections), in order."""
@@ -310,6 +319,10 @@ class BusLink:
     def holds(self, session_id: str) -> bool:
         return self._locks.holds(session_id)
 
+    async def runs_elsewhere(self, session_id: str) -> bool:
+        holder = await self._locks.holder(session_id)
+        return holder is not None and holder.replica != self.replica_id
+
     def release(self, session_id: str) -> None:
         self._spawn(self._release(session_id), f"turn-unlock-{session_id}")
 
@@ -356,6 +369,11 @@ class BusLink:
         await self._ask(holder.replica, op="rtc", call_id=record.id, rtc=step)
         # Written there before the answer came.
         return await self._store.get_tool_call(record.id) or record
+
+    async def release_call(self, replica: str, session_id: str, token: str) -> bool:
+        """A `?resume` here took over the call `replica` runs: it lets go of it."""
+        reply = await self._ask(replica, op="call", session_id=session_id, call_id=token)
+        return reply.value
 
     async def _ask(self, replica: str, **fields: Any) -> Reply:
         request = Request(id=new_id("ctl"), reply_to=self.replica_id, **fields)
@@ -419,6 +437,10 @@ class BusLink:
         assert self._tools is not None, "bind_tools() first"
         if request.op == "stop":
             return await self._sink.stop_here(request.session_id)
+        if request.op == "call":
+            return self._calls is not None and await self._calls.release_here(
+                request.session_id, request.call_id
+            )
         if request.op == "rtc":
             assert request.rtc is not None
             record = await self._store.get_tool_call(request.call_id)

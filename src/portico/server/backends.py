@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from portico.bus.memory_bus import InProcessBus
 from portico.bus.port import Bus
+from portico.calls.directory import CallDirectory, InProcessCallDirectory
 from portico.config import Settings
 from portico.sessionstate.base import BufferLimits, SessionStates
 from portico.sessionstate.memory import InProcessSessionStates
@@ -21,18 +22,21 @@ async def _nothing() -> None:
 class SharedState:
     bus: Bus
     session_states: SessionStates
+    call_directory: CallDirectory
     close: Callable[[], Awaitable[None]] = _nothing
 
 
 def build_shared_state(settings: Settings) -> SharedState:
     bus, close_bus = _build_bus(settings)
     states = _build_session_states(settings)
+    directory = _build_call_directory(settings)
 
     async def close() -> None:
         await close_bus()
         await states.close()
+        await directory.close()
 
-    return SharedState(bus, states, close)
+    return SharedState(bus, states, directory, close)
 
 
 def _build_bus(settings: Settings) -> tuple[Bus, Callable[[], Awaitable[None]]]:
@@ -50,6 +54,22 @@ def _build_bus(settings: Settings) -> tuple[Bus, Callable[[], Awaitable[None]]]:
         topic_ttl=settings.bus_topic_ttl,
     )
     return redis_bus, redis_bus.close
+
+
+def _build_call_directory(settings: Settings) -> CallDirectory:
+    """Where `/ws` voice calls are found by `?resume`: this process, or Redis with the bus
+    (a call on another replica is let go of through the bus's control)."""
+    if settings.bus != "redis":
+        return InProcessCallDirectory()
+    from redis.asyncio import Redis
+
+    from portico.calls.redis_directory import RedisCallDirectory
+
+    # A resume waits on it before its `connected`: it answers or fails fast.
+    client = Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    return RedisCallDirectory(
+        client, prefix=settings.redis_key_prefix, live_ttl=settings.replica_lease
+    )
 
 
 def _build_session_states(settings: Settings) -> SessionStates:

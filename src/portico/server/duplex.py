@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
-from portico.calls.service import CallService, CallTelemetry
+from portico.calls.directory import CallDirectory
+from portico.calls.service import CallHandover, CallService, CallTelemetry
 from portico.config import DEFAULT_AGENT, AgentSettings, Settings
 from portico.core.engine import Engine
 from portico.errors import ConfigError, PorticoError
@@ -77,6 +78,10 @@ def build_calls(
     store: Store,
     engine: Engine,
     telemetry: CallTelemetry,
+    *,
+    directory: CallDirectory,
+    replica_id: str,
+    handover: CallHandover | None,
 ) -> CallService:
     """The call service over every agent that takes calls."""
     runtimes = {
@@ -95,4 +100,7 @@ def build_calls(
             None if settings.auth == "none" else settings.max_audio_sessions_per_principal
         ),
         telemetry=telemetry,
+        directory=directory,
+        replica_id=replica_id,
+        handover=handover,
     )

@@ -25,6 +25,7 @@ from portico.errors import (
     RpcUnauthenticated,
     Unauthenticated,
 )
+from portico.protocols.credential import held_off
 from portico.protocols.rpc import frames as f
 from portico.protocols.rpc.connection import (
     CLOSE_SLOW_CONSUMER,
@@ -100,7 +101,20 @@ class RpcSocket(ServerSocket):
         await self._handle_all(self._core.receive_text(data, now))
 
     async def on_timer(self, now: float) -> None:
+        if await self._turn_elsewhere(now):
+            return  # held off until that turn ends; asked again at the next timer
         self._check_expiry()
+
+    async def _turn_elsewhere(self, now: float) -> bool:
+        """Past the credential's close point with no turn here: whether another replica
+        streams a turn of the principal's here (its replies reach this connection)."""
+        clock = self._core.credential
+        if clock is None or not self._principal or not clock.close_point_passed(now):
+            return False
+        if self._services.engine.runs_a_turn_for(self._principal):
+            return False
+        elsewhere = await self._services.engine.runs_a_turn_elsewhere_for(self._principal)
+        return held_off(clock, now, elsewhere)
 
     def _check_expiry(self) -> None:
         """Close 4401 once the credential's close point passed and none of the

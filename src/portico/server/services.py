@@ -113,7 +113,18 @@ class Services:
             ),
             link=self.link,
         )
-        self.calls = build_calls(settings, resolved, self.store, self.engine, self.metrics)
+        self.calls = build_calls(
+            settings,
+            resolved,
+            self.store,
+            self.engine,
+            self.metrics,
+            directory=self.shared.call_directory,
+            replica_id=replica_id,
+            handover=self.link,
+        )
+        if self.link is not None:
+            self.link.bind_calls(self.calls)
         self.updates = InProcessUpdates()
         if self.link is None:
             self.store.set_update_listener(self.updates.publish)

@@ -45,6 +45,7 @@ from portico.errors import (
     TooManyConnections,
     Unauthenticated,
 )
+from portico.protocols.credential import held_off
 from portico.protocols.session import frames as f
 from portico.protocols.session.channel import Channel, Numbered
 from portico.protocols.session.connection import (
@@ -68,7 +69,7 @@ from portico.server.session_catchup import catch_up
 from portico.server.session_ledger import SessionLedger, SessionProfile, decode_profile
 from portico.server.session_voice import SessionCall
 from portico.server.sockets import ServerSocket, run_socket
-from portico.sessionstate.base import SessionSnapshot
+from portico.sessionstate.base import ENDED_TURNS_KEPT, SessionSnapshot
 
 log = logging.getLogger("portico.session")
 PROTOCOL = "session"
@@ -182,6 +183,10 @@ class LiveSession:
         # The voice call half, when `ready.audio.input` chose a format (set by the
         # socket that built the session: the session does not know the services).
         self.voice: SessionCall | None = None
+        # Turns whose terminal message this copy numbered, newest last: with `bus: redis`
+        # a turn run elsewhere ends here through its relayed events and through the
+        # catch-up (session_catchup.py); whichever comes second is dropped.
+        self._ended_turns: dict[str, None] = {}
         self._sessions = sessions
         self._expiry: asyncio.TimerHandle | None = None
         # Stops the engine's events for this copy once it is dropped (set by the socket
@@ -261,7 +266,7 @@ class LiveSession:
 
     def on_turn_event(self, event: TurnEvent) -> None:
         """Number every event into the session; write it once the port holds it."""
-        if self.ended:
+        if self.ended or event.turn_id in self._ended_turns:
             return
         if type(event) is TurnChunk:  # most events by far: skip the checks and the match
             chunk = f.Chunk(seq=self.channel.next_seq, turn_id=event.turn_id, content=event.text)
@@ -277,6 +282,7 @@ class LiveSession:
             for end in self.media.end_all(event.turn_id):
                 self._number(end)
             ends_turn = _archived_turn(event.turn_id)
+            self._turn_over(event.turn_id)
         frame = session_frame(event)
         if frame is not None:
             self._number(frame, ends_turn)
@@ -313,7 +319,15 @@ class LiveSession:
 
     def end_turn(self, frame: Numbered, turn_id: str) -> None:
         """A turn's terminal message this replica did not run (see session_catchup)."""
+        if turn_id in self._ended_turns:
+            return  # its relayed terminal event was numbered first
+        self._turn_over(turn_id)
         self._number(frame, turn_id)
+
+    def _turn_over(self, turn_id: str) -> None:
+        self._ended_turns[turn_id] = None
+        if len(self._ended_turns) > ENDED_TURNS_KEPT:
+            del self._ended_turns[next(iter(self._ended_turns))]
 
     def _recorded(self, seq: int, data: bytes) -> None:
         """The port holds message `seq`: keep it for a resend here, and write it."""
@@ -457,7 +471,19 @@ class SessionSocket(ServerSocket):
 
     async def on_timer(self, now: float) -> None:
         self._core.on_timer(now)
+        if await self._turn_elsewhere(now):
+            return  # held off until that turn ends; asked again at the next timer
         self._check_expiry()
+
+    async def _turn_elsewhere(self, now: float) -> bool:
+        """Past the credential's close point with no turn here: whether another replica
+        runs the session's turn (a message sent there before this resume)."""
+        clock, live = self._core.credential, self._live
+        if clock is None or live is None or not clock.close_point_passed(now):
+            return False
+        if self.turn_running():
+            return False
+        return held_off(clock, now, await self._services.engine.runs_elsewhere((live.id,)))
 
     def turn_ended(self) -> None:
         # The engine frees the session after its last event: check once it has.

@@ -31,7 +31,11 @@ from portico.errors import (
     RateLimited,
     SessionExpired,
 )
-from portico.protocols.credential import CLOSE_CREDENTIAL_EXPIRED, CREDENTIAL_EXPIRED_REASON
+from portico.protocols.credential import (
+    CLOSE_CREDENTIAL_EXPIRED,
+    CREDENTIAL_EXPIRED_REASON,
+    held_off,
+)
 from portico.protocols.omnia.connection import (
     CLOSE_KEEPALIVE_TIMEOUT,
     CLOSE_SLOW_CONSUMER,
@@ -105,6 +109,7 @@ class OmniaSocket(ServerSocket):
         agent: str,
         memory_facet: str,
         resume: str | None = None,
+        reclaimed: LiveCall | PorticoError | None = None,
     ) -> None:
         super().__init__(request, ws, services)
         # Upload URLs point at this server as the client reached it.
@@ -113,13 +118,11 @@ class OmniaSocket(ServerSocket):
         self._binding = identity.session_value
         self._agent = agent
         self._memory_facet = memory_facet
-        # `?resume=`: this connection takes over the principal's parked call, if any.
-        self._call: LiveCall | None = (
-            None if resume is None else services.calls.reclaim(resume, self._principal)
-        )
+        # `?resume=`: the principal's call this connection took over (`omnia_handler`).
+        self._call = reclaimed if isinstance(reclaimed, LiveCall) else None
         self._call_epoch = 0  # events of an earlier call of this connection are ignored
         self._core = OmniaConnection(
-            session_id=resume if self._call is not None and resume else new_id("sess"),
+            session_id=resume if reclaimed is not None and resume else new_id("sess"),
             binary=request.query.get("binary", "false").lower() == "true",
             limits=connection_limits(services),
             now=self._loop.time(),
@@ -131,10 +134,10 @@ class OmniaSocket(ServerSocket):
             voice=voice_limits(
                 services.settings, services.calls, agent if self._call is None else self._call.agent
             ),
-            resumed=None if resume is None else self._call is not None,
+            resumed=None if resume is None else reclaimed is not None,
         )
         if resume is not None:
-            self._resume_call(resume)
+            self._resume_call(resume, reclaimed)
         # A dict as an ordered set: empty, it costs 64 bytes where an empty set costs 216.
         self._attached: dict[str, None] = {}
         # The minted id is this principal's before its first message (core/reservations.py).
@@ -176,7 +179,19 @@ class OmniaSocket(ServerSocket):
             await self._ws.ping()
         elif action is Keepalive.CLOSE:
             self.start_close(CLOSE_KEEPALIVE_TIMEOUT, "keepalive timeout")
+        if await self._turn_elsewhere(now):
+            return  # held off until that turn ends; asked again at the next timer
         self._check_expiry()
+
+    async def _turn_elsewhere(self, now: float) -> bool:
+        """Past the credential's close point with no turn here: whether another replica
+        runs a turn of an attached session (its output streams to this connection)."""
+        clock = self._core.credential
+        if not clock.close_point_passed(now) or self.turn_running():
+            return False
+        return held_off(
+            clock, now, await self._services.engine.runs_elsewhere(tuple(self._attached))
+        )
 
     def turn_running(self) -> bool:
         return any(self._services.engine.is_busy(s) for s in self._attached)
@@ -231,8 +246,13 @@ class OmniaSocket(ServerSocket):
 
     # -- voice calls --------------------------------------------------------------
 
-    def _resume_call(self, resume: str) -> None:
+    def _resume_call(self, resume: str, reclaimed: LiveCall | PorticoError | None) -> None:
         """After `connected`: the reclaimed call's format, or why there is no call."""
+        if isinstance(reclaimed, PorticoError):
+            # The session continues, its call could not (a limit, the runtime here).
+            self._core.call_resumed(None, self._now())
+            self._core.refuse_call(reclaimed, self._now())
+            return
         call = self._call
         if call is None:
             # Missing, expired and another principal's call look the same.
@@ -386,15 +406,29 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
         raise web.HTTPTooManyRequests(
             text="too many connections for this principal", headers={"Retry-After": "1"}
         )
+    built: list[OmniaSocket] = []
+    reclaimed: LiveCall | PorticoError | None = None
+
+    def socket_for(ws: web.WebSocketResponse) -> OmniaSocket:
+        built.append(
+            OmniaSocket(request, ws, services, identity, agent, memory_facet, resume, reclaimed)
+        )
+        return built[0]
+
     try:
+        if resume is not None:
+            # The principal's call of that session, wherever it runs (docs/replicas.md).
+            reclaimed = await services.calls.reclaim(resume, principal, identity.session_value)
         return await run_socket(
             request,
             services,
-            lambda ws: OmniaSocket(request, ws, services, identity, agent, memory_facet, resume),
+            socket_for,
             protocols=selected_subprotocol(request.headers.get("Sec-WebSocket-Protocol")),
         )
     finally:
         services.principals.give(principal)
+        if not built and isinstance(reclaimed, LiveCall):
+            services.calls.park(reclaimed)  # the upgrade failed: the call waits again
 
 
 def upgrade_memory_facet(request: web.Request, services: Services, agent: str) -> str:
