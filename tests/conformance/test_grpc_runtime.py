@@ -288,10 +288,10 @@ async def test_runtime_error_codes_pass_or_are_masked(
 
 @pytest.mark.parametrize(
     "name",
-    ["silent", "stall", "empty", "bad_args", "media_gap", "abort", "end_stream"],
+    ["silent", "stall", "empty", "bad_args", "media_gap", "abort", "end_stream", "undecodable"],
 )
 async def test_a_failing_runtime_ends_the_turn_once_and_the_next_turn_works(
-    connect_short: Connect, name: str
+    connect_short: Connect, short_server: ServerProcess, name: str
 ) -> None:
     client = await connect_short()
     await client.connected()
@@ -299,6 +299,8 @@ async def test_a_failing_runtime_ends_the_turn_once_and_the_next_turn_works(
     assert error["error"] == {"code": "INTERNAL_ERROR", "message": "internal error"}
     frames = await client.ask("again", **scenario("stream"))
     assert frames[-1]["content"] == REPLY
+    # A runtime that misbehaves is a WARNING line naming the cause, not a traceback.
+    assert "Traceback" not in short_server.log_text()
 
 
 async def test_a_done_after_an_error_is_ignored(connect_short: Connect) -> None:
