@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from conftest import rpc_url, start_rpc_server
 
 from support.omnia import OmniaClient, scenario
@@ -491,5 +492,61 @@ async def test_a_client_that_vanishes_mid_stream_costs_no_traceback(
         assert "Traceback" not in log
         assert "never retrieved" not in log
         assert " ERROR " not in log
+    finally:
+        server.stop()
+
+
+# -- slow consumers: the close code logged is the one sent ---------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/session", "/v1/rpc"])
+async def test_a_slow_consumer_is_logged_with_the_close_code_it_was_sent(
+    tmp_path_factory: pytest.TempPathFactory, path: str
+) -> None:
+    """A client that stops reading a long reply is closed 4408 (`/ws` has its own test,
+    test_omnia_streams_and_limits.py); the log line names 4408 too, not what aiohttp saw."""
+    data_dir = tmp_path_factory.mktemp("portico-slow")
+    script = data_dir / "long.yaml"
+    steps = [{"chunk": "z" * 8192} for _ in range(400)]
+    script.write_text(yaml.safe_dump({"scenarios": {"default": [*steps, {"done": {}}]}}))
+    config = data_dir / "portico.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "auth": "apikey",
+                "api_keys": {"key-1": "user-1"},
+                "runtime": "scripted",
+                "script": str(script),
+                "max_send_queue_bytes": 64 * 1024,
+            }
+        )
+    )
+    server = ServerProcess(data_dir, args=("--config", str(config))).start()
+    try:
+        stalled = await RawWebSocket.connect(server.port, path, limit=4096)
+        if path == "/v1/session":
+            opening = {"type": "hello", "protocol": 1, "credential": "key-1"}
+            message: dict[str, Any] = {"type": "message", "seq": 1, "content": "long"}
+        else:
+            opening = {"type": "connect", "token": "key-1"}
+            params = {"content_data": "long", "client_id": "c-long"}
+            message = {"id": "r-1", "method": "v1.message.send", "params": params}
+        await stalled.send_text(json.dumps(opening))
+        await stalled.send_text(json.dumps(message))  # then read nothing
+        protocol = path.rsplit("/", 1)[1]
+        if protocol == "rpc":  # replies, not the turn's chunks, fill an RPC client's queue
+            ended = await wait_for_log(server, "turn ended")
+            session_id = ended.split("turn ended session=")[1].split()[0]
+            for n in range(8):  # each reply carries the 3 MB reply message
+                params = {"session_id": session_id}
+                listing = {"id": f"l-{n}", "method": "v1.message.list", "params": params}
+                await stalled.send_text(json.dumps(listing))
+        log = await wait_for_log(server, f"slow consumer protocol={protocol}")
+        code, _ = await asyncio.wait_for(stalled.read_until_close(), WAIT)
+        stalled.close()
+        assert code == 4408
+        log = await wait_for_log(server, f"connection closed protocol={protocol}")
+        closed = next(line for line in log.splitlines() if "connection closed" in line)
+        assert "close_code=4408" in closed, closed
     finally:
         server.stop()
