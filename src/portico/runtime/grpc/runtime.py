@@ -92,9 +92,11 @@ class _Conversation:
                 if message is grpc.aio.EOF:
                     await self.inbox.put(Broken("the runtime ended the stream"))
                     return
-                if message is UNDECODABLE:  # the stream can no longer be trusted
+                if message is UNDECODABLE:
+                    # The stream can no longer be trusted: the turn fails on it and drops
+                    # it. Not cancelled here: a tool answer being written would see the
+                    # cancel as its own task's.
                     await self.inbox.put(Broken("a message that is not a ServerMessage"))
-                    self.call.cancel()
                     return
                 assert isinstance(message, pb.ServerMessage)
                 if self.in_turn:
