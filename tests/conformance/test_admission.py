@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from conftest import rpc_url, start_rpc_server
 
 from support.omnia import OmniaClient, scenario
+from support.rawws import RawWebSocket
 from support.rpc import RpcProbe
 from support.server import ServerProcess
 from support.session import SessionProbe
@@ -332,6 +336,12 @@ async def test_a_minted_session_id_belongs_to_its_connection(
         refused = await squatter.recv()
         assert refused["type"] == "error", refused
         assert refused["error"]["code"] == "SESSION_EXPIRED"
+        # The media route's request-upload into it, before the owner's first message.
+        body = {**upload, "session_id": session_id}
+        url = f"{server.http_url}/media/request-upload"
+        async with http.post(url, json=body, headers=bearer("2")) as squatted:
+            assert squatted.status == 404, await squatted.text()
+            assert (await squatted.json())["error"]["code"] == "SESSION_EXPIRED"
 
         frames = await owner.ask("hi")
         assert frames[-1]["type"] == "done", frames
@@ -409,3 +419,134 @@ async def test_a_refused_fetch_is_logged_without_a_traceback(
     log = await wait_for_log(server, "turn refused")
     assert "code=INVALID_MESSAGE" in log
     assert "Traceback" not in log
+
+
+# -- clients that vanish mid-stream ---------------------------------------------------------
+
+VANISHING = [  # per protocol: the frames that open it, and a message starting `scenario`
+    ("omnia", "/ws", [], lambda scenario: {"type": "message", "content": scenario}),
+    (
+        "session",
+        "/v1/session",
+        [{"type": "hello", "protocol": 1, "credential": "key-7"}],
+        lambda scenario: {"type": "message", "seq": 1, "content": scenario},
+    ),
+    (
+        "rpc",
+        "/v1/rpc",
+        [{"type": "connect", "token": "key-8"}],
+        lambda scenario: {
+            "id": "r-1",
+            "method": "v1.message.send",
+            "params": {"content_data": scenario, "client_id": f"c-{next(CLIENT_IDS)}"},
+        },
+    ),
+]
+CLIENT_IDS = itertools.count()
+# `paced`: ten chunks 100 ms apart, the later ones written after the reset; `flood`:
+# 20 MB of media written as fast as the socket takes it, so the reset lands amid writes
+# (a race: a few times, to lose it rarely).
+VANISH_SCENARIOS = ("paced", "flood", "flood", "flood", "flood")
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "deflate"])
+async def test_a_client_that_vanishes_mid_stream_costs_no_traceback(
+    tmp_path_factory: pytest.TempPathFactory, compress: bool
+) -> None:
+    """A reset while the server streams: its writes find the transport closed, which is
+    a connection ending, not an error (one INFO line, no traceback). With
+    permessage-deflate the frames go through aiohttp's own writer, another path.
+
+    The window (uvloop has closed the transport, the read loop has not yet seen it) is
+    one loop iteration: this test found the uvloop `RuntimeError` traceback from
+    `_flush`, but it loses the race in most runs, so it guards, it does not prove."""
+    env = {"PORTICO_WS_COMPRESSION": "true"} if compress else None
+    server = start_rpc_server(tmp_path_factory, "portico-vanish", env)
+    try:
+        for name in VANISH_SCENARIOS:
+            for _, path, opening, message in VANISHING:
+                headers = {"Authorization": "Bearer key-9"}
+                if compress:
+                    headers["Sec-WebSocket-Extensions"] = "permessage-deflate"
+                raw = await RawWebSocket.connect(server.port, path, headers=headers)
+                async with asyncio.timeout(WAIT):
+                    for frame in opening:  # hello or connect, and its answer
+                        await raw.send_text(json.dumps(frame))
+                        await raw.read_frame()
+                    start = message(name)
+                    start.setdefault("metadata", {"mock_scenario": name})
+                    if "params" in start:
+                        start["params"]["metadata"] = start.pop("metadata")
+                    await raw.send_text(json.dumps(start))
+                    await raw.read_frame()  # the stream flows
+                raw.reset()
+        opened = len(VANISH_SCENARIOS) * len(VANISHING)
+        await wait_for_log(server, "connection closed")
+        async with asyncio.timeout(WAIT):
+            while server.log_text().count("connection closed") < opened:  # noqa: ASYNC110 (a file)
+                await asyncio.sleep(0.05)
+        # The turns run to their end, which the drain on stop waits for.
+        assert server.stop() == 0
+        log = server.log_text()
+        assert "turn ended" in log
+        assert "Traceback" not in log
+        assert "never retrieved" not in log
+        assert " ERROR " not in log
+    finally:
+        server.stop()
+
+
+# -- slow consumers: the close code logged is the one sent ---------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/session", "/v1/rpc"])
+async def test_a_slow_consumer_is_logged_with_the_close_code_it_was_sent(
+    tmp_path_factory: pytest.TempPathFactory, path: str
+) -> None:
+    """A client that stops reading a long reply is closed 4408 (`/ws` has its own test,
+    test_omnia_streams_and_limits.py); the log line names 4408 too, not what aiohttp saw."""
+    data_dir = tmp_path_factory.mktemp("portico-slow")
+    script = data_dir / "long.yaml"
+    steps = [{"chunk": "z" * 8192} for _ in range(400)]
+    script.write_text(yaml.safe_dump({"scenarios": {"default": [*steps, {"done": {}}]}}))
+    config = data_dir / "portico.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "auth": "apikey",
+                "api_keys": {"key-1": "user-1"},
+                "runtime": "scripted",
+                "script": str(script),
+                "max_send_queue_bytes": 64 * 1024,
+            }
+        )
+    )
+    server = ServerProcess(data_dir, args=("--config", str(config))).start()
+    try:
+        stalled = await RawWebSocket.connect(server.port, path, limit=4096)
+        if path == "/v1/session":
+            opening = {"type": "hello", "protocol": 1, "credential": "key-1"}
+            message: dict[str, Any] = {"type": "message", "seq": 1, "content": "long"}
+        else:
+            opening = {"type": "connect", "token": "key-1"}
+            params = {"content_data": "long", "client_id": "c-long"}
+            message = {"id": "r-1", "method": "v1.message.send", "params": params}
+        await stalled.send_text(json.dumps(opening))
+        await stalled.send_text(json.dumps(message))  # then read nothing
+        protocol = path.rsplit("/", 1)[1]
+        if protocol == "rpc":  # replies, not the turn's chunks, fill an RPC client's queue
+            ended = await wait_for_log(server, "turn ended")
+            session_id = ended.split("turn ended session=")[1].split()[0]
+            for n in range(8):  # each reply carries the 3 MB reply message
+                params = {"session_id": session_id}
+                listing = {"id": f"l-{n}", "method": "v1.message.list", "params": params}
+                await stalled.send_text(json.dumps(listing))
+        log = await wait_for_log(server, f"slow consumer protocol={protocol}")
+        code, _ = await asyncio.wait_for(stalled.read_until_close(), WAIT)
+        stalled.close()
+        assert code == 4408
+        log = await wait_for_log(server, f"connection closed protocol={protocol}")
+        closed = next(line for line in log.splitlines() if "connection closed" in line)
+        assert "close_code=4408" in closed, closed
+    finally:
+        server.stop()

@@ -288,10 +288,10 @@ async def test_runtime_error_codes_pass_or_are_masked(
 
 @pytest.mark.parametrize(
     "name",
-    ["silent", "stall", "empty", "bad_args", "media_gap", "abort", "end_stream"],
+    ["silent", "stall", "empty", "bad_args", "media_gap", "abort", "end_stream", "undecodable"],
 )
 async def test_a_failing_runtime_ends_the_turn_once_and_the_next_turn_works(
-    connect_short: Connect, name: str
+    connect_short: Connect, short_server: ServerProcess, name: str
 ) -> None:
     client = await connect_short()
     await client.connected()
@@ -299,6 +299,8 @@ async def test_a_failing_runtime_ends_the_turn_once_and_the_next_turn_works(
     assert error["error"] == {"code": "INTERNAL_ERROR", "message": "internal error"}
     frames = await client.ask("again", **scenario("stream"))
     assert frames[-1]["content"] == REPLY
+    # A runtime that misbehaves is a WARNING line naming the cause, not a traceback.
+    assert "Traceback" not in short_server.log_text()
 
 
 async def test_a_done_after_an_error_is_ignored(connect_short: Connect) -> None:
@@ -554,6 +556,39 @@ async def test_rpc_turns_carry_the_reply_usage_and_error_codes(
     assert (turn["status"], turn["error"]["code"]) == ("failed", "PROVIDER_UNAVAILABLE")
     turn, _ = await rpc_turn(probe, "error_masked", "c-grpc-masked")
     assert turn["error"] == {"code": "INTERNAL_ERROR", "message": "internal error"}
+
+
+FAILURES = ["silent", "stall", "empty", "abort", "end_stream", "undecodable"]
+
+
+@pytest.mark.parametrize("name", FAILURES)
+async def test_a_failing_runtime_ends_a_session_turn_once_and_the_next_turn_works(
+    http: aiohttp.ClientSession, short_server: ServerProcess, name: str
+) -> None:
+    probe = await SessionProbe.connect(http, f"ws://127.0.0.1:{short_server.port}/v1/session")
+    assert (await probe.hello())["type"] == "ready"
+    await probe.message("go", **scenario(name))
+    frames = await probe.turn()
+    assert frames[-1]["type"] == "error", frames
+    assert frames[-1]["error"]["code"] == "INTERNAL_ERROR"
+    # A second terminal frame of the failed turn would end this read before the reply.
+    await probe.message("again", **scenario("stream"))
+    frames = await probe.turn()
+    assert [f["type"] for f in frames if f["type"] in ("done", "error")] == ["done"], frames
+    assert frames[-1]["content"] == REPLY
+    await probe.ws.close()
+
+
+@pytest.mark.parametrize("name", FAILURES)
+async def test_a_failing_runtime_ends_an_rpc_turn_once_and_the_next_turn_works(
+    http: aiohttp.ClientSession, short_server: ServerProcess, name: str
+) -> None:
+    probe = await RpcProbe.open(http, f"ws://127.0.0.1:{short_server.port}/v1/rpc")
+    turn, _ = await rpc_turn(probe, name, f"c-fail-{name}")
+    assert (turn["status"], turn["error"]["code"]) == ("failed", "INTERNAL_ERROR")
+    turn, reply = await rpc_turn(probe, "stream", f"c-after-{name}")
+    assert (turn["status"], reply) == ("completed", REPLY)
+    await probe.ws.close()
 
 
 # -- the runtime's process dies, TLS, bearer tokens --------------------------------------

@@ -180,11 +180,19 @@ async def test_media_routes_verify_the_bearer_token(
     token = valid(issuer, sub="erin")
     async with http.post(url, json=body, headers={"Authorization": f"Bearer {token}"}) as ok:
         assert ok.status == 200, await ok.text()
+    base = f"http://127.0.0.1:{server.port}/media"
+    reads = [f"{base}/info/sess-jwt/med-x", f"{base}/download/sess-jwt/med-x"]
     for reason, token in bad_tokens(issuer).items():
         headers = {"Authorization": f"Bearer {token}"}
         async with http.post(url, json=body, headers=headers) as refused:
             assert refused.status == 401, reason
             assert refused.headers["WWW-Authenticate"].startswith("Bearer")
+        for read in reads:  # the token is checked before the media is looked up
+            async with http.get(read, headers=headers) as refused:
+                assert refused.status == 401, (reason, read)
+    for read in reads:  # a good token reaches the lookup: no such media
+        async with http.get(read, headers={"Authorization": f"Bearer {valid(issuer)}"}) as found:
+            assert found.status == 404, read
 
 
 # -- the log -------------------------------------------------------------------------------

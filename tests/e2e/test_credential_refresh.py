@@ -166,3 +166,111 @@ def test_rpc_client_refreshes_through_its_callback(
     assert result["connections"] == 1, result
     assert result["issued"] >= 2
     assert refreshed(server, "rpc", user)
+
+
+# The app's callback has nothing newer the first time it is asked again (it hands back
+# the first token): the client sends no refresh, so the server closes 4401 "credential
+# expired"; the reconnect asks again, gets a fresh token and resumes the same session. A
+# message sent while disconnected is answered there.
+SESSION_AFTER_4401 = """async () => {
+  const { SessionClient, ReconnectPolicy } = await import("/web/portico.js");
+  const within = (promise, what) => Promise.race([
+    promise,
+    new Promise((_, reject) => setTimeout(() => reject(new Error(what)), 30000)),
+  ]);
+  const issued = [];
+  const credentialProvider = async () => {
+    issued.push(issued.length === 1 ? issued[0] : await window.mintToken());
+    return issued[issued.length - 1];
+  };
+  const reconnect = new ReconnectPolicy({ initial: 1, jitter: 0 });
+  const client = new SessionClient("/v1/session", { credentialProvider, reconnect });
+  const statuses = [];
+  let dropped = null;
+  const droppedOnce = new Promise((resolve) => { dropped = resolve; });
+  client.addEventListener("status", (e) => {
+    statuses.push({ state: e.detail.state, closeCode: e.detail.closeCode ?? null });
+    if (e.detail.state === "dropped") dropped();
+  });
+  await client.connect();
+  const sessionId = client.sessionId;
+  await within(droppedOnce, "no 4401 within 30 s");
+  // Sent while disconnected: it waits for the resumed connection.
+  const kept = (await within(client.ask("kept"), "no reply within 30 s")).text;
+  const result = {
+    kept,
+    statuses,
+    connections: client.connections,
+    sameSession: client.sessionId === sessionId,
+    issued: issued.length,
+  };
+  await client.close();
+  return result;
+}"""
+
+
+def test_session_client_resumes_after_a_4401_with_nothing_lost(
+    jwt_page: tuple[Any, str], server: ServerProcess
+) -> None:
+    tab, _ = jwt_page
+    result = tab.evaluate(SESSION_AFTER_4401)
+    assert result["kept"] == "Echo: kept", result
+    drops = [s for s in result["statuses"] if s["state"] == "dropped"]
+    assert [s["closeCode"] for s in drops] == [4401], result
+    assert result["sameSession"], result
+    assert result["connections"] == 2, result
+    assert result["issued"] >= 3, result
+
+
+RPC_AFTER_4401 = """async () => {
+  const { RpcClient, ReconnectPolicy } = await import("/web/portico.js");
+  const within = (promise, what) => Promise.race([
+    promise,
+    new Promise((_, reject) => setTimeout(() => reject(new Error(what)), 30000)),
+  ]);
+  const issued = [];
+  const tokenProvider = async () => {
+    issued.push(issued.length === 1 ? issued[0] : await window.mintToken());
+    return issued[issued.length - 1];
+  };
+  const reconnect = new ReconnectPolicy({ initial: 1, jitter: 0 });
+  const client = new RpcClient("/v1/rpc", { tokenProvider, reconnect });
+  const codes = [];
+  let dropped = null;
+  const droppedOnce = new Promise((resolve) => { dropped = resolve; });
+  client.addEventListener("status", (e) => {
+    if (e.detail.state !== "dropped") return;
+    codes.push(e.detail.closeCode ?? null);
+    dropped();
+  });
+  await client.connect();
+  const sent = await client.messageSend("before", { clientId: "before" });
+  const sessionId = sent.result.session_id;
+  await within(droppedOnce, "no 4401 within 30 s");
+  // Sent while disconnected: it goes out on the reconnected connection.
+  const again = await within(
+    client.messageSend("after", { clientId: "after", serverSessionId: sessionId }),
+    "no answer within 30 s",
+  );
+  const page = await client.messageList(sessionId);
+  const result = {
+    codes,
+    connections: client.connections,
+    sameSession: again.result.session_id === sessionId,
+    contents: (page.result ?? page).items.map((m) => m.content_data),
+  };
+  await client.close();
+  return result;
+}"""
+
+
+def test_rpc_client_reconnects_after_a_4401_with_nothing_lost(
+    jwt_page: tuple[Any, str], server: ServerProcess
+) -> None:
+    tab, _ = jwt_page
+    result = tab.evaluate(RPC_AFTER_4401)
+    assert result["codes"] == [4401], result
+    assert result["connections"] == 2, result
+    assert result["sameSession"], result
+    assert "before" in result["contents"], result
+    assert "after" in result["contents"], result

@@ -175,6 +175,12 @@ async def s_abort(turn: Turn) -> None:
     await turn.stream.context.abort(grpc.StatusCode.UNAVAILABLE, "runtime going away")
 
 
+async def s_undecodable(turn: Turn) -> None:
+    await turn.send(chunk("before"))
+    # Field 1 with wire type 7, which does not exist: no ServerMessage decodes from it.
+    await turn.stream.context.write(b"\x0f\x00")
+
+
 async def s_end_stream(turn: Turn) -> None:
     await turn.send(chunk("bye"))
     turn.stream.closing = True
@@ -207,6 +213,7 @@ SCENARIOS: dict[str, Callable[[Turn], Awaitable[None]]] = {
     "media_gap": s_media_gap,
     "abort": s_abort,
     "end_stream": s_end_stream,
+    "undecodable": s_undecodable,
     "hang_mid": s_hang_mid,
     "error_passed": s_error("PROVIDER_UNAVAILABLE"),
     "error_masked": s_error("BACKEND_EXPLODED"),
@@ -406,9 +413,42 @@ class Runtime(pb_grpc.RuntimeServiceServicer):
         return pb.InvocationResponse(output_json=json.dumps({"open_streams": open_streams}))
 
 
+def serialize(message: Out | bytes) -> bytes:
+    """A `ServerMessage`, or bytes as they are: a runtime that sends what does not decode."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_runtime(runtime: Runtime, server: grpc.aio.Server) -> None:
+    """The generated registration, but `Converse` replies go through `serialize`."""
+    service = "omnia.runtime.v1.RuntimeService"
+    unary = {
+        "Invoke": (runtime.Invoke, pb.InvocationRequest, pb.InvocationResponse),
+        "Health": (runtime.Health, pb.HealthRequest, pb.HealthResponse),
+        "HasConversation": (
+            runtime.HasConversation,
+            pb.HasConversationRequest,
+            pb.HasConversationResponse,
+        ),
+    }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            method,
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+        for name, (method, request, response) in unary.items()
+    }
+    handlers["Converse"] = grpc.stream_stream_rpc_method_handler(
+        runtime.Converse,
+        request_deserializer=pb.ClientMessage.FromString,
+        response_serializer=serialize,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+
+
 async def serve(port: int, token: str | None, tls: tuple[bytes, bytes] | None) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_RuntimeServiceServicer_to_server(Runtime(token), server)
+    add_runtime(Runtime(token), server)
     address = f"127.0.0.1:{port}"
     if tls is None:
         bound = server.add_insecure_port(address)

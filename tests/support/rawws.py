@@ -23,20 +23,29 @@ class RawWebSocket:
 
     @classmethod
     async def connect(
-        cls, port: int, path: str = "/ws", *, rcvbuf: int = 4096, limit: int = 2**24
+        cls,
+        port: int,
+        path: str = "/ws",
+        *,
+        rcvbuf: int = 4096,
+        limit: int = 2**24,
+        headers: dict[str, str] | None = None,
     ) -> RawWebSocket:
         """`limit`: the reader stops taking bytes off the socket once about twice this
-        much waits unread (asyncio's flow control), so a small one stalls for real."""
+        much waits unread (asyncio's flow control), so a small one stalls for real.
+        `headers`: more request headers (with a `Sec-WebSocket-Extensions` offer the
+        frames read back are compressed: only their count and opcodes mean anything)."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
         reader, writer = await asyncio.open_connection(sock=sock, limit=limit)
         key = base64.b64encode(os.urandom(16)).decode()
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
         writer.write(
             f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
             f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
-            "Sec-WebSocket-Version: 13\r\n\r\n".encode()
+            f"Sec-WebSocket-Version: 13\r\n{extra}\r\n".encode()
         )
         status = await reader.readuntil(b"\r\n\r\n")
         assert status.startswith(b"HTTP/1.1 101"), status
@@ -74,3 +83,10 @@ class RawWebSocket:
 
     def close(self) -> None:
         self.writer.close()
+
+    def reset(self) -> None:
+        """Hang up with a TCP reset (SO_LINGER 0), as a crashed client or a cut network
+        does: the server's next writes find the connection gone."""
+        sock = self.writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.writer.transport.abort()

@@ -212,8 +212,10 @@ class ServerSocket(ABC):
         closing handshake, whose wait would keep its slot for `close_timeout`."""
         if self._closing is not None or self._transport is None:
             return
-        self._sent_close_code = code
         self._closed, self._writing = True, False
+        if self._transport.is_closing():  # the peer is already gone: nothing is sent
+            return
+        self._sent_close_code = code
         self._transport.write(close_frame(code, reason))
         self._transport.close()  # flushes the close frame first
 
@@ -305,6 +307,11 @@ class ServerSocket(ABC):
     def _flush(self) -> None:
         self._flush_scheduled = False
         if not self._writing or self._ws.closed:
+            return
+        if self._transport is not None and self._transport.is_closing():
+            # The peer hung up (a reset) and the read loop has yet to see it: uvloop
+            # raises on a write to a closed transport, a traceback for a plain hang-up.
+            self._writing = False
             return
         if self._waiter is not None:
             # A waiter flushes again when the drain or the write it awaits is done. A

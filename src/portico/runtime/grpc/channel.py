@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
+from google.protobuf.message import DecodeError
 
 from portico.config import AgentSettings
 from portico.contract import runtime_pb2 as pb
+from portico.contract.runtime_pb2_grpc import RuntimeServiceStub
 from portico.runtime.causes import described_cause
 
 if TYPE_CHECKING:
@@ -29,6 +31,30 @@ class Unreachable(Exception):
     def __init__(self, cause: str) -> None:
         super().__init__(cause)
         self.cause = cause
+
+
+# What `decode_server_message` gives for bytes that are not a `ServerMessage`, told
+# apart by identity. grpc's own deserializer logs a traceback and hands back None.
+UNDECODABLE = pb.ServerMessage()
+CONVERSE = "/omnia.runtime.v1.RuntimeService/Converse"
+
+
+def decode_server_message(data: bytes) -> pb.ServerMessage:
+    try:
+        return pb.ServerMessage.FromString(data)
+    except DecodeError:
+        return UNDECODABLE
+
+
+def converse(channel: grpc.aio.Channel) -> RuntimeServiceAsyncStub:
+    """A stub whose `Converse` replies decode with `decode_server_message`."""
+    stub: RuntimeServiceAsyncStub = RuntimeServiceStub(channel)
+    stub.Converse = channel.stream_stream(
+        CONVERSE,
+        request_serializer=pb.ClientMessage.SerializeToString,
+        response_deserializer=decode_server_message,
+    )
+    return stub
 
 
 CORE_ERROR = "Internal error from Core"  # grpc.aio's text for a failed batch of its own

@@ -22,7 +22,6 @@ import grpc.aio
 
 from portico.config import AgentSettings
 from portico.contract import runtime_pb2 as pb
-from portico.contract.runtime_pb2_grpc import RuntimeServiceStub
 from portico.runtime.base import (
     ResumeVerdict,
     RuntimeHealth,
@@ -32,10 +31,12 @@ from portico.runtime.base import (
     TurnStream,
 )
 from portico.runtime.grpc.channel import (
+    UNDECODABLE,
     Unreachable,
     call_metadata,
     classify,
     connect,
+    converse,
     credential_refusal,
     final_cause,
     open_channel,
@@ -90,6 +91,12 @@ class _Conversation:
                 message = await self.call.read()
                 if message is grpc.aio.EOF:
                     await self.inbox.put(Broken("the runtime ended the stream"))
+                    return
+                if message is UNDECODABLE:
+                    # The stream can no longer be trusted: the turn fails on it and drops
+                    # it. Not cancelled here: a tool answer being written would see the
+                    # cancel as its own task's.
+                    await self.inbox.put(Broken("a message that is not a ServerMessage"))
                     return
                 assert isinstance(message, pb.ServerMessage)
                 if self.in_turn:
@@ -161,7 +168,7 @@ class GrpcRuntime:
         # Created in the running loop, at first use, and shared by every conversation.
         if self._stub is None:
             self._channel = open_channel(self._settings)
-            self._stub = RuntimeServiceStub(self._channel)
+            self._stub = converse(self._channel)
         return self._stub
 
     async def _connect(self) -> RuntimeServiceAsyncStub:
