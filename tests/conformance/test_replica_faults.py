@@ -1,0 +1,211 @@
+"""Faults under load on three replicas behind round-robin HAProxy (tests/support/
+replicas.py), `/v1/session` clients on every replica (issue 16, spec/replicas.md 4 and 6).
+
+Each test checks the ledger of every client in both directions: the server seqs it saw
+arrived once, 1..n, across its resumes; each turn it started has exactly one terminal
+frame; the archive holds each of its messages once, and a turn per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
+from support.redis import session_state
+from support.replicas import REPLICAS, Replicas, require_haproxy
+from support.session import SessionProbe
+from support.session_ledger import (
+    archived,
+    assert_seqs_once,
+    frames_until,
+    hello_again,
+    running_turn,
+    terminals_per_turn,
+)
+
+LEASE = 1.0  # replica lease (s): a killed replica's turns end within 1.5 of them
+CLIENTS_PER_REPLICA = 2
+STEP = 15.0  # deadline of one step (a turn, a resume)
+TEST_DEADLINE = 180.0
+RETRY = 0.1  # before a client connects again after a refused upgrade
+HELLO = "Hello world"  # the scripted default reply
+
+
+@dataclass
+class Client:
+    """One `/v1/session` client: its probe, the replica it is on, what it sent."""
+
+    probe: SessionProbe
+    session_id: str
+    replica: str
+    sent: list[str] = field(default_factory=list)
+    turns: list[str] = field(default_factory=list)  # "done" or the error's turn_state
+
+
+@pytest.fixture
+def state_env() -> Iterator[dict[str, str]]:
+    with session_state("redis") as env:
+        yield env
+
+
+@pytest.fixture
+async def replicas(
+    tmp_path: Path, state_env: dict[str, str]
+) -> AsyncIterator[tuple[Replicas, str]]:
+    require_postgres()
+    require_haproxy()
+    schema = await create_schema()
+    group = Replicas(
+        tmp_path,
+        database_url=schema_url(schema),
+        env={**state_env, "PORTICO_REPLICA_LEASE": str(LEASE)},
+    )
+    await asyncio.to_thread(group.start)
+    try:
+        yield group, schema_url(schema)
+    finally:
+        await asyncio.to_thread(group.stop)
+        await drop_schemas([schema])
+
+
+async def connect(http: aiohttp.ClientSession, url: str) -> tuple[SessionProbe, str]:
+    """A connection through the balancer, retrying its 503s (a replica it has not yet
+    marked down); the probe and the replica that took it."""
+    async with asyncio.timeout(STEP):
+        while True:
+            try:
+                ws = await http.ws_connect(url, autoping=True)
+            except aiohttp.WSServerHandshakeError as exc:
+                if exc.status != 503:
+                    raise
+            except aiohttp.ClientConnectionError:
+                pass
+            else:
+                return SessionProbe(ws), ws._response.headers.get("X-Served-By", "")
+            await asyncio.sleep(RETRY)
+
+
+async def open_clients(http: aiohttp.ClientSession, url: str, count: int) -> list[Client]:
+    clients = []
+    for _ in range(count):
+        probe, replica = await connect(http, url)
+        ready = await probe.hello()
+        clients.append(Client(probe, ready["session_id"], replica))
+    return clients
+
+
+async def chat(client: Client, content: str, scenario: str | None = None) -> None:
+    """One message and its whole turn, acknowledged."""
+    metadata = {"metadata": {"mock_scenario": scenario}} if scenario else {}
+    client.sent.append(content)
+    await client.probe.message(content, **metadata)
+    end = (await client.probe.turn(STEP))[-1]
+    client.turns.append("done" if end["type"] == "done" else turn_state(end))
+    await client.probe.ack()
+
+
+def turn_state(frame: dict[str, Any]) -> str:
+    return str(frame["error"].get("details", {}).get("turn_state", frame["error"]["code"]))
+
+
+async def chatter(client: Client, stop: asyncio.Event) -> None:
+    """Turns back to back (each streams for about a second) until told to stop."""
+    for n in itertools.count():
+        if stop.is_set():
+            return
+        await chat(client, f"{client.session_id} {n}", "paced")
+
+
+async def resume_through(http: aiohttp.ClientSession, url: str, client: Client) -> None:
+    """The client's connection died with its replica: resume through the balancer."""
+    async with asyncio.timeout(STEP):
+        while True:
+            probe, replica = await connect(http, url)
+            ready = await hello_again(probe, client.probe, client.session_id)
+            if ready["type"] == "ready":
+                break
+            await probe.ws.close()  # refused in the instant its replica went
+            await asyncio.sleep(RETRY)
+    assert ready["resumed"] is True
+    assert ready["last_seq"] == len(client.sent)  # every message it sent was handled
+    client.probe, client.replica = probe, replica
+
+
+async def check_ledger(client: Client, database_url: str) -> None:
+    """Both directions of one client's session: seqs once, one end per turn, the
+    archive with each user message once and one turn for each."""
+    assert_seqs_once(client.probe)
+    ends = terminals_per_turn(client.probe)
+    assert len(ends) == len(client.sent), ends
+    assert all(len(kinds) == 1 for kinds in ends.values()), ends
+    messages, turns = await archived(database_url, client.session_id, 2 * len(client.sent))
+    assert [m.content for m in messages if m.role == "user"] == client.sent
+    assert len([m for m in messages if m.role == "assistant"]) == len(client.sent)
+    expected = ["completed" if state == "done" else state for state in client.turns]
+    assert [t.state.value for t in turns] == expected
+
+
+async def test_kill_9_of_a_replica_running_turns_under_load(
+    http: aiohttp.ClientSession, replicas: tuple[Replicas, str]
+) -> None:
+    """SIGKILL of a replica while its clients' turns run and clients on every replica
+    chat: each of its turns ends `interrupted` (its one terminal frame, on whichever
+    replica the client resumes), the others go on untouched, nothing is lost or applied
+    twice; the replica then restarts under its id, rejoins the rotation and serves."""
+    group, database_url = replicas
+    url = f"{group.ws_url}/v1/session"
+    async with asyncio.timeout(TEST_DEADLINE):
+        clients = await open_clients(http, url, CLIENTS_PER_REPLICA * REPLICAS)
+        assert {c.replica for c in clients} == {f"r{i}" for i in range(REPLICAS)}
+        doomed_name = clients[0].replica
+        doomed = [c for c in clients if c.replica == doomed_name]
+        others = [c for c in clients if c.replica != doomed_name]
+        stop = asyncio.Event()
+        load = [asyncio.create_task(chatter(c, stop)) for c in others]
+        # Each of the doomed replica's clients has a turn that runs there (a first
+        # chunk, then seconds of silence) and that the archive holds.
+        for client in doomed:
+            client.sent.append(f"{client.session_id} long")
+            await client.probe.message(client.sent[-1], metadata={"mock_scenario": "lingering"})
+            assert (await client.probe.recv_numbered(STEP))["type"] == "chunk"
+            await running_turn(database_url, client.session_id)
+        await asyncio.to_thread(group.kill, int(doomed_name[1:]))
+
+        for client in doomed:
+            await client.probe.closed(STEP)  # its connection died with the replica
+            await resume_through(http, url, client)
+            assert client.replica != doomed_name
+            (ended,) = await frames_until(client.probe, 1)
+            assert ended["type"] == "error", ended
+            client.turns.append(turn_state(ended))
+            await client.probe.ack()
+            await chat(client, f"{client.session_id} after")  # the session goes on
+        assert [c.turns for c in doomed] == [["interrupted", "done"]] * len(doomed)
+
+        await asyncio.to_thread(group.restart, int(doomed_name[1:]))
+        # Round robin: one of the next few connections lands on the restarted replica.
+        for _ in range(2 * REPLICAS):
+            (rejoined,) = await open_clients(http, url, 1)
+            if rejoined.replica == doomed_name:
+                break
+            await rejoined.probe.ws.close()
+        assert rejoined.replica == doomed_name
+        await chat(rejoined, "back")
+        assert rejoined.turns == ["done"]
+
+        stop.set()
+        await asyncio.gather(*load)  # each chatting client ends its turn in progress
+        for client in others:
+            assert client.turns, client.session_id
+            assert set(client.turns) == {"done"}, client.turns
+        for client in [*clients, rejoined]:
+            await check_ledger(client, database_url)
+            await client.probe.ws.close()
