@@ -518,6 +518,20 @@ class BusUnavailable(PorticoError):
         super().__init__(message)
 
 
+class SessionStateUnavailable(PorticoError):
+    """`/v1/session` cannot reach its session state (Redis): no session is opened or
+    resumed (its ledger cannot be written), closed 1011 so the client resumes soon."""
+
+    code = "SERVICE_UNAVAILABLE"
+    close_code = 1011
+    http_status = 503
+
+    def __init__(
+        self, message: str = "the session state is unreachable; try again shortly"
+    ) -> None:
+        super().__init__(message)
+
+
 class TurnReplicaGone(PorticoError):
     """The turn this control message concerns runs on a replica whose lease lapsed: it
     cannot be reached, and the turn ends `interrupted` when the sweep finds it."""

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 
 from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
+from support.private_redis import PrivateRedis
 from support.redis import session_state
 from support.replicas import REPLICAS, Replicas, require_haproxy
 from support.session import SessionProbe
@@ -30,6 +31,7 @@ from support.session_ledger import (
     running_turn,
     terminals_per_turn,
 )
+from support.tcpgate import TcpGate
 
 LEASE = 1.0  # replica lease (s): a killed replica's turns end within 1.5 of them
 CLIENTS_PER_REPLICA = 2
@@ -47,6 +49,7 @@ class Client:
     session_id: str
     replica: str
     sent: list[str] = field(default_factory=list)
+    earlier: list[SessionProbe] = field(default_factory=list)  # numberings before a continue
     turns: list[str] = field(default_factory=list)  # "done" or the error's turn_state
 
 
@@ -141,11 +144,17 @@ async def resume_through(http: aiohttp.ClientSession, url: str, client: Client) 
 
 async def check_ledger(client: Client, database_url: str) -> None:
     """Both directions of one client's session: seqs once, one end per turn, the
-    archive with each user message once and one turn for each."""
-    assert_seqs_once(client.probe)
-    ends = terminals_per_turn(client.probe)
+    archive with each user message once and one turn for each. A numbering lost with
+    the session state (then continued) leaves its last turn without its terminal
+    message: the archive has it."""
+    ends: dict[str, list[str]] = {}
+    for probe in [*client.earlier, client.probe]:
+        assert_seqs_once(probe)
+        for turn_id, kinds in terminals_per_turn(probe).items():
+            ends.setdefault(turn_id, []).extend(kinds)
     assert len(ends) == len(client.sent), ends
-    assert all(len(kinds) == 1 for kinds in ends.values()), ends
+    assert all(len(kinds) <= 1 for kinds in ends.values()), ends
+    assert len([kinds for kinds in ends.values() if not kinds]) == len(client.earlier), ends
     messages, turns = await archived(database_url, client.session_id, 2 * len(client.sent))
     assert [m.content for m in messages if m.role == "user"] == client.sent
     assert len([m for m in messages if m.role == "assistant"]) == len(client.sent)
@@ -207,5 +216,136 @@ async def test_kill_9_of_a_replica_running_turns_under_load(
             assert client.turns, client.session_id
             assert set(client.turns) == {"done"}, client.turns
         for client in [*clients, rejoined]:
+            await check_ledger(client, database_url)
+            await client.probe.ws.close()
+
+
+@pytest.fixture
+async def replicas_on_private_redis(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[Replicas, str, PrivateRedis, TcpGate]]:
+    """The replicas on a Redis of the test's own, behind a gate the test can close."""
+    require_postgres()
+    require_haproxy()
+    schema = await create_schema()
+    redis = await asyncio.to_thread(PrivateRedis(tmp_path / "redis").start)
+    gate = await TcpGate("127.0.0.1", redis.port).start()
+    group = Replicas(
+        tmp_path,
+        database_url=schema_url(schema),
+        env={
+            "PORTICO_REDIS_URL": f"redis://127.0.0.1:{gate.port}/0",
+            "PORTICO_REPLICA_LEASE": str(LEASE),
+            "PORTICO_READINESS_TIMEOUT": "1",
+        },
+    )
+    # In a thread: the gate relays on this loop while the replicas start.
+    await asyncio.to_thread(group.start)
+    try:
+        yield group, schema_url(schema), redis, gate
+    finally:
+        await asyncio.to_thread(group.stop)
+        await gate.stop()
+        await asyncio.to_thread(redis.stop)
+        await drop_schemas([schema])
+
+
+async def recover(http: aiohttp.ClientSession, url: str, client: Client) -> bool:
+    """The client's connection failed: resume through the balancer once a replica
+    takes it. A session state that lost the session (Redis restarted empty) answers
+    `RESUME_FAILED`: the client continues the archived conversation in a new numbering
+    (nothing of the old one is replayed). True: resumed; False: continued."""
+    async with asyncio.timeout(STEP):
+        while True:
+            probe, replica = await connect(http, url)
+            answer = await hello_again(probe, client.probe, client.session_id)
+            if answer["type"] == "ready":
+                assert answer["resumed"] is True
+                client.probe, client.replica = probe, replica
+                return True
+            await probe.closed()
+            if answer["error"]["code"] == "RESUME_FAILED":
+                break
+            assert answer["error"]["code"] == "SERVICE_UNAVAILABLE", answer
+            await asyncio.sleep(RETRY)
+        probe, replica = await connect(http, url)
+        ready = await probe.hello(**{"continue": client.session_id})
+        assert (ready["type"], ready["session_id"]) == ("ready", client.session_id), ready
+        client.earlier.append(client.probe)
+        client.probe, client.replica = probe, replica
+        return False
+
+
+async def refused_while_away(http: aiohttp.ClientSession, group: Replicas) -> None:
+    """With Redis away every replica leaves the rotation (`/readyz` 503 naming the bus
+    and the session state) and a session opened on one is refused with a clear error,
+    at once: no hang."""
+    server = group.servers[0]
+    async with asyncio.timeout(STEP):
+        while True:
+            async with http.get(server.http_url + "/readyz") as response:
+                body = await response.json()
+            if response.status == 503:
+                break
+            await asyncio.sleep(0.05)
+    assert body["backends"]["session_state"]["state"] == "down", body
+    assert body["backends"]["bus"]["state"] == "down", body
+    probe = await SessionProbe.connect(http, f"ws://127.0.0.1:{server.port}/v1/session")
+    refused = await probe.hello()
+    assert (refused["type"], refused["error"]["code"]) == ("error", "SERVICE_UNAVAILABLE")
+    assert (await probe.closed())[0] == 1011  # resume later
+
+
+@pytest.mark.parametrize("fault", ["unreachable", "restarted"])
+async def test_redis_away_mid_turn_costs_clients_a_reconnect_and_loses_nothing(
+    http: aiohttp.ClientSession,
+    replicas_on_private_redis: tuple[Replicas, str, PrivateRedis, TcpGate],
+    fault: str,
+) -> None:
+    """The replicas' Redis (the test's own) goes away for seconds while a turn runs
+    for a client on every replica: `unreachable` (cut off, back with what it held) or
+    `restarted` (back empty, no persistence). Each connection is closed 1011 (session
+    state unavailable, resume) on its next write; new sessions are refused with
+    `SERVICE_UNAVAILABLE`; the turns run to their end and are archived. When Redis is
+    back each client resumes (unreachable: its turn's one terminal message follows) or,
+    its ledger gone with the restart, continues the conversation in a new numbering;
+    then it chats on. Nothing it sent is lost or applied twice."""
+    group, database_url, redis, gate = replicas_on_private_redis
+    url = f"{group.ws_url}/v1/session"
+    async with asyncio.timeout(TEST_DEADLINE):
+        clients = await open_clients(http, url, CLIENTS_PER_REPLICA * REPLICAS)
+        assert {c.replica for c in clients} == {f"r{i}" for i in range(REPLICAS)}
+        for client in clients:
+            client.sent.append(f"{client.session_id} during")
+            await client.probe.message(client.sent[-1], metadata={"mock_scenario": "paced"})
+            assert (await client.probe.recv_numbered(STEP))["type"] == "chunk"
+        if fault == "unreachable":
+            gate.close()
+        else:
+            await asyncio.to_thread(redis.stop)
+        for client in clients:
+            assert (await client.probe.closed(STEP))[0] == 1011
+        await refused_while_away(http, group)
+        await asyncio.sleep(1.0)  # the turns (about a second each) end while Redis is away
+        if fault == "unreachable":
+            gate.open()
+        else:
+            await asyncio.to_thread(redis.start)
+
+        for n, client in enumerate(clients):
+            # Half come back to the replica they left (the balancer may well pick it):
+            # its copy of the session was dropped while its turn ran on.
+            port = group.servers[int(client.replica[1:])].port
+            again = f"ws://127.0.0.1:{port}/v1/session" if n % 2 else url
+            if await recover(http, again, client):
+                (ended,) = await frames_until(client.probe, 1)
+                assert ended["type"] == "done", ended
+                client.turns.append("done")
+                await client.probe.ack()
+            else:
+                assert fault == "restarted"
+                client.turns.append("done")  # archived; its numbering is gone
+            await chat(client, f"{client.session_id} after")
+        for client in clients:
             await check_ledger(client, database_url)
             await client.probe.ws.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -41,6 +42,7 @@ from portico.errors import (
     ResumeFailed,
     SessionAgentNotFound,
     SessionMoved,
+    SessionStateUnavailable,
     SessionUnauthenticated,
     TooManyConnections,
     Unauthenticated,
@@ -76,6 +78,7 @@ CREDENTIAL_QUERY_KEYS = frozenset({"token", "access_token", "credential", "autho
 LIVE_SESSIONS = web.AppKey("live_sessions", dict[str, "LiveSession"])
 CLOSE_BACKEND_FAILED = 1011
 _TASKS: set[asyncio.Task[None]] = set()
+TURNS_REMEMBERED = 64  # terminal messages a copy remembers (one turn runs at a time)
 
 
 def _nothing() -> None:
@@ -175,6 +178,10 @@ class LiveSession:
         self.ledger = ledger
         self.socket: SessionSocket | None = None
         self.ended = False
+        # The turns this copy numbered a terminal message for: a turn that ran here
+        # can end both through the engine and through the archive (catch_up) after a
+        # takeover on this replica, and the client must get one terminal message.
+        self._turns_ended: deque[str] = deque(maxlen=TURNS_REMEMBERED)
         self._sessions = sessions
         self._expiry: asyncio.TimerHandle | None = None
         # Stops the engine's events for this copy once it is dropped (set by the socket
@@ -260,6 +267,8 @@ class LiveSession:
             return  # without `audio` the client gets no binary frames: media are dropped
         ends_turn = ""
         if isinstance(event, TurnCompleted | TurnFailed):
+            if not self._first_end(event.turn_id):
+                return
             # Items the agent left open (a cancelled turn) end before the turn does.
             for end in self.media.end_all(event.turn_id):
                 self._number(end)
@@ -287,8 +296,16 @@ class LiveSession:
         self.ledger.send(seq, data, ends_turn)
 
     def end_turn(self, frame: Numbered, turn_id: str) -> None:
-        """A turn's terminal message this replica did not run (see session_catchup)."""
-        self._number(frame, turn_id)
+        """A turn's terminal message from the archive (see session_catchup)."""
+        if self._first_end(turn_id):
+            self._number(frame, turn_id)
+
+    def _first_end(self, turn_id: str) -> bool:
+        """True the first time this copy ends `turn_id`."""
+        if turn_id in self._turns_ended:
+            return False
+        self._turns_ended.append(turn_id)
+        return True
 
     def _recorded(self, seq: int, data: bytes) -> None:
         """The port holds message `seq`: keep it for a resend here, and write it."""
@@ -305,8 +322,9 @@ class LiveSession:
     def _backend_failed(self) -> None:
         """The port refused a write for another reason (Redis unreachable): what this
         copy holds can no longer be resumed exactly once, so it stops; the client's
-        resume gets what the port kept, or `RESUME_FAILED`."""
-        socket = self.socket
+        resume gets what the port kept, or `RESUME_FAILED`. The connection is closed
+        1011 (resume), not 4409 as `moved` would (stop: the client would give up)."""
+        socket, self.socket = self.socket, None
         self.moved()
         if socket is not None:
             socket.backend_failed()
@@ -462,7 +480,7 @@ class SessionSocket(ServerSocket):
             return
         except Exception:
             log.exception("session state unavailable for a /v1/session hello")
-            self._core.fail(InternalError())
+            self._core.fail(SessionStateUnavailable())
             return
         self._live = live
         live.attach(self)
@@ -530,7 +548,6 @@ class SessionSocket(ServerSocket):
             catch_up(
                 live,
                 self._services.store,
-                replica_id=self._services.engine.replica_id,
                 since=profile.opened_at,
                 ended=snapshot.ended_turns,
             )
