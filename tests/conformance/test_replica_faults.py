@@ -14,11 +14,18 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 
-from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
+from support.postgres import (
+    DATABASE_URL,
+    create_schema,
+    drop_schemas,
+    require_postgres,
+    schema_url,
+)
 from support.private_redis import PrivateRedis
 from support.redis import session_state
 from support.replicas import REPLICAS, Replicas, require_haproxy
@@ -32,6 +39,7 @@ from support.session_ledger import (
     terminals_per_turn,
 )
 from support.tcpgate import TcpGate
+from support.tcpproxy import TcpProxy
 
 LEASE = 1.0  # replica lease (s): a killed replica's turns end within 1.5 of them
 CLIENTS_PER_REPLICA = 2
@@ -349,3 +357,95 @@ async def test_redis_away_mid_turn_costs_clients_a_reconnect_and_loses_nothing(
         for client in clients:
             await check_ledger(client, database_url)
             await client.probe.ws.close()
+
+
+@pytest.fixture
+async def replicas_behind_a_postgres_proxy(
+    tmp_path: Path, state_env: dict[str, str]
+) -> AsyncIterator[tuple[Replicas, str, TcpProxy]]:
+    """The replicas' archive reached through a relay the test cuts (connections reset,
+    new ones refused) and restores."""
+    require_postgres()
+    require_haproxy()
+    schema = await create_schema()
+    target = urlsplit(DATABASE_URL)
+    proxy = await TcpProxy(target.hostname or "127.0.0.1", target.port or 5432).restore()
+    url = schema_url(schema).replace(
+        f"{target.hostname}:{target.port or 5432}", f"127.0.0.1:{proxy.port}", 1
+    )
+    group = Replicas(
+        tmp_path,
+        database_url=url,
+        env={**state_env, "PORTICO_REPLICA_LEASE": str(LEASE), "PORTICO_READINESS_TIMEOUT": "1"},
+    )
+    await asyncio.to_thread(group.start)
+    try:
+        yield group, schema_url(schema), proxy
+    finally:
+        await asyncio.to_thread(group.stop)
+        await proxy.cut()
+        await drop_schemas([schema])
+
+
+async def test_a_postgres_connection_reset_mid_turn_ends_each_turn_once_and_service_returns(
+    http: aiohttp.ClientSession,
+    replicas_behind_a_postgres_proxy: tuple[Replicas, str, TcpProxy],
+) -> None:
+    """Every replica's archive connections are reset while a turn runs for a client on
+    each, and new ones are refused for a moment: `/readyz` says so, a new session is
+    refused with an error at once, each running turn ends with exactly one terminal
+    frame (no hang), and once PostgreSQL is reachable again every client chats on,
+    with no turn left unfinished in the archive and no message lost or doubled."""
+    group, database_url, proxy = replicas_behind_a_postgres_proxy
+    url = f"{group.ws_url}/v1/session"
+    async with asyncio.timeout(TEST_DEADLINE):
+        clients = await open_clients(http, url, CLIENTS_PER_REPLICA * REPLICAS)
+        for client in clients:
+            client.sent.append(f"{client.session_id} during")
+            await client.probe.message(client.sent[-1], metadata={"mock_scenario": "paced"})
+            assert (await client.probe.recv_numbered(STEP))["type"] == "chunk"
+            # Cut once the archive holds the message and its running turn: a message
+            # whose own write the cut fails is lost with an error for its turn
+            # (docs/replicas.md, "Backend faults").
+            await running_turn(database_url, client.session_id)
+        await proxy.cut()
+        server = group.servers[0]
+        async with asyncio.timeout(STEP):
+            while True:
+                async with http.get(server.http_url + "/readyz") as response:
+                    body = await response.json()
+                if response.status == 503:
+                    break
+                await asyncio.sleep(0.05)
+        assert body["backends"]["archive"]["state"] == "down", body
+        probe = await SessionProbe.connect(http, f"ws://127.0.0.1:{server.port}/v1/session")
+        refused = await probe.hello()
+        assert refused["type"] == "error", refused
+        assert refused["error"]["message"] == "archive write failed"
+        await probe.closed()
+        for client in clients:
+            end = (await client.probe.turn(STEP))[-1]
+            client.turns.append("done" if end["type"] == "done" else end["error"]["code"])
+            await client.probe.ack()
+        await proxy.restore()
+
+        for client in clients:
+            await chat(client, f"{client.session_id} after")
+            assert client.turns[-1] == "done"
+        for client in clients:
+            await check_turns_once(client, database_url)
+            await client.probe.ws.close()
+
+
+async def check_turns_once(client: Client, database_url: str) -> None:
+    """The ledger's checks for turns that may have failed with their archive: seqs
+    once, one terminal message per turn, each user message archived once, no turn
+    left running."""
+    assert_seqs_once(client.probe)
+    ends = terminals_per_turn(client.probe)
+    assert len(ends) == len(client.sent), ends
+    assert all(len(kinds) == 1 for kinds in ends.values()), ends
+    messages, turns = await archived(database_url, client.session_id, 2 * len(client.sent))
+    assert [m.content for m in messages if m.role == "user"] == client.sent
+    assert len(turns) == len(client.sent)
+    assert all(t.state.value != "running" for t in turns), turns
