@@ -29,6 +29,7 @@ from support.postgres import (
 from support.private_redis import PrivateRedis
 from support.redis import session_state
 from support.replicas import REPLICAS, Replicas, require_haproxy
+from support.seaweed import ACCESS_KEY, SECRET_KEY, Seaweed
 from support.session import SessionProbe
 from support.session_ledger import (
     archived,
@@ -449,3 +450,88 @@ async def check_turns_once(client: Client, database_url: str) -> None:
     assert [m.content for m in messages if m.role == "user"] == client.sent
     assert len(turns) == len(client.sent)
     assert all(t.state.value != "running" for t in turns), turns
+
+
+@pytest.fixture
+async def replicas_on_object_storage(
+    tmp_path: Path, state_env: dict[str, str]
+) -> AsyncIterator[tuple[Replicas, str, Seaweed]]:
+    """The replicas' media in a SeaweedFS bucket of the test's own (tests/support)."""
+    require_postgres()
+    require_haproxy()
+    store = Seaweed(tmp_path / "seaweed")
+    store.directory.mkdir()
+    await asyncio.to_thread(store.start)
+    schema = await create_schema()
+    group = Replicas(
+        tmp_path,
+        database_url=schema_url(schema),
+        env={
+            **state_env,
+            "PORTICO_MEDIA": "s3",
+            "PORTICO_S3_ENDPOINT_URL": store.endpoint_url,
+            "PORTICO_S3_BUCKET": "portico-faults",
+            "PORTICO_S3_ACCESS_KEY_ID": ACCESS_KEY,
+            "PORTICO_S3_SECRET_ACCESS_KEY": SECRET_KEY,
+            "PORTICO_S3_TIMEOUT": "5",
+            "PORTICO_READINESS_TIMEOUT": "1",
+        },
+    )
+    try:
+        await asyncio.to_thread(group.start)
+        yield group, schema_url(schema), store
+    finally:
+        await asyncio.to_thread(group.stop)
+        await asyncio.to_thread(store.stop)
+        await drop_schemas([schema])
+
+
+async def upload_request(http: aiohttp.ClientSession, base: str) -> int:
+    """The status of one `request-upload` (the bucket's first call) at `base`."""
+    body = {"session_id": "sess-faults", "filename": "a.png", "mime_type": "image/png"}
+    async with http.post(f"{base}/media/request-upload", json={**body, "size_bytes": 5}) as sent:
+        return sent.status
+
+
+async def uploads_work(http: aiohttp.ClientSession, base: str) -> None:
+    """Until a `request-upload` through `base` succeeds (a new bucket's first write, or
+    the store's return, takes SeaweedFS a while)."""
+    async with asyncio.timeout(60):
+        while True:
+            if await upload_request(http, base) == 200:
+                return
+            await asyncio.sleep(0.2)
+
+
+async def test_object_storage_down_for_a_moment_costs_media_only_and_comes_back(
+    http: aiohttp.ClientSession,
+    replicas_on_object_storage: tuple[Replicas, str, Seaweed],
+) -> None:
+    """The bucket goes away while a turn runs for a client on every replica: media
+    requests get 503 at once on any replica (no hang), the open conversations go on
+    (running turns end `done`, new ones run), and once the store is back media
+    requests through the balancer succeed again by themselves."""
+    group, database_url, store = replicas_on_object_storage
+    url = f"{group.ws_url}/v1/session"
+    async with asyncio.timeout(TEST_DEADLINE):
+        await uploads_work(http, group.url)
+        clients = await open_clients(http, url, REPLICAS)
+        for client in clients:
+            client.sent.append(f"{client.session_id} during")
+            await client.probe.message(client.sent[-1], metadata={"mock_scenario": "paced"})
+            assert (await client.probe.recv_numbered(STEP))["type"] == "chunk"
+        await asyncio.to_thread(store.stop)
+        for server in group.servers:
+            assert await upload_request(http, server.http_url) == 503
+        for client in clients:
+            end = (await client.probe.turn(STEP))[-1]
+            client.turns.append("done" if end["type"] == "done" else turn_state(end))
+            await client.probe.ack()
+            await chat(client, f"{client.session_id} while away")
+        assert [c.turns for c in clients] == [["done", "done"]] * REPLICAS
+        await asyncio.to_thread(store.start)  # the same port
+        await uploads_work(http, group.url)
+        for client in clients:
+            await chat(client, f"{client.session_id} after")
+            await check_ledger(client, database_url)
+            await client.probe.ws.close()
