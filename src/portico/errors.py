@@ -518,9 +518,10 @@ class BusUnavailable(PorticoError):
         super().__init__(message)
 
 
-class SessionStateUnavailable(PorticoError):
-    """`/v1/session` cannot reach its session state (Redis): no session is opened or
-    resumed (its ledger cannot be written), closed 1011 so the client resumes soon."""
+class SessionBackendUnavailable(PorticoError):
+    """`/v1/session` cannot reach a backend a `hello` needs (the session state in Redis,
+    the archive): no session is opened or resumed, and the connection is closed 1011
+    so the client tries again soon."""
 
     code = "SERVICE_UNAVAILABLE"
     close_code = 1011

@@ -41,9 +41,10 @@ from portico.errors import (
     RateLimited,
     ResumeFailed,
     SessionAgentNotFound,
+    SessionBackendUnavailable,
     SessionMoved,
-    SessionStateUnavailable,
     SessionUnauthenticated,
+    StoreError,
     TooManyConnections,
     Unauthenticated,
 )
@@ -475,12 +476,18 @@ class SessionSocket(ServerSocket):
             if hello.protocol != f.PROTOCOL_VERSION:
                 raise ProtocolViolation(f"unsupported protocol version {hello.protocol}")
             live = await self._session_for(hello)
+        except StoreError:
+            log.exception("archive unavailable for a /v1/session hello")
+            self._core.fail(
+                SessionBackendUnavailable("the archive is unreachable; try again shortly")
+            )
+            return
         except PorticoError as exc:
             self._core.fail(exc)
             return
         except Exception:
             log.exception("session state unavailable for a /v1/session hello")
-            self._core.fail(SessionStateUnavailable())
+            self._core.fail(SessionBackendUnavailable())
             return
         self._live = live
         live.attach(self)
