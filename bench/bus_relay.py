@@ -38,7 +38,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start(root: Path, index: int, schema: str, prefix: str) -> tuple[subprocess.Popen[bytes], int]:
+def start(
+    root: Path, index: int, schema: str, prefix: str, extra: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Replica `index` on `schema` and the local Redis under `prefix`; `extra`: more
+    settings (environment)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PORTICO_")}
     env.update(
@@ -47,6 +51,7 @@ def start(root: Path, index: int, schema: str, prefix: str) -> tuple[subprocess.
         PORTICO_BUS="redis",
         PORTICO_REDIS_KEY_PREFIX=prefix,
         PORTICO_LOG_LEVEL="WARNING",
+        **(extra or {}),
     )
     command = [sys.executable, "-m", "portico", "serve", "--host", "127.0.0.1", "--port",
                str(port), "--data-dir", str(root / f"r{index}"), "--store", "postgres",

@@ -1,31 +1,75 @@
-"""Replicas bench: how long another replica takes to pick up a `/v1/session` from Redis.
+"""Replicas bench (issue 16): three replicas behind HAProxy against one, on this machine.
 
-The resume path a replica adds is `claim` (fence the old holder) plus `load` (the
-snapshot with the resend backlog). With 1,000 unacknowledged messages buffered by
-replica A, replica B (its own connection) claims and loads the session ROUNDS times;
-the figure is the p50/p99 of that pair (target p99 <= 50 ms). Bounded: ROUNDS loads,
-one session, keys under a fresh prefix deleted at the end.
+Three parts, each bounded in time and count, printed in one run:
 
-    python bench/replicas.py [--rounds 200] [--buffered 1000] [--size 200]
+1. **stream**: the `stream` workload of bench/loadgen.py (`/ws`, N clients, a
+   `stream50` turn after another) for `--seconds`, first against one replica directly,
+   then against three replicas behind HAProxy (round robin, no stickiness; the same
+   load generator, clients and window). All replicas run `bus=redis`, `session_state=
+   redis`, `store=postgres` (a fresh schema), so both runs pay the same backends.
+2. **first chunk**: bench/bus_relay.py's rounds on two of the replicas: a `/ws` client on
+   each, one session, B runs the turn; the first chunk's p50/p99 on B (same replica)
+   and on A (other replica), and their difference (target <= +1 ms at p99).
+3. **resume**: another replica's `claim` + `load` of a `/v1/session` with `--buffered`
+   unacknowledged 200-byte messages in Redis, `--rounds` times (target p99 <= 50 ms).
+   The port's two calls only: no socket, no resend (those are the `session_resume`
+   workload of bench/run.py, on one process).
+
+    python bench/replicas.py [--clients 50] [--seconds 3] [--rounds 200] [--buffered 1000]
+                             [--part stream --part first_chunk --part resume]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 import uuid
+from pathlib import Path
+from typing import Any
 
+import aiohttp
+import asyncpg
+from bus_relay import DATABASE_URL, free_port, quantile, start, wait_ready
+from bus_relay import measure as first_chunk_rounds
+from harness import PORTICO_BENCH_ENV, Loadgen, stop_process
 from redis.asyncio import Redis
 
 from portico.sessionstate.base import BufferLimits
 from portico.sessionstate.redis import RedisSessionStates
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
+REPLICAS = 3
+HAPROXY_CONFIG = """\
+global
+    maxconn 4096
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 30s
+    timeout server 30s
+    timeout tunnel 1h
+    option http-server-close
+frontend portico
+    bind 127.0.0.1:{port}
+    default_backend replicas
+backend replicas
+    balance roundrobin
+    option httpchk GET /readyz
+    default-server inter 300ms fall 1 rise 1
+{servers}
+"""
 
 
-async def measure(rounds: int, buffered: int, size: int) -> list[float]:
+# -- 3. resume: claim + load on another replica ----------------------------------------
+
+
+async def resume_samples(rounds: int, buffered: int, size: int) -> tuple[float, list[float]]:
+    """Per numbered message recording cost (s), and the claim+load samples (s)."""
     prefix = f"portico-bench:{uuid.uuid4().hex[:12]}:"
     limits = BufferLimits(max_messages=buffered, max_bytes=buffered * size * 2)
     a_client, b_client = Redis.from_url(REDIS_URL), Redis.from_url(REDIS_URL)
@@ -38,7 +82,6 @@ async def measure(rounds: int, buffered: int, size: int) -> list[float]:
         for seq in range(1, buffered + 1):
             await a.record_sent("ses_bench", epoch, seq, payload)
         per_send = (time.perf_counter() - started) / buffered
-        print(f"record_sent (one script round trip per numbered message): {per_send * 1e6:.0f} us")
         samples = []
         for _ in range(rounds):
             started = time.perf_counter()
@@ -47,7 +90,7 @@ async def measure(rounds: int, buffered: int, size: int) -> list[float]:
             samples.append(time.perf_counter() - started)
             assert snapshot is not None
             assert len(snapshot.unacknowledged) == buffered
-        return samples
+        return per_send, samples
     finally:
         keys = [key async for key in a_client.scan_iter(match=prefix + "*")]
         if keys:
@@ -56,20 +99,137 @@ async def measure(rounds: int, buffered: int, size: int) -> list[float]:
         await b_client.aclose()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--buffered", type=int, default=1000)
-    parser.add_argument("--size", type=int, default=200)
-    options = parser.parse_args()
-    samples = sorted(asyncio.run(measure(options.rounds, options.buffered, options.size)))
-    p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+def print_resume(per_send: float, samples: list[float], buffered: int, size: int) -> None:
+    ms = [s * 1000 for s in samples]
+    print(f"record_sent (one script round trip per numbered message): {per_send * 1e6:.0f} us")
     print(
-        f"resume on another replica, {options.buffered} buffered x {options.size} B: "
-        f"p50 {statistics.median(samples) * 1000:.2f} ms, p99 {p99 * 1000:.2f} ms "
-        f"({options.rounds} rounds; target p99 <= 50 ms)"
+        f"resume on another replica (claim + load), {buffered} buffered x {size} B: "
+        f"p50 {statistics.median(ms):.2f} ms, p99 {quantile(ms, 0.99):.2f} ms "
+        f"({len(ms)} rounds; target p99 <= 50 ms)"
     )
 
 
+# -- 1. and 2.: replicas on PostgreSQL and Redis ----------------------------------------
+
+
+def start_haproxy(root: Path, ports: list[int]) -> tuple[subprocess.Popen[bytes], int]:
+    binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
+    port = free_port()
+    servers = "\n".join(f"    server r{i} 127.0.0.1:{p} check" for i, p in enumerate(ports))
+    config = root / "haproxy.cfg"
+    config.write_text(HAPROXY_CONFIG.format(port=port, servers=servers))
+    log = (root / "haproxy.log").open("wb")
+    return subprocess.Popen([binary, "-db", "-f", str(config)], stdout=log, stderr=log), port
+
+
+async def await_rotation(port: int, count: int) -> None:
+    """Until the balancer answers from `count` replicas in a row (bounded)."""
+    deadline = time.monotonic() + 30
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            answered = 0
+            for _ in range(count):
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/readyz") as response:
+                        answered += response.status == 200
+                except aiohttp.ClientError:
+                    pass
+            if answered == count:
+                return
+            await asyncio.sleep(0.2)
+    raise RuntimeError("the replicas did not come into rotation")
+
+
+def stream_run(url: str, clients: int, seconds: float, max_turns: int) -> dict[str, Any]:
+    args = ["--clients", str(clients), "--seconds", str(seconds), "--warmup", "0.5",
+            "--max-turns", str(max_turns), "--client", "aiohttp"]  # fmt: skip
+    loadgen = Loadgen("stream", url, args)
+    try:
+        return loadgen.result(timeout=seconds + 60)
+    finally:
+        loadgen.stop()
+
+
+async def with_replicas(options: argparse.Namespace, parts: set[str]) -> None:
+    schema = f"bench_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(DATABASE_URL)
+    await conn.execute(f"CREATE SCHEMA {schema}")
+    prefix = f"portico-bench:{uuid.uuid4().hex[:12]}:"
+    extra = {**PORTICO_BENCH_ENV, "PORTICO_SESSION_STATE": "redis"}
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            started = [start(root, index, schema, prefix, extra) for index in range(REPLICAS)]
+            processes = [process for process, _ in started]
+            ports = [port for _, port in started]
+            async with aiohttp.ClientSession() as http:
+                for port in ports:
+                    await wait_ready(http, port)
+            if "stream" in parts:
+                haproxy, front = start_haproxy(root, ports)
+                processes.append(haproxy)
+                await await_rotation(front, REPLICAS)
+                one = await asyncio.to_thread(
+                    stream_run, f"ws://127.0.0.1:{ports[0]}/ws", options.clients,
+                    options.seconds, options.max_turns,
+                )  # fmt: skip
+                three = await asyncio.to_thread(
+                    stream_run, f"ws://127.0.0.1:{front}/ws", options.clients,
+                    options.seconds, options.max_turns,
+                )  # fmt: skip
+                for label, result in (("1 replica, direct", one), ("3 replicas, HAProxy", three)):
+                    print(
+                        f"stream, {options.clients} clients, {label}: "
+                        f"{result['frames_per_s']:,.0f} frames/s, {result['turns_per_s']:,.0f} "
+                        f"turns/s, errors {result['errors']}, connect errors "
+                        f"{result['connect_errors']}"
+                    )
+                print(f"3 replicas / 1: {three['frames_per_s'] / one['frames_per_s']:.2f}")
+            if "first_chunk" in parts:
+                samples = await first_chunk_rounds(options.rounds, ports[:2])
+                for label, key in (("same replica", "first_b"), ("other replica", "first_a")):
+                    values = samples[key]
+                    print(
+                        f"first chunk, client on the {label}: p50 {statistics.median(values):.2f}"
+                        f" ms, p99 {quantile(values, 0.99):.2f} ms"
+                    )
+                extra_ms = [
+                    a - b for a, b in zip(samples["first_a"], samples["first_b"], strict=True)
+                ]
+                print(
+                    f"added by another replica: p50 {statistics.median(extra_ms):.2f} ms, "
+                    f"p99 {quantile(extra_ms, 0.99):.2f} ms ({options.rounds} rounds; "
+                    "target p99 <= +1 ms)"
+                )
+    finally:
+        for process in processes:
+            stop_process(process)  # type: ignore[arg-type]
+        await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        await conn.close()
+        redis = Redis.from_url(REDIS_URL)
+        keys = [key async for key in redis.scan_iter(match=prefix + "*")]
+        if keys:
+            await redis.delete(*keys)
+        await redis.aclose()
+
+
+async def main(options: argparse.Namespace) -> None:
+    parts = set(options.part or ("stream", "first_chunk", "resume"))
+    if parts & {"stream", "first_chunk"}:
+        await with_replicas(options, parts)
+    if "resume" in parts:
+        per_send, samples = await resume_samples(options.rounds, options.buffered, options.size)
+        print_resume(per_send, samples, options.buffered, options.size)
+
+
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=50)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--max-turns", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--buffered", type=int, default=1000)
+    parser.add_argument("--size", type=int, default=200)
+    parser.add_argument("--part", action="append", choices=["stream", "first_chunk", "resume"])
+    asyncio.run(main(parser.parse_args()))

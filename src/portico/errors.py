@@ -525,6 +525,21 @@ class BusUnavailable(PorticoError):
         super().__init__(message)
 
 
+class SessionBackendUnavailable(PorticoError):
+    """`/v1/session` cannot reach a backend a `hello` needs (the session state in Redis,
+    the archive): no session is opened or resumed, and the connection is closed 1011
+    so the client tries again soon."""
+
+    code = "SERVICE_UNAVAILABLE"
+    close_code = 1011
+    http_status = 503
+
+    def __init__(
+        self, message: str = "the session state is unreachable; try again shortly"
+    ) -> None:
+        super().__init__(message)
+
+
 class TurnReplicaGone(PorticoError):
     """The turn this control message concerns runs on a replica whose lease lapsed: it
     cannot be reached, and the turn ends `interrupted` when the sweep finds it."""

@@ -11,23 +11,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 
-from portico.domain.model import Message, Turn
-from portico.store.postgres import PostgresStore
-from support.archive import ENDED, OPEN
 from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
 from support.redis import session_state
 from support.replicas import REPLICAS, Replicas, require_haproxy
 from support.server import SCRIPT, ServerProcess
 from support.session import SessionProbe
+from support.session_ledger import (
+    archived,
+    assert_seqs_once,
+    frames_until,
+    resume,
+    running_turn,
+)
 from support.slowtcp import SlowRelay
 
 HELLO = "Hello world"  # the scripted default reply
@@ -100,85 +102,6 @@ async def pair(tmp_path: Path, state_env: dict[str, str]) -> AsyncIterator[Pair]
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
-
-
-async def resume(
-    http: aiohttp.ClientSession,
-    url: str,
-    old: SessionProbe,
-    session_id: str,
-    *,
-    handled: int | None = None,
-) -> tuple[SessionProbe, dict[str, Any]]:
-    """Reconnect to `url` with the old probe's position; the new probe and `ready`.
-    `handled`: the client handled only the server messages up to it (the rest were
-    still in its socket when the replica died)."""
-    probe = await SessionProbe.connect(http, url)
-    last = old.handled if handled is None else handled
-    probe.handled, probe.next_seq = last, old.next_seq
-    probe.received = [
-        frame
-        for frame in old.received
-        if not isinstance(frame.get("seq"), int) or frame["type"] == "ack" or frame["seq"] <= last
-    ]
-    ready = await probe.hello(session_id=session_id, last_seq=last)
-    assert ready["type"] == "ready", ready
-    assert ready["resumed"] is True
-    return probe, ready
-
-
-async def frames_until(probe: SessionProbe, turns: int) -> list[dict[str, Any]]:
-    """Numbered frames until `turns` turns ended (done, or an error with a turn id)."""
-    frames: list[dict[str, Any]] = []
-    ended = 0
-    while ended < turns:
-        frame = await probe.recv_numbered()
-        frames.append(frame)
-        if frame["type"] == "done" or (frame["type"] == "error" and "turn_id" in frame):
-            ended += 1
-    return frames
-
-
-async def archived(
-    database_url: str, session_id: str, count: int
-) -> tuple[list[Message], list[Turn]]:
-    """The session's messages and turns once `count` messages are there and settled."""
-    store = PostgresStore(database_url, pool_size=1)
-    await store.open()
-    try:
-        deadline = time.monotonic() + WITHIN
-        while True:
-            messages = list(await store.list_messages(session_id))
-            turns = list(await store.list_turns(session_id))
-            settled = all(m.status not in OPEN for m in messages) and all(
-                t.state in ENDED for t in turns
-            )
-            if (len(messages) >= count and settled) or time.monotonic() > deadline:
-                return messages, turns
-            await asyncio.sleep(0.05)
-    finally:
-        await store.close()
-
-
-async def running_turn(database_url: str, session_id: str) -> Turn:
-    store = PostgresStore(database_url, pool_size=1)
-    await store.open()
-    try:
-        deadline = time.monotonic() + WITHIN
-        while time.monotonic() < deadline:
-            turns = [t for t in await store.list_turns(session_id) if t.state not in ENDED]
-            if turns:
-                return turns[0]
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"no running turn archived in {session_id}")
-    finally:
-        await store.close()
-
-
-def assert_seqs_once(probe: SessionProbe) -> None:
-    """Server to client: every numbered message once, in order, 1..n."""
-    seqs = probe.numbered_seqs()
-    assert seqs == list(range(1, len(seqs) + 1)), seqs
 
 
 async def test_a_session_resumes_on_the_other_replica_with_nothing_lost_or_twice(

@@ -60,6 +60,10 @@ class StreamedSoFar(NamedTuple):
 
 
 YIELD_EVERY = 64  # runtime events between forced yields to the event loop
+# A turn's end the archive refused (PostgreSQL reset, failing over) is written again.
+END_RETRY_INTERVAL = 0.5  # seconds between attempts
+END_RETRY_WINDOW = 120.0  # seconds the attempts go on
+_END_RETRIES: set[asyncio.Task[None]] = set()
 
 
 class TurnRunner:
@@ -379,8 +383,11 @@ class TurnRunner:
             # The reply and the turn's end: one write, one commit, one update.
             await self._store.end_turn(self.turn, reply)
         except StoreError:
-            # Logged; the client still gets its one terminal event.
+            # Logged; the client still gets its one terminal event, and the write is
+            # tried again: a turn the archive keeps `running` would stay so while this
+            # replica lives (the orphan sweep spares a live replica's turns).
             log.exception("archiving the turn's end failed turn=%s", self.turn.id)
+            _retry_end(self._store, self.turn, reply)
         self.emit(event)
 
     def _last_part(self, answer: str) -> str:
@@ -461,6 +468,29 @@ class TurnRunner:
 
 
 _PART_TYPES: dict[str, PartType] = {"image": "image", "audio": "audio", "video": "video"}
+
+
+def _retry_end(store: Store, turn: Turn, reply: Message | None) -> None:
+    task = asyncio.ensure_future(_archive_end_later(store, turn, reply))
+    _END_RETRIES.add(task)
+    task.add_done_callback(_END_RETRIES.discard)
+
+
+async def _archive_end_later(store: Store, turn: Turn, reply: Message | None) -> None:
+    """The turn's end again, every `END_RETRY_INTERVAL` within `END_RETRY_WINDOW` (the
+    write replaces the reply and the turn: repeating it is harmless). Past the window
+    the turn stays `running` until this replica's next start sweeps it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + END_RETRY_WINDOW
+    while loop.time() < deadline:
+        await asyncio.sleep(END_RETRY_INTERVAL)
+        try:
+            await store.end_turn(turn, reply)
+        except StoreError:
+            continue
+        log.info("archived the turn's end on a retry turn=%s", turn.id)
+        return
+    log.error("archiving the turn's end failed for good turn=%s", turn.id)
 
 
 def _part_type(mime_type: str) -> PartType:

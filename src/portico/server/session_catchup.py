@@ -3,7 +3,11 @@
 A turn runs on the replica that started it, and its messages reach the session only
 through that replica's ledger writes. When another replica claims the session (the
 client resumed there, or the first one died), the claim fences those writes: a turn
-whose terminal message the ledger does not hold would never end for the client.
+whose terminal message the ledger does not hold would never end for the client. The
+same holds on the replica running the turn when its copy of the session was dropped
+(its session state failed: Redis away) and the turn ended before the resume: the new
+copy hears only the events after it attached. A turn still running here reaches the
+new copy through the engine too; the copy numbers one terminal message per turn.
 Until turn output travels over the bus, the new holder answers such a turn from the
 archive, once it has ended there: a `done` with the archived reply (the chunks the
 client missed are not replayed, the `done` carries the whole text), or an `error`
@@ -55,7 +59,6 @@ async def catch_up(
     session: TurnAnswering,
     store: Store,
     *,
-    replica_id: str,
     since: float,
     ended: tuple[str, ...],
     grace: float = GRACE,
@@ -63,7 +66,10 @@ async def catch_up(
     """Answer this numbering's turns that other replicas run or ran and whose terminal
     message the ledger does not hold, each once its archive entry ends. New ones are
     looked for during `grace` seconds: the archive groups its writes, so a turn the
-    previous holder had just started may show up a little after the claim."""
+    previous holder had just started may show up a little after the claim. Turns
+    created before the latest one the ledger ended had ended before it (one turn runs
+    at a time) and were answered then: only `ended`'s last 64 are kept, so they are
+    told apart by time, not by id."""
     loop = asyncio.get_running_loop()
     stop_looking = loop.time() + grace
     answered = set(ended)
@@ -71,12 +77,13 @@ async def catch_up(
     while not session.ended:
         looking = loop.time() < stop_looking
         if looking:
-            for turn in await store.list_turns(session.id):
+            turns = await store.list_turns(session.id)
+            floor = max((t.created_at for t in turns if t.id in answered), default=since - SKEW)
+            for turn in turns:
                 if (
                     turn.id not in answered
                     and turn.id not in waiting
-                    and turn.replica != replica_id
-                    and turn.created_at >= since - SKEW
+                    and turn.created_at >= max(floor, since - SKEW)
                     and turn.state is not TurnState.MERGED  # another turn answers it
                 ):
                     waiting[turn.id] = turn

@@ -40,8 +40,10 @@ from portico.errors import (
     RateLimited,
     ResumeFailed,
     SessionAgentNotFound,
+    SessionBackendUnavailable,
     SessionMoved,
     SessionUnauthenticated,
+    StoreError,
     TooManyConnections,
     Unauthenticated,
 )
@@ -183,9 +185,10 @@ class LiveSession:
         # The voice call half, when `ready.audio.input` chose a format (set by the
         # socket that built the session: the session does not know the services).
         self.voice: SessionCall | None = None
-        # Turns whose terminal message this copy numbered, newest last: with `bus: redis`
-        # a turn run elsewhere ends here through its relayed events and through the
-        # catch-up (session_catchup.py); whichever comes second is dropped.
+        # Turns whose terminal message this copy numbered, newest last: a turn can end
+        # here through the engine or its relayed events and through the catch-up from
+        # the archive (session_catchup.py, after a takeover or a backend outage);
+        # whichever comes second is dropped, with any event of the turn after it.
         self._ended_turns: dict[str, None] = {}
         self._sessions = sessions
         self._expiry: asyncio.TimerHandle | None = None
@@ -318,7 +321,7 @@ class LiveSession:
         self.ledger.send(seq, data, ends_turn)
 
     def end_turn(self, frame: Numbered, turn_id: str) -> None:
-        """A turn's terminal message this replica did not run (see session_catchup)."""
+        """A turn's terminal message from the archive (see session_catchup)."""
         if turn_id in self._ended_turns:
             return  # its relayed terminal event was numbered first
         self._turn_over(turn_id)
@@ -344,8 +347,9 @@ class LiveSession:
     def _backend_failed(self) -> None:
         """The port refused a write for another reason (Redis unreachable): what this
         copy holds can no longer be resumed exactly once, so it stops; the client's
-        resume gets what the port kept, or `RESUME_FAILED`."""
-        socket = self.socket
+        resume gets what the port kept, or `RESUME_FAILED`. The connection is closed
+        1011 (resume), not 4409 as `moved` would (stop: the client would give up)."""
+        socket, self.socket = self.socket, None
         self.moved()
         if socket is not None:
             socket.backend_failed()
@@ -513,12 +517,18 @@ class SessionSocket(ServerSocket):
             if hello.protocol != f.PROTOCOL_VERSION:
                 raise ProtocolViolation(f"unsupported protocol version {hello.protocol}")
             live = await self._session_for(hello)
+        except StoreError:
+            log.exception("archive unavailable for a /v1/session hello")
+            self._core.fail(
+                SessionBackendUnavailable("the archive is unreachable; try again shortly")
+            )
+            return
         except PorticoError as exc:
             self._core.fail(exc)
             return
         except Exception:
             log.exception("session state unavailable for a /v1/session hello")
-            self._core.fail(InternalError())
+            self._core.fail(SessionBackendUnavailable())
             return
         self._live = live
         live.attach(self)
@@ -586,7 +596,6 @@ class SessionSocket(ServerSocket):
             catch_up(
                 live,
                 self._services.store,
-                replica_id=self._services.engine.replica_id,
                 since=profile.opened_at,
                 ended=snapshot.ended_turns,
             )
