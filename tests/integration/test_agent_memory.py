@@ -1,6 +1,7 @@
 """Agent memory through a real server: the openai runtime's memory tools (the fake
 model calls them) and a `portico.agent` handler's `turn.memory`, isolated per
-principal and per memory facet (spec/identity.md, Memory facets).
+principal and per memory facet (spec/identity.md, Memory facets), on SQLite and on
+PostgreSQL.
 
 The handler (tests/support/memory_agent.py) passes the same tests in both of its
 placements: in Portico's process (`runtime: python`) and in its own behind
@@ -27,6 +28,7 @@ from portico.domain.memory_calls import OFFER_KEY, OFFERED, SAVE
 from support.agent_process import TESTS, AgentProcess
 from support.fake_openai import ENV, FAST, KEY_ENV, FakeOpenAI, text, tool_calls
 from support.omnia import OmniaClient
+from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
 from support.rpc import RpcProbe
 from support.server import ServerProcess
 from support.session import SessionProbe
@@ -54,11 +56,27 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
     process.stop()
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest) -> Iterator[tuple[tuple[str, ...], dict[str, str]]]:
+    """The archive the server keeps memory in: its args and environment."""
+    if request.param == "sqlite":
+        yield (), {}
+        return
+    require_postgres()
+    schema = asyncio.run(create_schema())  # a fresh one: no other test's memories
+    yield ("--store", "postgres"), {"PORTICO_DATABASE_URL": schema_url(schema)}
+    asyncio.run(drop_schemas([schema]))
+
+
 @pytest.fixture(scope="module")
 def server(
-    tmp_path_factory: pytest.TempPathFactory, fake: FakeOpenAI, agent: AgentProcess
+    tmp_path_factory: pytest.TempPathFactory,
+    fake: FakeOpenAI,
+    agent: AgentProcess,
+    store: tuple[tuple[str, ...], dict[str, str]],
 ) -> Iterator[ServerProcess]:
     data_dir = tmp_path_factory.mktemp("portico-memory")
+    store_args, store_env = store
     served = {"runtime": "grpc", "grpc_target": agent.target}
     model = {
         "runtime": "openai",
@@ -86,8 +104,9 @@ def server(
             }
         )
     )
-    env = {**ENV, "PYTHONPATH": str(TESTS)}  # the plugin lives in tests/support
-    process = ServerProcess(data_dir, args=("--config", str(config)), env=env).start()
+    env = {**ENV, **store_env, "PYTHONPATH": str(TESTS)}  # the plugin lives in tests/support
+    args = ("--config", str(config), *store_args)
+    process = ServerProcess(data_dir, args=args, env=env).start()
     yield process
     process.stop()
 
