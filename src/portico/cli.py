@@ -82,6 +82,7 @@ def version() -> str:
 AGENT_OPTION_HELP = {
     "client_tool_timeout": "seconds a client tool call waits before the handler gets a "
     "rejection; 0: no limit",
+    "memory_timeout": "seconds a turn.memory call waits for the facade's answer",
     "max_conversations": "conversations whose history the agent keeps",
     "max_history_messages": "messages kept per conversation",
     "max_queued_turns": "turns of one stream waiting behind the running one",

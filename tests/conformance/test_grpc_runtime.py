@@ -250,8 +250,9 @@ async def test_message_metadata_parts_and_consent_grants_reach_the_runtime(
     report = reported(frames)
     assert report["session_id"] == session_id
     assert report["content"] == "hi"
-    # Reserved keys (`mock_scenario`, `omnia.*`) reach the runtime with the others.
-    assert report["metadata"] == metadata
+    # Reserved keys (`mock_scenario`, `omnia.*`) reach the runtime with the others, and
+    # Portico's offer to answer memory calls (docs/runtime-grpc.md, "Agent memory").
+    assert report["metadata"] == {**metadata, "portico.memory": "1"}
     assert report["consent_grants"] == ["location", "camera"]
     assert report["parts"] == [
         {"type": "text", "text": "look", "url": "", "mime_type": ""},
@@ -480,7 +481,8 @@ async def test_session_protocol_media_parts_metadata_and_errors(
     metadata = {"mock_scenario": "meta", "omnia.consent_grants": "camera"}
     await probe.message("m", metadata=metadata, parts=[{"type": "text", "text": "t"}])
     report = reported(await probe.turn())
-    assert (report["metadata"], report["consent_grants"]) == (metadata, ["camera"])
+    offered = {**metadata, "portico.memory": "1"}
+    assert (report["metadata"], report["consent_grants"]) == (offered, ["camera"])
     assert report["parts"] == [{"type": "text", "text": "t", "url": "", "mime_type": ""}]
     await probe.message("e", **scenario("error_passed"))
     error = (await probe.turn())[-1]

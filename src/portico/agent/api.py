@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import msgspec
 
 from portico.domain.memory import MemoryEntry
+from portico.domain.memory_calls import NAMESPACE, is_memory_call
 from portico.domain.model import ContentPart, Role
 
 # A part of the user's message or of the reply: `Part(type="text", text="...")`, or
@@ -134,8 +135,9 @@ class Turn:
         self.consent_grants = consent_grants  # consent categories the user granted
         self._history = history
         self._call_tool = call_tool
-        # In the server's process (`runtime: python`): the archive's agent memory. None
-        # behind `portico agent serve`: the runtime contract carries no memory.
+        # The archive's agent memory: in the server's process (`runtime: python`), and
+        # behind `portico agent serve` when Portico's facade offers it for the turn. None
+        # behind a facade that does not (Omnia's): the contract itself carries no memory.
         self.memory = memory
 
     async def history(self) -> tuple[HistoryMessage, ...]:
@@ -157,8 +159,11 @@ class Turn:
 
         `consent` is the prompt the client shows before running it, `categories` the
         consent categories it touches (`location`, `filesystem`). A denial, a refusal, a
-        client error and a timeout all return `ToolRejected`: nothing is raised.
+        client error and a timeout all return `ToolRejected`: nothing is raised. Names
+        under `portico.memory.` are reserved for `turn.memory` and refused here.
         """
+        if is_memory_call(name):
+            return ToolRejected(f"tool names under {NAMESPACE!r} are reserved")
         request = ToolRequest(
             name=name,
             arguments=dict(arguments or {}),

@@ -16,6 +16,7 @@ class AgentOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_conversations: Positive = 10_000  # conversations whose history is kept (LRU)
     max_history_messages: Positive = 200  # per conversation, the newest kept
     client_tool_timeout: Seconds | None = 300.0  # a tool call's wait; None: no limit
+    memory_timeout: Seconds = 10.0  # a `turn.memory` call's wait for the facade's answer
     max_queued_turns: Positive = 8  # turns of one stream waiting behind the running one
     grace: Annotated[float, msgspec.Meta(ge=0)] = 10.0  # seconds turns get on SIGTERM
     max_queued_audio_frames: Positive = 256  # a voice call's caller frames not yet read

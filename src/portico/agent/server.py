@@ -16,8 +16,10 @@ Rules where the contract is silent (docs/agents.md, "The contract"):
   (`voice_server.py`); without one, or later on a text stream, `duplex_start` is
   answered with one `error` `DUPLEX_ERROR`;
 - an unanswered tool call becomes `ToolRejected("timed out")` after
-  `client_tool_timeout`, and `ToolRejected("the stream closed")` when the facade
-  closes its side first.
+  `client_tool_timeout` (a `turn.memory` call: `memory_timeout`), and
+  `ToolRejected("the stream closed")` when the facade closes its side first;
+- `turn.memory` is a `RemoteMemory` when the turn's metadata carries Portico's offer
+  (`portico.memory`, removed from what the handler sees), else None.
 """
 
 from __future__ import annotations
@@ -55,16 +57,19 @@ from portico.agent.pump import (
     merge_ready_text,
     run_handler_ready,
 )
+from portico.agent.remote_memory import RemoteMemory
 from portico.agent.voice import VoiceHandler
 from portico.agent.voice_server import serve_voice_call
 from portico.contract import runtime_pb2 as pb
 from portico.contract import runtime_pb2_grpc as pb_grpc
+from portico.domain.memory_calls import CAPABILITY as MEMORY_CAPABILITY
+from portico.domain.memory_calls import OFFER_KEY, OFFERED, is_memory_call
 from portico.domain.model import ContentPart, new_id, text_of_parts
 from portico.errors import ConfigError
 
 log = logging.getLogger("portico.agent")
 CONTRACT_VERSION = "1.3.0"
-CAPABILITIES = ("text", "client_tools", "media", "parts")
+CAPABILITIES = ("text", "client_tools", "media", "parts", MEMORY_CAPABILITY)
 VOICE_CAPABILITIES = ("duplex_audio",)  # with a voice handler
 
 
@@ -281,15 +286,21 @@ class _Stream:
         async def history() -> tuple[HistoryMessage, ...]:
             return earlier
 
+        metadata = dict(message.metadata)
+        # Only Portico's facade answers memory calls, and says so per turn; behind another
+        # (Omnia's) they would reach the client as tool calls, so there is no memory.
+        offered = metadata.pop(OFFER_KEY, None) == OFFERED
+
         def build(call_tool: ToolCaller) -> Turn:
             return Turn(
                 session_id=session_id,
                 text=text,
                 parts=parts,
-                metadata=dict(message.metadata),
+                metadata=metadata,
                 consent_grants=tuple(message.consent_grants),
                 history=history,
                 call_tool=call_tool,
+                memory=RemoteMemory(call_tool) if offered else None,
             )
 
         return build
@@ -341,7 +352,9 @@ class _Stream:
         )
 
     def _expire_later(self, call_id: str, pending: PendingTool) -> None:
-        timeout = self._options.client_tool_timeout
+        options = self._options
+        memory = is_memory_call(pending.request.name)
+        timeout = options.memory_timeout if memory else options.client_tool_timeout
         timer = (
             None
             if timeout is None

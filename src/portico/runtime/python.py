@@ -25,6 +25,7 @@ from portico.agent.api import (
 from portico.agent.api import Usage as AgentUsage
 from portico.agent.loader import load_handler
 from portico.agent.pump import Failed, Finished, PendingTool, run_handler
+from portico.domain.memory_calls import OFFER_KEY, traced
 from portico.domain.model import ContentPart, message_text, new_id
 from portico.runtime.base import (
     Chunk,
@@ -79,6 +80,7 @@ def _agent_turn(turn: TurnInput, call_tool: ToolCaller) -> Turn:
     # What the gRPC contract's `metadata` and `consent_grants` carry, so a handler sees
     # the same turn in process and behind `runtime: grpc`.
     metadata = contract_metadata(turn)
+    metadata.pop(OFFER_KEY, None)  # as the SDK removes it behind `runtime: grpc`
     return Turn(
         session_id=turn.session_id,
         text=message_text(turn.message),
@@ -87,7 +89,7 @@ def _agent_turn(turn: TurnInput, call_tool: ToolCaller) -> Turn:
         consent_grants=consent_grants(metadata),
         history=history,
         call_tool=call_tool,
-        memory=turn.memory,
+        memory=traced(turn.memory, turn.tool_outcome),
     )
 
 

@@ -16,6 +16,7 @@ import msgspec
 
 from portico.contract import runtime_pb2 as pb
 from portico.domain.coalesce import merge_adjacent_text
+from portico.domain.memory_calls import OFFER_KEY, OFFERED, is_memory_call
 from portico.domain.model import ContentPart, MediaContent
 from portico.domain.validation import check_parts
 from portico.errors import InternalError, InvalidMessage
@@ -37,10 +38,21 @@ INTERNAL = InternalError.code
 _encode = msgspec.json.Encoder().encode
 
 
-class Reading(NamedTuple):
-    """What one input meant: events for the engine, and a note for the log (or "")."""
+class MemoryCall(msgspec.Struct, frozen=True):
+    """A client tool call under a reserved name (`portico.memory.*`): the facade
+    answers it from the turn's agent memory; it never reaches the engine or a client.
+    Its arguments are checked by whoever answers it, so bad ones get a rejection."""
 
-    events: tuple[RuntimeEvent, ...] = ()
+    id: str
+    name: str
+    arguments_json: str
+
+
+class Reading(NamedTuple):
+    """What one input meant: events for the engine (and memory calls for the facade),
+    and a note for the log (or "")."""
+
+    events: tuple[RuntimeEvent | MemoryCall, ...] = ()
     note: str = ""
 
 
@@ -89,7 +101,7 @@ class TurnReader:
     def receive_ready(self, messages: Sequence[pb.ServerMessage]) -> Reading:
         """`receive` of messages read together, their consecutive text as one `Chunk`
         (chunk boundaries carry no meaning): never across any other event."""
-        events: list[RuntimeEvent] = []
+        events: list[RuntimeEvent | MemoryCall] = []
         notes: list[str] = []
         for message in messages:
             reading = self.receive(message)
@@ -121,6 +133,8 @@ class TurnReader:
             return Reading(note=f"server tool call name={call.name[:64]!r} not forwarded")
         if not call.id or not call.name:
             raise Malformed("a client tool call needs id and name")
+        if is_memory_call(call.name):
+            return Reading((MemoryCall(call.id, call.name, call.arguments_json),))
         return Reading(
             (
                 ToolCall(
@@ -170,7 +184,7 @@ class TurnReader:
         return Reading((event,))
 
 
-def _chunk_text(event: RuntimeEvent) -> str | None:
+def _chunk_text(event: RuntimeEvent | MemoryCall) -> str | None:
     return event.text if isinstance(event, Chunk) else None
 
 
@@ -210,9 +224,13 @@ def _part(part: pb.ContentPart, index: int) -> ContentPart:
 
 
 def client_message(turn: TurnInput) -> pb.ClientMessage:
-    """The `ClientMessage` that opens a turn: text, parts, metadata (reserved keys too)."""
+    """The `ClientMessage` that opens a turn: text, parts, metadata (reserved keys too,
+    and Portico's offer to answer memory calls when the turn has agent memory)."""
     message = turn.message
     metadata = contract_metadata(turn)
+    metadata.pop(OFFER_KEY, None)  # the facade's to say, not a client's
+    if turn.memory is not None:
+        metadata[OFFER_KEY] = OFFERED
     return pb.ClientMessage(
         session_id=turn.session_id,
         content=message.content,

@@ -22,7 +22,9 @@ import grpc.aio
 
 from portico.config import AgentSettings
 from portico.contract import runtime_pb2 as pb
+from portico.domain.memory_calls import traced
 from portico.runtime.base import (
+    Failure,
     ResumeVerdict,
     RuntimeHealth,
     ToolCall,
@@ -41,7 +43,14 @@ from portico.runtime.grpc.channel import (
     final_cause,
     open_channel,
 )
-from portico.runtime.grpc.mapping import Reading, TurnReader, client_message, tool_result
+from portico.runtime.grpc.mapping import (
+    MemoryCall,
+    Reading,
+    TurnReader,
+    client_message,
+    tool_result,
+)
+from portico.runtime.grpc.memory import answer_memory_call, rejected
 
 if TYPE_CHECKING:
     from portico.contract.runtime_pb2_grpc import RuntimeServiceAsyncStub
@@ -256,16 +265,22 @@ class GrpcRuntime:
             conversation, reader, reading = await self._start_turn(turn)
         except Unreachable as exc:
             self._log_failure(turn, f"runtime unreachable: {exc.cause}")
-            yield TurnReader().fail("the runtime is unreachable").events[0]
+            (failure,) = TurnReader().fail("the runtime is unreachable").events
+            assert isinstance(failure, Failure)
+            yield failure
             return
         try:
             while True:
                 self._log_reading(turn, reader, reading)
                 answered: Reading | None = None
                 for event in reading.events:
+                    if isinstance(event, MemoryCall):  # alone in its reading
+                        answer = await self._memory_call(turn, event)
+                        answered = await self._answer(conversation, event.id, answer, reader)
+                        break
                     if isinstance(event, ToolCall):  # alone in its reading
                         outcome = yield event
-                        answered = await self._answer(conversation, event, outcome, reader)
+                        answered = await self._answer(conversation, event.id, outcome, reader)
                         break
                     yield event
                 if answered is not None:
@@ -329,14 +344,27 @@ class GrpcRuntime:
     async def _answer(
         self,
         conversation: _Conversation,
-        call: ToolCall,
+        call_id: str,
         outcome: ToolOutcome | None,
         reader: TurnReader,
     ) -> Reading:
-        failed = await self._write(conversation, tool_result(call.id, outcome), reader)
+        failed = await self._write(conversation, tool_result(call_id, outcome), reader)
         if failed is not None:
             return failed
         return await self._next(conversation, reader, first_token=True)
+
+    async def _memory_call(self, turn: TurnInput, call: MemoryCall) -> ToolOutcome:
+        """Answered here from the turn's memory, never forwarded to the client, not
+        archived as a client tool call; traced as a server tool's outcome."""
+        memory = traced(turn.memory, turn.tool_outcome)
+        try:
+            async with asyncio.timeout(self._settings.stream_idle_timeout):
+                outcome = await answer_memory_call(memory, call)
+        except TimeoutError:
+            outcome = rejected("the agent memory did not answer in time")
+        if outcome.status == "denied":
+            self._log_note(turn, f"memory call rejected: {outcome.error}")
+        return outcome
 
     async def _write(
         self, conversation: _Conversation, message: pb.ClientMessage, reader: TurnReader
