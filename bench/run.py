@@ -812,6 +812,9 @@ VOICE_COLUMNS = (
 )
 
 
+VOICE_COUNTS = frozenset({"lost", "errors"})
+
+
 def voice_tables(results: Results, plan: Plan) -> list[str]:
     kinds = [k for k in plan.kinds if results.get(("voice", k))]
     steps = [n for n in plan.voice_steps if results.get((f"voice_step{n}", "portico"))]
@@ -841,7 +844,8 @@ def voice_tables(results: Results, plan: Plan) -> list[str]:
             "|---|" + "---:|" * (len(kinds) + 1),
         ]
         for key, label in VOICE_COLUMNS:
-            cells = [cell(stats(results, "voice", key, k)) for k in kinds]
+            show = count_cell if key in VOICE_COUNTS else cell
+            cells = [show(stats(results, "voice", key, k)) for k in kinds]
             diff = "—"
             a = median_of(results, "voice", key, "portico")
             b = median_of(results, "voice", key, "aiohttp")
@@ -861,7 +865,10 @@ def voice_tables(results: Results, plan: Plan) -> list[str]:
         ]
         for n in steps:
             sample = results[(f"voice_step{n}", "portico")][0]
-            cells = [fmt(sample[key]) for key, _ in VOICE_COLUMNS]
+            cells = [
+                f"{sample[key]:,.0f}" if key in VOICE_COUNTS else fmt(sample[key])
+                for key, _ in VOICE_COLUMNS
+            ]
             held = "yes" if voice_holds(sample, plan) else "**no**"
             lines.append(
                 f"| {n:,} | {fmt(sample['frames_per_s'])} | " + " | ".join(cells) + f" | {held} |"

@@ -45,7 +45,7 @@ from portico.errors import (
     PorticoError,
     RateLimited,
 )
-from portico.protocols.credential import CredentialClock
+from portico.protocols.credential import clock_for
 from portico.protocols.omnia import frames as f
 from portico.protocols.omnia.binary import decode_frame
 from portico.protocols.omnia.voice import (
@@ -202,7 +202,7 @@ class OmniaConnection:
         the call limits when the agent takes calls (None: binary media is refused);
         `resumed` is `connected.resumed` (None: the client asked for no resume)."""
         self.session_id = session_id
-        self.credential = CredentialClock(
+        self.credential = clock_for(
             identity or Identity(principal=""), margin=limits.credential_margin, now=now, wall=wall
         )
         self._stamps = Timestamps(now=now, wall=wall)
