@@ -358,9 +358,16 @@ async def open_all(dialer: Dialer, url: str, peers: Sequence[Peer], concurrency:
             peer.opened()
             await peer.connected
 
-    async with asyncio.timeout(CONNECT_TIMEOUT):
-        outcomes = await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
-    return sum(isinstance(outcome, BaseException) for outcome in outcomes)
+    tasks = [asyncio.ensure_future(one(p)) for p in peers]
+    if not tasks:
+        return 0
+    # Those not connected by the deadline are failures (a server at its descriptor
+    # limit leaves them hanging), counted as such rather than ending the workload.
+    done, pending = await asyncio.wait(tasks, timeout=CONNECT_TIMEOUT)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return len(pending) + sum(task.exception() is not None for task in done)
 
 
 def assign_users(peers: Sequence[Peer], users: int) -> None:
