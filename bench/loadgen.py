@@ -686,6 +686,7 @@ class VoiceTally:
         self.measure_until = math.inf
         self.sent = 0  # in the window
         self.echoed = 0  # of those, echoed by the end of the drain
+        self.echoes_in_window = 0  # echoes (of any frame) that arrived in the window
         self.latencies: list[float] = []
         self.lags: list[float] = []  # how late each send in the window left, s
         self.errors = 0  # `error` frames, until the callers hang up
@@ -698,17 +699,32 @@ class VoicePeer(Peer):
         self.tally = tally
         self.sequence = 0
         self.sent_at: dict[int, float] = {}
+        self.started: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self.dialled = 0.0
 
     def on_frame(self, payload: bytes | str) -> None:
         kind = frame_kind(payload)
         if kind == "connected" and not self.connected.done():
             self.connected.set_result(None)
+        elif kind == "session_config" and not self.started.done():
+            self.started.set_result(time.perf_counter() - self.dialled)
         elif kind == "error" and self.tally.counting:
             self.tally.errors += 1
 
+    def dial(self) -> None:
+        """The call's first frame (the format): the call starts; `session_config` (or, from
+        a bare server, the frame's echo) says so."""
+        self.dialled = time.perf_counter()
+        self.speak(self.dialled)
+
     def on_binary(self, payload: bytes) -> None:
         now = time.perf_counter()
+        if not self.started.done():  # a bare echo server says nothing else
+            self.started.set_result(now - self.dialled)
         sequence = _VOICE_SEQ.unpack_from(decode_frame(payload).payload)[0]
+        tally = self.tally
+        if tally.measure_from <= now < tally.measure_until:
+            tally.echoes_in_window += 1
         sent = self.sent_at.pop(sequence, None)
         if sent is not None:
             self.tally.echoed += 1
@@ -763,6 +779,14 @@ async def voice(options: Options) -> dict[str, Any]:
     dialer = make_dialer(options.client, options.source)
     connect_errors = await open_all(dialer, options.url, peers, options.connect_concurrency)
     live = [p for p in peers if p.conn is not None and not p.closed]
+    # Every call is started before any is timed: a call's start (its session opened in
+    # the archive) is its own figure, not the relay's.
+    for peer in live:
+        peer.dial()
+    await until(lambda: all(p.started.done() or p.closed for p in live), CONNECT_TIMEOUT)
+    starts = sorted(p.started.result() for p in live if p.started.done())
+    connect_errors += len(live) - len(starts)
+    live = [p for p in live if p.started.done() and not p.closed]
     emit("ready", opened=len(live), connect_errors=connect_errors)
     # Processes of one run start together: when told on stdin (bench/run.py), else now.
     reader = await stdin_reader()
@@ -774,6 +798,8 @@ async def voice(options: Options) -> dict[str, Any]:
     if live:
         await pace_voice(live, start, tally.measure_until)
     await until(lambda: tally.echoed >= tally.sent, VOICE_DRAIN)
+    echoed = tally.echoed  # what came back in time; later echoes are lost ones
+    latencies = tally.latencies[:]
     dropped = sum(p.closed for p in live)  # closed by the server during the run
     tally.counting = False  # a bare server answers `hangup` with an error
     for peer in live:
@@ -787,12 +813,15 @@ async def voice(options: Options) -> dict[str, Any]:
         "connect_errors": connect_errors,
         "dropped": dropped,
         "sent": tally.sent,
-        "echoed": tally.echoed,
-        "lost": tally.sent - tally.echoed,
+        "echoed": echoed,
+        "lost": tally.sent - echoed,
+        "echoes_in_window": tally.echoes_in_window,
         "errors": tally.errors,
-        "samples": len(tally.latencies),
+        "samples": len(latencies),
         "lag_p99_ms": 1000 * percentile(lags, 0.99),
-        **summarize_ms(tally.latencies, "echo"),
+        "start_p50_ms": 1000 * percentile(starts, 0.50),
+        "start_p99_ms": 1000 * percentile(starts, 0.99),
+        **summarize_ms(latencies, "echo"),
     }
 
 

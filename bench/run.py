@@ -502,6 +502,7 @@ agents:
 max_audio_sessions: 100000
 realtime_grace_window: 1
 """
+VOICE_FRAME_S = 0.020  # a caller's frame period (bench/loadgen.py)
 VOICE_DRAIN_SLACK = 40.0  # seconds past the window for the drain, hangups and closes
 
 
@@ -541,8 +542,17 @@ def measure_voice(server: Server, plan: Plan, callers: int) -> Sample:
         "echo_p50_ms": max(r["echo_p50_ms"] for r in found),
         "echo_p99_ms": max(r["echo_p99_ms"] for r in found),
         "lag_p99_ms": max(r["lag_p99_ms"] for r in found),
+        "start_p50_ms": max(r["start_p50_ms"] for r in found),
+        "start_p99_ms": max(r["start_p99_ms"] for r in found),
         "frames_per_s": sent / plan.voice_seconds,
         "cpu_per_call": usage["server_cpu"] / callers,
+        # Server CPU per frame relayed (in and its echo out): what a frame costs even
+        # when the server gets less CPU than the callers' rate needs (a busy machine).
+        "cpu_us_per_frame": usage["server_cpu"]
+        / 100
+        * plan.voice_seconds
+        * 1e6
+        / max(1, sum(r["echoes_in_window"] for r in found)),
         **usage,
     }
 
@@ -818,9 +828,11 @@ VOICE_COLUMNS = (
     ("errors", "errors"),
     ("server_cpu", "server CPU, % of a core"),
     ("cpu_per_call", "server CPU per call, % of a core"),
+    ("cpu_us_per_frame", "server CPU per frame relayed, µs"),
     ("client_cpu", "client CPU, %"),
     ("other_cpu", "other processes' CPU, %"),
     ("lag_p99_ms", "client send lag p99, ms"),
+    ("start_p99_ms", "call start p99 (first frame → `session_config`), ms"),
 )
 
 
@@ -845,7 +857,10 @@ def voice_tables(results: Results, plan: Plan) -> list[str]:
         f"{plan.voice_warmup:g} s; with several load generators ({plan.voice_per_process} "
         "callers each, each from its own 127.0.0.x), the largest of their percentiles. A "
         "frame not echoed within 1 s of the window's end is lost. Send lag: how late the "
-        "client sent, a client that cannot keep up shows here. CPU over the window.",
+        "client sent, a client that cannot keep up shows here. CPU over the window. Every "
+        "call is started (its first frame sent, its `session_config` back) before the "
+        "first timed frame: the call start, which opens the call's session in the archive, "
+        "is a figure of its own (from a bare server: the first frame's echo).",
         "",
     ]
     if kinds:
@@ -886,7 +901,17 @@ def voice_tables(results: Results, plan: Plan) -> list[str]:
                 f"| {n:,} | {fmt(sample['frames_per_s'])} | " + " | ".join(cells) + f" | {held} |"
             )
         largest = voice_largest(results, plan)
-        lines += ["", f"Largest step held: {largest or 0:,.0f} callers.", ""]
+        lines += ["", f"Largest step held: {largest or 0:,.0f} callers."]
+        per_frame = median_of(results, "voice", "cpu_us_per_frame", "portico")
+        if per_frame:
+            # A call relays 50 frames a second each way; the CPU per frame says how many
+            # calls a core would carry if it had nothing else to do.
+            lines.append(
+                f"From Portico's CPU per relayed frame at {plan.voice_callers} callers "
+                f"({per_frame:.0f} µs), one core carries about "
+                f"{1e6 / (per_frame / VOICE_FRAME_S):,.0f} calls."
+            )
+        lines.append("")
     return lines
 
 
