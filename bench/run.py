@@ -1,8 +1,10 @@
 """Run every workload against Portico and the two bare servers; print and write a markdown report.
 
-    python bench/run.py             # the full run (about 5 minutes); writes bench/results/latest.md
+    python bench/run.py             # the full run (about 8 minutes); writes bench/results/latest.md
     python bench/run.py --quick     # about a minute
     python bench/run.py --clients 2 --seconds 1 --idle 20 --repeat 1 --out /tmp/r.md
+    python bench/run.py --only idle --kinds portico,aiohttp --idle 10000   # one phase, an A/B
+    python bench/run.py --only voice --voice 100:100,250,500   # voice calls (issue 15)
 
 Each server runs in its own process, each load generator in its own (bench/loadgen.py), all
 on 127.0.0.1. Every figure is measured `--repeat` times, servers interleaved so background
@@ -18,6 +20,11 @@ Portico's `/v1/rpc` too, on a Portico of its own with one API key per pooled con
 (bench/harness.py says why): `v1.message.send` -> first `live` chunk at the target rate,
 back to back with `/ws` latency at the same rate on the same server in each repeat, and
 `v1.message.list` pages of a session filled with `--rpc-messages` messages through the RPC.
+
+Idle memory at `--idle` counts on every server, and `--idle-max` (50,000) idle connections
+on one Portico (measured at the hard RLIMIT_NOFILE when that is lower). Voice calls
+(`--voice`): real-time 20 ms PCM callers over `/ws`, echoed by the scripted duplex runtime
+beside the bare servers' echo, then Portico's callers stepped up to a 20 ms p99.
 """
 
 from __future__ import annotations
