@@ -6,8 +6,9 @@
 Both speak the frame shapes Portico sends: `connected` on open, then for each `message`
 the scripted scenario it names (`mock_scenario`): `stream50` is 50 `chunk` frames and a
 `done` whose content is the concatenated chunks; `echo` is one `chunk` per word and a
-`done`. Every frame is encoded with msgspec one at a time, as Portico does; nothing is
-archived, validated beyond decoding, rate-limited or logged. Prints
+`done`. A binary message (the voice workload's audio frames) comes back as it came.
+Every frame is encoded with msgspec one at a time, as Portico does; nothing is archived,
+validated beyond decoding, rate-limited or logged. Prints
 `Baseline serving http://127.0.0.1:PORT/` once it accepts connections; stops on SIGTERM.
 """
 
@@ -118,6 +119,8 @@ async def _aiohttp_ws(request: web.Request) -> web.StreamResponse:
         if msg.type is WSMsgType.TEXT:
             for data in reply_frames(msg.data, session_id):
                 await ws.send_frame(data, WSMsgType.TEXT)
+        elif msg.type is WSMsgType.BINARY:  # the voice workload: the frame comes back as is
+            await ws.send_frame(msg.data, WSMsgType.BINARY)
     return ws
 
 
@@ -150,6 +153,8 @@ def serve_picows_factory() -> Callable[[Any], Any]:
             if frame.msg_type == PicoType.TEXT:
                 for data in reply_frames(frame.get_payload_as_bytes(), self.session_id):
                     transport.send(PicoType.TEXT, data)
+            elif frame.msg_type == PicoType.BINARY:  # the voice workload: echoed as is
+                transport.send(PicoType.BINARY, frame.get_payload_as_bytes())
             elif frame.msg_type == PicoType.CLOSE:
                 transport.send_close(frame.get_close_code())
                 transport.disconnect()

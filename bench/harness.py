@@ -149,8 +149,10 @@ class Server:
         log_level: str | None = None,
         store: str = "sqlite",
         env: dict[str, str] | None = None,
+        config: Path | None = None,
     ) -> None:
         self.kind = kind
+        self.config = config  # Portico's config file (`--config`), for settings env cannot set
         self.workdir = workdir / f"{kind}-{time.monotonic_ns()}"
         self.log_level = log_level
         self.store = store
@@ -185,6 +187,8 @@ class Server:
         command += ["--data-dir", str(self.workdir / "data")]
         if self.log_level:
             command += ["--log-level", self.log_level]
+        if self.config is not None:
+            command += ["--config", str(self.config)]
         return command
 
     def environment(self) -> dict[str, str]:

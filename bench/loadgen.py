@@ -34,6 +34,7 @@ import os
 import random
 import re
 import stat
+import struct
 import sys
 import time
 import uuid
@@ -72,6 +73,15 @@ from common import (
     session_message_frame,
 )
 
+from portico.protocols.omnia.binary import (  # the OMNI frame format voice calls speak
+    BinaryFrame,
+    BinaryMetadata,
+    decode_frame,
+    encode_frame,
+)
+
+VOICE_FORMAT = BinaryMetadata(codec="pcm16", sample_rate=16_000, channels=1)
+VOICE_NO_METADATA = BinaryMetadata()
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 DRAIN_TIMEOUT = 5.0  # seconds for in-flight turns to end once a workload stops sending
 CONNECT_TIMEOUT = 60.0  # seconds for every connection of a workload to get `connected`
@@ -101,6 +111,7 @@ class Options:
     messages: int
     connect_concurrency: int
     client: str
+    source: str | None
 
 
 Workload = Callable[[Options], Awaitable[dict[str, Any]]]
@@ -129,11 +140,15 @@ class Handler(Protocol):
 
     def on_frame(self, payload: bytes | str) -> None: ...
 
+    def on_binary(self, payload: bytes) -> None: ...
+
     def on_closed(self) -> None: ...
 
 
 class Connection(Protocol):
     def send(self, data: bytes) -> None: ...
+
+    def send_binary(self, data: bytes) -> None: ...
 
     def close(self) -> None:
         """Start the closing handshake; the server then closes the TCP connection."""
@@ -156,10 +171,12 @@ class Dialer(Protocol):
 class PicowsDialer:
     """picows parses frames in C and calls back synchronously: about 1 us per frame."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: str | None = None) -> None:
         import picows
 
         self._picows = picows
+        # A source address of its own: 28k ephemeral ports per address on loopback.
+        self._extra: dict[str, Any] = {} if source is None else {"local_addr": (source, 0)}
 
         class Listener(picows.WSListener):
             def __init__(self, handler: Handler) -> None:
@@ -168,6 +185,8 @@ class PicowsDialer:
             def on_ws_frame(self, transport: picows.WSTransport, frame: picows.WSFrame) -> None:
                 if frame.msg_type == picows.WSMsgType.TEXT:
                     self.handler.on_frame(frame.get_payload_as_bytes())
+                elif frame.msg_type == picows.WSMsgType.BINARY:
+                    self.handler.on_binary(frame.get_payload_as_bytes())
                 elif frame.msg_type == picows.WSMsgType.CLOSE and not transport.is_close_frame_sent:
                     transport.send_close(frame.get_close_code())
                 # Then wait: the server closes TCP first, so TIME_WAIT stays on its side
@@ -189,20 +208,26 @@ class PicowsDialer:
             # uvloop's own connect: in this benchmark it opens connections about 30%
             # faster than the aiofastnet path picows picks by default.
             use_aiofastnet=False,
+            **self._extra,
         )
-        return PicowsConnection(transport, self._picows.WSMsgType.TEXT)
+        types = self._picows.WSMsgType
+        return PicowsConnection(transport, types.TEXT, types.BINARY)
 
     async def aclose(self) -> None:
         return None
 
 
 class PicowsConnection:
-    def __init__(self, transport: Any, text: Any) -> None:
+    def __init__(self, transport: Any, text: Any, binary: Any) -> None:
         self._transport = transport
         self._text = text
+        self._binary = binary
 
     def send(self, data: bytes) -> None:
         self._transport.send(self._text, data)
+
+    def send_binary(self, data: bytes) -> None:
+        self._transport.send(self._binary, data)
 
     def close(self) -> None:
         if not self._transport.is_close_frame_sent:
@@ -218,27 +243,30 @@ class PicowsConnection:
 class AiohttpDialer:
     """The fallback where picows is absent (CI): slower per frame, fine for smoke runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: str | None = None) -> None:
         import aiohttp
 
         self._aiohttp = aiohttp
         # limit=0: the default pool of 100 would queue every connection past the 100th.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        local = None if source is None else (source, 0)
+        connector = aiohttp.TCPConnector(limit=0, local_addr=local)
+        self._session = aiohttp.ClientSession(connector=connector)
 
     async def connect(
         self, url: str, handler: Handler, headers: dict[str, str] | None = None
     ) -> Connection:
         ws = await self._session.ws_connect(url, max_msg_size=0, autoping=True, headers=headers)
-        return AiohttpConnection(ws, handler, self._aiohttp.WSMsgType.TEXT)
+        return AiohttpConnection(ws, handler, self._aiohttp.WSMsgType)
 
     async def aclose(self) -> None:
         await self._session.close()
 
 
 class AiohttpConnection:
-    def __init__(self, ws: Any, handler: Handler, text: Any) -> None:
+    def __init__(self, ws: Any, handler: Handler, types: Any) -> None:
         self._ws = ws
-        self._text = text
+        self._text = types.TEXT
+        self._binary = types.BINARY
         self._tasks: set[asyncio.Task[Any]] = set()
         self._spawn(self._read(handler))
 
@@ -251,10 +279,15 @@ class AiohttpConnection:
         async for msg in self._ws:
             if msg.type == self._text:
                 handler.on_frame(msg.data)
+            elif msg.type == self._binary:
+                handler.on_binary(msg.data)
         handler.on_closed()
 
     def send(self, data: bytes) -> None:
         self._spawn(self._ws.send_frame(data, self._text))
+
+    def send_binary(self, data: bytes) -> None:
+        self._spawn(self._ws.send_frame(data, self._binary))
 
     def close(self) -> None:
         self._spawn(self._ws.close())
@@ -277,8 +310,11 @@ def resolve_client(kind: str) -> str:
     return "picows"
 
 
-def make_dialer(kind: str) -> Dialer:
-    return PicowsDialer() if resolve_client(kind) == "picows" else AiohttpDialer()
+def make_dialer(kind: str, source: str | None = None) -> Dialer:
+    """`source`: the local address to connect from (loopback), None: the kernel's pick."""
+    if resolve_client(kind) == "picows":
+        return PicowsDialer(source)
+    return AiohttpDialer(source)
 
 
 class Peer:
@@ -298,6 +334,9 @@ class Peer:
     def on_frame(self, payload: bytes | str) -> None:
         if not self.connected.done() and frame_kind(payload) == "connected":
             self.connected.set_result(None)
+
+    def on_binary(self, payload: bytes) -> None:
+        return None
 
     def on_closed(self) -> None:
         self.closed = True
@@ -319,9 +358,16 @@ async def open_all(dialer: Dialer, url: str, peers: Sequence[Peer], concurrency:
             peer.opened()
             await peer.connected
 
-    async with asyncio.timeout(CONNECT_TIMEOUT):
-        outcomes = await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
-    return sum(isinstance(outcome, BaseException) for outcome in outcomes)
+    tasks = [asyncio.ensure_future(one(p)) for p in peers]
+    if not tasks:
+        return 0
+    # Those not connected by the deadline are failures (a server at its descriptor
+    # limit leaves them hanging), counted as such rather than ending the workload.
+    done, pending = await asyncio.wait(tasks, timeout=CONNECT_TIMEOUT)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return len(pending) + sum(task.exception() is not None for task in done)
 
 
 def assign_users(peers: Sequence[Peer], users: int) -> None:
@@ -599,7 +645,7 @@ async def idle(options: Options) -> dict[str, Any]:
     say `warmed`, and wait for a line on stdin before opening the `count`.
     """
     reader = await stdin_reader()
-    dialer = make_dialer(options.client)
+    dialer = make_dialer(options.client, options.source)
     if options.warm:
         warm = [Peer() for _ in range(options.warm)]
         await open_all(dialer, options.url, warm, options.connect_concurrency)
@@ -615,6 +661,168 @@ async def idle(options: Options) -> dict[str, Any]:
     await close_all(peers)
     await dialer.aclose()
     return {"count": options.count, "connect_errors": connect_errors, "dropped": dropped}
+
+
+# -- voice: callers sending 20 ms of PCM in real time, each frame's echo timed -------------
+#
+# Each caller is a /ws voice call (docs/voice.md): OMNI binary frames of 16 kHz mono PCM16,
+# the first naming the format. The server echoes every frame (Portico: the scripted duplex
+# runtime with `echo: true`; the bare servers: the message as it came). A frame's payload
+# starts with its caller-side sequence number, so its echo is matched whatever the server
+# numbers it. Callers' sends are spread evenly over the 20 ms period.
+
+VOICE_FRAME_S = 0.020
+VOICE_RATE = 16_000
+VOICE_FRAME_BYTES = int(VOICE_RATE * VOICE_FRAME_S) * 2
+VOICE_DRAIN = 1.0  # seconds for the last frames' echoes after the window
+_VOICE_SEQ = struct.Struct("<I")
+_VOICE_PAD = bytes(VOICE_FRAME_BYTES - _VOICE_SEQ.size)
+HANGUP = b'{"type":"hangup"}'
+
+
+class VoiceTally:
+    def __init__(self) -> None:
+        self.measure_from = math.inf
+        self.measure_until = math.inf
+        self.sent = 0  # in the window
+        self.echoed = 0  # of those, echoed by the end of the drain
+        self.echoes_in_window = 0  # echoes (of any frame) that arrived in the window
+        self.latencies: list[float] = []
+        self.lags: list[float] = []  # how late each send in the window left, s
+        self.errors = 0  # `error` frames, until the callers hang up
+        self.counting = True
+
+
+class VoicePeer(Peer):
+    def __init__(self, tally: VoiceTally) -> None:
+        super().__init__()
+        self.tally = tally
+        self.sequence = 0
+        self.sent_at: dict[int, float] = {}
+        self.started: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self.dialled = 0.0
+
+    def on_frame(self, payload: bytes | str) -> None:
+        kind = frame_kind(payload)
+        if kind == "connected" and not self.connected.done():
+            self.connected.set_result(None)
+        elif kind == "session_config" and not self.started.done():
+            self.started.set_result(time.perf_counter() - self.dialled)
+        elif kind == "error" and self.tally.counting:
+            self.tally.errors += 1
+
+    def dial(self) -> None:
+        """The call's first frame (the format): the call starts; `session_config` (or, from
+        a bare server, the frame's echo) says so."""
+        self.dialled = time.perf_counter()
+        self.speak(self.dialled)
+
+    def on_binary(self, payload: bytes) -> None:
+        now = time.perf_counter()
+        if not self.started.done():  # a bare echo server says nothing else
+            self.started.set_result(now - self.dialled)
+        sequence = _VOICE_SEQ.unpack_from(decode_frame(payload).payload)[0]
+        tally = self.tally
+        if tally.measure_from <= now < tally.measure_until:
+            tally.echoes_in_window += 1
+        sent = self.sent_at.pop(sequence, None)
+        if sent is not None:
+            self.tally.echoed += 1
+            self.tally.latencies.append(now - sent)
+
+    def speak(self, due: float) -> None:
+        if self.conn is None or self.closed:
+            return
+        sequence = self.sequence
+        self.sequence += 1
+        metadata = VOICE_FORMAT if sequence == 0 else VOICE_NO_METADATA
+        frame = BinaryFrame(
+            sequence=sequence,
+            media_id="mic",
+            metadata=metadata,
+            payload=_VOICE_SEQ.pack(sequence) + _VOICE_PAD,
+        )
+        data = encode_frame(frame)
+        now = time.perf_counter()
+        tally = self.tally
+        if tally.measure_from <= now < tally.measure_until:
+            self.sent_at[sequence] = now
+            tally.sent += 1
+            tally.lags.append(now - due)
+        self.conn.send_binary(data)
+
+
+async def pace_voice(peers: Sequence[VoicePeer], start: float, until: float) -> None:
+    """Frame k of caller i is due at start + k * 20 ms + i * 20 ms / N; every due frame
+    is sent at once when the loop wakes (a late client shows in the send lag)."""
+    count = len(peers)
+    step = VOICE_FRAME_S / count
+    index = 0
+    while (due := start + index * step) < until:
+        now = time.perf_counter()
+        if due > now:
+            await asyncio.sleep(due - now)
+            now = time.perf_counter()
+        while due <= now and due < until:
+            peers[index % count].speak(due)
+            index += 1
+            due = start + index * step
+
+
+@workload("voice")
+async def voice(options: Options) -> dict[str, Any]:
+    """`clients` callers for `warmup` + `seconds`, each a 20 ms frame every 20 ms.
+
+    Says `ready` once connected; with stdin a pipe, starts on a line from it."""
+    tally = VoiceTally()
+    peers = [VoicePeer(tally) for _ in range(options.clients)]
+    dialer = make_dialer(options.client, options.source)
+    connect_errors = await open_all(dialer, options.url, peers, options.connect_concurrency)
+    live = [p for p in peers if p.conn is not None and not p.closed]
+    # Every call is started before any is timed: a call's start (its session opened in
+    # the archive) is its own figure, not the relay's.
+    for peer in live:
+        peer.dial()
+    await until(lambda: all(p.started.done() or p.closed for p in live), CONNECT_TIMEOUT)
+    starts = sorted(p.started.result() for p in live if p.started.done())
+    connect_errors += len(live) - len(starts)
+    live = [p for p in live if p.started.done() and not p.closed]
+    emit("ready", opened=len(live), connect_errors=connect_errors)
+    # Processes of one run start together: when told on stdin (bench/run.py), else now.
+    reader = await stdin_reader()
+    if reader is not None:
+        await next_line(reader, options.hold)
+    start = time.perf_counter()
+    tally.measure_from = start + options.warmup
+    tally.measure_until = tally.measure_from + options.seconds
+    if live:
+        await pace_voice(live, start, tally.measure_until)
+    await until(lambda: tally.echoed >= tally.sent, VOICE_DRAIN)
+    echoed = tally.echoed  # what came back in time; later echoes are lost ones
+    latencies = tally.latencies[:]
+    dropped = sum(p.closed for p in live)  # closed by the server during the run
+    tally.counting = False  # a bare server answers `hangup` with an error
+    for peer in live:
+        if peer.conn is not None and not peer.closed:
+            peer.conn.send(HANGUP)  # the call ends now, not parked for a resume
+    await close_all(peers)
+    await dialer.aclose()
+    lags = sorted(tally.lags)
+    return {
+        "callers": options.clients,
+        "connect_errors": connect_errors,
+        "dropped": dropped,
+        "sent": tally.sent,
+        "echoed": echoed,
+        "lost": tally.sent - echoed,
+        "echoes_in_window": tally.echoes_in_window,
+        "errors": tally.errors,
+        "samples": len(latencies),
+        "lag_p99_ms": 1000 * percentile(lags, 0.99),
+        "start_p50_ms": 1000 * percentile(starts, 0.50),
+        "start_p99_ms": 1000 * percentile(starts, 0.99),
+        **summarize_ms(latencies, "echo"),
+    }
 
 
 # -- session_stream: the stream workload on /v1/session ------------------------------------
@@ -1353,10 +1561,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[str, Options]:
     )
     parser.add_argument("--connect-concurrency", type=int, default=64)
     parser.add_argument("--client", choices=["auto", "picows", "aiohttp"], default="auto")
+    parser.add_argument(
+        "--source", help="idle, voice: connect from this 127.x.y.z address (ephemeral ports)"
+    )
     args = parser.parse_args(argv)
     host = urlsplit(args.url).hostname
     if host not in LOOPBACK:
         parser.error(f"refusing to load {host!r}: the benchmark talks to loopback only")
+    if args.source is not None and not args.source.startswith("127."):
+        parser.error(f"refusing source {args.source!r}: loopback (127.0.0.0/8) only")
     fields = {name: getattr(args, name) for name in Options.__dataclass_fields__}
     fields["client"] = resolve_client(args.client)
     return args.workload, Options(**fields)

@@ -1,8 +1,10 @@
 """Run every workload against Portico and the two bare servers; print and write a markdown report.
 
-    python bench/run.py             # the full run (about 5 minutes); writes bench/results/latest.md
+    python bench/run.py             # the full run (about 8 minutes); writes bench/results/latest.md
     python bench/run.py --quick     # about a minute
     python bench/run.py --clients 2 --seconds 1 --idle 20 --repeat 1 --out /tmp/r.md
+    python bench/run.py --only idle --kinds portico,aiohttp --idle 10000   # one phase, an A/B
+    python bench/run.py --only voice --voice 100:100,250,500   # voice calls (issue 15)
 
 Each server runs in its own process, each load generator in its own (bench/loadgen.py), all
 on 127.0.0.1. Every figure is measured `--repeat` times, servers interleaved so background
@@ -18,6 +20,11 @@ Portico's `/v1/rpc` too, on a Portico of its own with one API key per pooled con
 (bench/harness.py says why): `v1.message.send` -> first `live` chunk at the target rate,
 back to back with `/ws` latency at the same rate on the same server in each repeat, and
 `v1.message.list` pages of a session filled with `--rpc-messages` messages through the RPC.
+
+Idle memory at `--idle` counts on every server, and `--idle-max` (50,000) idle connections
+on one Portico (measured at the hard RLIMIT_NOFILE when that is lower). Voice calls
+(`--voice`): real-time 20 ms PCM callers over `/ws`, echoed by the scripted duplex runtime
+beside the bare servers' echo, then Portico's callers stepped up to a 20 ms p99.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from harness import (
     BENCH,
     PORTICO_BENCH_ENV,
     PORTICO_RESUME_ENV,
+    SCRIPT,
     SERVER_KINDS,
     CpuSnapshot,
     Loadgen,
@@ -55,6 +63,7 @@ from harness import (
     stop_all,
 )
 
+FD_RESERVE = 200  # descriptors a server keeps for its own files, listener and archive
 SETTLE = 0.3  # seconds for a server's RSS to settle after connections open
 RESULT_SLACK = 30.0  # seconds past its own bounds a load generator may take to report
 IDLE_WARMUP = 50  # connections opened and closed before the baseline RSS is read
@@ -83,6 +92,9 @@ class Plan:
     latency_seconds: float = 2.0
     idle_counts: tuple[int, ...] = (1000, 10000)
     idle_per_process: int = 5000
+    # One Portico holding this many idle /ws connections (0 skips), once per run, after the
+    # idle repeats; the server's RLIMIT_NOFILE (its hard limit) may be below it.
+    idle_max: int = 50_000
     kinds: tuple[str, ...] = SERVER_KINDS
     log_level: str | None = None  # None: Portico's default (INFO, one line per turn)
     # /v1/session stream beside Portico's /ws stream (1 client process) in every repeat.
@@ -99,6 +111,17 @@ class Plan:
     rpc_messages: int = 10_000
     rpc_pages: int = 1000
     rpc_page_warm: int = 5
+    # voice (issue 15): `voice_callers` callers on every server in each repeat (the relay
+    # latency beside the bare echo), then Portico alone at each of `voice_steps` callers
+    # until the echo p99 passes `voice_p99_ms` (or frames are lost, or errors come).
+    voice_callers: int = 100
+    voice_steps: tuple[int, ...] = (100, 250, 500, 750, 1000, 1500, 2000)
+    voice_warmup: float = 1.0
+    voice_seconds: float = 3.0
+    voice_p99_ms: float = 20.0
+    voice_per_process: int = 500  # callers per load generator
+    # Which phases run: the stream and latency repeats, /v1/rpc, resumes, idle, voice.
+    phases: tuple[str, ...] = ("stream", "rpc", "resume", "idle", "idle_max", "voice")
 
 
 QUICK = Plan(
@@ -110,6 +133,11 @@ QUICK = Plan(
     latency_seconds=0.8,
     rates=(200.0,),
     idle_counts=(500,),
+    idle_max=0,
+    voice_callers=50,
+    voice_steps=(100, 500),
+    voice_warmup=0.5,
+    voice_seconds=1.0,
     resume=((1000, 20), (10000, 5)),
     rpc_repeat=1,
     rpc_messages=2000,
@@ -263,7 +291,11 @@ def release(gens: Sequence[Loadgen], server: Server) -> int:
     dropped = sum(int(gen.next_event(RESULT_SLACK)["dropped"]) for gen in gens)
     server.kill()
     for gen in gens:
-        gen.result(RESULT_SLACK)
+        try:
+            # Its closes end at once (the server is gone) or after loadgen's CLOSE_TIMEOUT.
+            gen.result(RESULT_SLACK * 2)
+        except RuntimeError as exc:  # measured already: a slow goodbye costs nothing
+            log(f"idle    a load generator did not finish its closes: {exc}")
         gen.stop()
     return dropped
 
@@ -283,7 +315,12 @@ def measure_idle(server: Server, plan: Plan) -> dict[int, Sample]:
     shares = idle_shares(plan)
     # The first generator cycles some connections before the baseline is read, so the
     # server's one-time costs (imports, buffers, caches) are not counted per connection.
-    first = Loadgen("idle", server.url, ["--count", str(shares[0][0]), "--warm", str(IDLE_WARMUP)])
+    sources = (f"127.0.0.{2 + i}" for i in range(250))  # 28k ephemeral ports per address
+    first = Loadgen(
+        "idle",
+        server.url,
+        ["--count", str(shares[0][0]), "--warm", str(IDLE_WARMUP), "--source", next(sources)],
+    )
     held = [first]
     samples: dict[int, Sample] = {}
     failures = 0
@@ -294,7 +331,10 @@ def measure_idle(server: Server, plan: Plan) -> dict[int, Sample]:
         first.tell()
         for index, (count, batch) in enumerate(zip(sorted(plan.idle_counts), shares, strict=True)):
             # The first batch's first share is `first`'s, already under way.
-            new = [Loadgen("idle", server.url, ["--count", str(n)]) for n in batch[index == 0 :]]
+            new = [
+                Loadgen("idle", server.url, ["--count", str(n), "--source", next(sources)])
+                for n in batch[index == 0 :]
+            ]
             held += new
             failures += wait_ready([first, *new] if index == 0 else new)
             time.sleep(SETTLE)
@@ -432,15 +472,154 @@ def run_idle_all(plan: Plan, workdir: Path, results: Results) -> None:
             stop_all(servers)
 
 
+def run_idle_max(plan: Plan, workdir: Path, results: Results) -> None:
+    """`idle_max` connections on one Portico, once: held, failed, RSS per connection."""
+    server = Server("portico", workdir, plan.log_level)
+    clock = time.monotonic()
+    # The server inherits this process's limit (raise_fd_limit: the hard one). A count
+    # above it cannot be held, whatever Portico does: it is measured at the limit
+    # instead, and the report says so.
+    fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    count = min(plan.idle_max, fd_limit - FD_RESERVE)
+    try:
+        server.start()
+        sample = measure_idle(server, replace(plan, idle_counts=(count,)))
+        result = sample[count]
+        result["fd_limit"] = float(fd_limit)
+        result["held"] = float(count - result["errors"])
+        result["count"] = float(count)
+        results[("idle_max", "portico")].append(result)
+        log(
+            f"idle    max {count} conns: {result['kib_per_conn']:.1f} KiB/conn, errors "
+            f"{result['errors']:.0f}, server RLIMIT_NOFILE {result['fd_limit']:.0f}, "
+            f"{time.monotonic() - clock:.0f} s"
+        )
+    finally:
+        server.stop()
+
+
+VOICE_CONFIG = """\
+# The voice workload's Portico: the default agent takes calls and echoes their audio.
+agents:
+  default:
+    runtime: scripted
+    script: {script}
+    duplex_runtime: scripted
+    duplex_script: {echo}
+max_audio_sessions: 100000
+realtime_grace_window: 1
+"""
+VOICE_FRAME_S = 0.020  # a caller's frame period (bench/loadgen.py)
+VOICE_DRAIN_SLACK = 40.0  # seconds past the window for the drain, hangups and closes
+
+
+def voice_server(plan: Plan, workdir: Path) -> Server:
+    config = workdir / "voice.yaml"
+    config.write_text(VOICE_CONFIG.format(script=SCRIPT, echo=BENCH / "voice_echo.yaml"))
+    return Server("portico", workdir, plan.log_level, config=config)
+
+
+def measure_voice(server: Server, plan: Plan, callers: int) -> Sample:
+    """`callers` real-time callers (bench/loadgen.py `voice`), the server's CPU over the
+    window. Several load generators: each one's percentiles, the largest taken."""
+    shares = split(callers, math.ceil(callers / plan.voice_per_process))
+    window = ["--warmup", str(plan.voice_warmup), "--seconds", str(plan.voice_seconds)]
+    url = server.url + "?binary=true"  # agent audio as binary frames
+    args = [
+        ["--clients", str(n), *window, "--source", f"127.0.0.{2 + i}"] for i, n in enumerate(shares)
+    ]
+    with loadgens("voice", url, args) as gens:
+        connect_errors = sum(
+            int(gen.next_event(RESULT_SLACK * 3)["connect_errors"]) for gen in gens
+        )
+        for gen in gens:
+            gen.tell()  # every generator starts sending now
+        time.sleep(plan.voice_warmup)
+        pids = [gen.pid for gen in gens]
+        before = CpuSnapshot.take(server.pid, pids)
+        time.sleep(plan.voice_seconds)
+        usage = cpu_percentages(before, CpuSnapshot.take(server.pid, pids))
+        found = [gen.result(RESULT_SLACK + VOICE_DRAIN_SLACK) for gen in gens]
+    sent = sum(r["sent"] for r in found)
+    return {
+        "callers": float(callers),
+        "sent": float(sent),
+        "lost": float(sum(r["lost"] for r in found)),
+        "errors": float(connect_errors + sum(r["errors"] + r["dropped"] for r in found)),
+        "echo_p50_ms": max(r["echo_p50_ms"] for r in found),
+        "echo_p99_ms": max(r["echo_p99_ms"] for r in found),
+        "lag_p99_ms": max(r["lag_p99_ms"] for r in found),
+        "start_p50_ms": max(r["start_p50_ms"] for r in found),
+        "start_p99_ms": max(r["start_p99_ms"] for r in found),
+        "frames_per_s": sent / plan.voice_seconds,
+        "cpu_per_call": usage["server_cpu"] / callers,
+        # Server CPU per frame relayed (in and its echo out): what a frame costs even
+        # when the server gets less CPU than the callers' rate needs (a busy machine).
+        "cpu_us_per_frame": usage["server_cpu"]
+        / 100
+        * plan.voice_seconds
+        * 1e6
+        / max(1, sum(r["echoes_in_window"] for r in found)),
+        **usage,
+    }
+
+
+def voice_holds(sample: Sample, plan: Plan) -> bool:
+    """Whether a step held: p99 under the bound, nothing lost beyond 0.1 %, no errors."""
+    lost_ok = sample["lost"] <= 0.001 * max(1.0, sample["sent"])
+    return sample["echo_p99_ms"] < plan.voice_p99_ms and lost_ok and sample["errors"] == 0
+
+
+def log_voice(what: str, sample: Sample) -> None:
+    log(
+        f"voice   {what}: {sample['callers']:.0f} callers, echo p50 {sample['echo_p50_ms']:.2f} "
+        f"ms p99 {sample['echo_p99_ms']:.2f} ms, lost {sample['lost']:.0f} of "
+        f"{sample['sent']:.0f}, errors {sample['errors']:.0f}, server CPU "
+        f"{sample['server_cpu']:.0f}%, client CPU {sample['client_cpu']:.0f}%, "
+        f"send lag p99 {sample['lag_p99_ms']:.1f} ms"
+    )
+
+
+def run_voice(plan: Plan, workdir: Path, results: Results) -> None:
+    """Relay latency beside the bare echo servers, then Portico's callers stepped up."""
+    servers = {"portico": voice_server(plan, workdir)}
+    servers.update({k: Server(k, workdir) for k in plan.kinds if k != "portico"})
+    clock = time.monotonic()
+    try:
+        for server in servers.values():
+            server.launch()
+        for server in servers.values():
+            server.await_ready()
+        for rep in range(plan.repeat if plan.voice_callers else 0):
+            for kind, server in servers.items():
+                sample = measure_voice(server, plan, plan.voice_callers)
+                results[("voice", kind)].append(sample)
+                log_voice(f"rep {rep + 1} {kind:8}", sample)
+        for callers in plan.voice_steps:
+            sample = measure_voice(servers["portico"], plan, callers)
+            results[(f"voice_step{callers}", "portico")].append(sample)
+            log_voice("step portico", sample)
+            if not voice_holds(sample, plan):
+                break
+    finally:
+        stop_all(list(servers.values()))
+    log(f"voice   took {time.monotonic() - clock:.0f} s")
+
+
 def run(plan: Plan, workdir: Path) -> Results:
     results: Results = defaultdict(list)
-    run_streams_and_latency(plan, workdir, results)
-    if plan.rpc:
+    if "stream" in plan.phases:
+        run_streams_and_latency(plan, workdir, results)
+    if plan.rpc and "rpc" in plan.phases:
         run_rpc(plan, workdir, results)
-    if plan.resume:
+    if plan.resume and "resume" in plan.phases:
         run_resume(plan, workdir, results)
-    if plan.idle_counts:
+    if plan.idle_counts and "idle" in plan.phases:
         run_idle_all(plan, workdir, results)
+    if plan.idle_max and "idle_max" in plan.phases:
+        run_idle_max(plan, workdir, results)
+    if "voice" in plan.phases and (plan.voice_callers or plan.voice_steps):
+        run_voice(plan, workdir, results)
     return results
 
 
@@ -600,10 +779,12 @@ def targets_table(results: Results, plan: Plan) -> list[str]:
         verdict(ratio("aiohttp"), lambda v: v >= 0.80, "stream frames/s ≥ 0.80 × bare aiohttp"),
         verdict(ratio("picows"), lambda v: v >= 0.60, "stream frames/s ≥ 0.60 × bare picows"),
         verdict(added, lambda v: v <= 1.0, "p99 send → first chunk, ms added to bare aiohttp ≤ 1"),
-        verdict(per_conn, lambda v: v <= 20, f"≤ 20 KiB per idle connection (at {largest:,})"),
+        verdict(per_conn, lambda v: v <= 14, f"≤ 14 KiB per idle connection (at {largest:,})"),
         verdict(
             held, lambda v: v == 0, "10,000 idle connections held, errors", lambda v: f"{v:.0f}"
         ),
+        *idle_max_targets(results, plan),
+        *voice_targets(results, plan),
         verdict(
             session_ratio, lambda v: v >= 0.70, "/v1/session stream frames/s ≥ 0.70 × /ws stream"
         ),
@@ -613,6 +794,162 @@ def targets_table(results: Results, plan: Plan) -> list[str]:
             "resume of 1,000 buffered messages, p99 reconnect → last message ≤ 50 ms",
         ),
         *rpc_targets(results, plan),
+    ]
+
+
+def voice_largest(results: Results, plan: Plan) -> float | None:
+    """The most callers of a step that held (`voice_holds`); 0 when none did."""
+    steps = [results.get((f"voice_step{n}", "portico"), []) for n in plan.voice_steps]
+    if not any(steps):
+        return None
+    held = [s[0]["callers"] for s in steps if s and voice_holds(s[0], plan)]
+    return max(held, default=0.0)
+
+
+def voice_targets(results: Results, plan: Plan) -> list[str]:
+    if not results.get(("voice", "portico")) and voice_largest(results, plan) is None:
+        return []
+    portico = median_of(results, "voice", "echo_p99_ms", "portico")
+    bare = median_of(results, "voice", "echo_p99_ms", "aiohttp")
+    added = None if portico is None or bare is None else portico - bare
+    bound = f"{plan.voice_p99_ms:g} ms"
+    return [
+        verdict(
+            added,
+            lambda v: v <= 1.0,
+            f"voice relay p99, ms added to bare aiohttp ≤ 1 (at {plan.voice_callers} callers)",
+        ),
+        verdict(
+            voice_largest(results, plan),
+            lambda v: v >= 1000,
+            f"voice callers one process holds with echo p99 < {bound} ≥ 1,000",
+            lambda v: f"{v:,.0f}",
+        ),
+    ]
+
+
+VOICE_COLUMNS = (
+    ("echo_p50_ms", "echo p50, ms"),
+    ("echo_p99_ms", "echo p99, ms"),
+    ("lost", "frames lost"),
+    ("errors", "errors"),
+    ("server_cpu", "server CPU, % of a core"),
+    ("cpu_per_call", "server CPU per call, % of a core"),
+    ("cpu_us_per_frame", "server CPU per frame relayed, µs"),
+    ("client_cpu", "client CPU, %"),
+    ("other_cpu", "other processes' CPU, %"),
+    ("lag_p99_ms", "client send lag p99, ms"),
+    ("start_p99_ms", "call start p99 (first frame → `session_config`), ms"),
+)
+
+
+VOICE_COUNTS = frozenset({"lost", "errors"})
+
+
+def voice_tables(results: Results, plan: Plan) -> list[str]:
+    kinds = [k for k in plan.kinds if results.get(("voice", k))]
+    steps = [n for n in plan.voice_steps if results.get((f"voice_step{n}", "portico"))]
+    if not kinds and not steps:
+        return []
+    lines = [
+        "## Voice (/ws calls, issue 15)",
+        "",
+        "Each caller is a `/ws?binary=true` voice call sending a 20 ms frame of 16 kHz mono "
+        "PCM16 (OMNI binary frames, the first naming the format) every 20 ms in real time, "
+        "the callers' sends spread evenly over the period. Portico's agent is the scripted "
+        "duplex runtime with `echo: true` (bench/voice_echo.yaml): every caller frame comes "
+        "back as agent audio; the bare servers send the binary message back as it came. "
+        "Echo: client send → the frame's echo back (matched by a sequence number in the "
+        f"payload), nearest-rank, over a {plan.voice_seconds:g} s window after "
+        f"{plan.voice_warmup:g} s; with several load generators ({plan.voice_per_process} "
+        "callers each, each from its own 127.0.0.x), the largest of their percentiles. A "
+        "frame not echoed within 1 s of the window's end is lost. Send lag: how late the "
+        "client sent, a client that cannot keep up shows here. CPU over the window. Every "
+        "call is started (its first frame sent, its `session_config` back) before the "
+        "first timed frame: the call start, which opens the call's session in the archive, "
+        "is a figure of its own (from a bare server: the first frame's echo).",
+        "",
+    ]
+    if kinds:
+        lines += [
+            f"Relay at {plan.voice_callers} callers, servers interleaved, {plan.repeat} repeat(s):",
+            "",
+            "| Figure | " + " | ".join(kinds) + " | Portico − aiohttp |",
+            "|---|" + "---:|" * (len(kinds) + 1),
+        ]
+        for key, label in VOICE_COLUMNS:
+            show = count_cell if key in VOICE_COUNTS else cell
+            cells = [show(stats(results, "voice", key, k)) for k in kinds]
+            diff = "—"
+            a = median_of(results, "voice", key, "portico")
+            b = median_of(results, "voice", key, "aiohttp")
+            if key.endswith("_ms") and a is not None and b is not None:
+                diff = f"{a - b:+.2f} ms"
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {diff} |")
+        lines.append("")
+    if steps:
+        lines += [
+            f"Portico alone, callers stepped up until the echo p99 reaches "
+            f"{plan.voice_p99_ms:g} ms, a frame in a thousand is lost or an error comes:",
+            "",
+            "| Callers | frames/s sent | "
+            + " | ".join(label for _, label in VOICE_COLUMNS)
+            + " | held |",
+            "|---:|---:|" + "---:|" * len(VOICE_COLUMNS) + "---|",
+        ]
+        for n in steps:
+            sample = results[(f"voice_step{n}", "portico")][0]
+            cells = [
+                f"{sample[key]:,.0f}" if key in VOICE_COUNTS else fmt(sample[key])
+                for key, _ in VOICE_COLUMNS
+            ]
+            held = "yes" if voice_holds(sample, plan) else "**no**"
+            lines.append(
+                f"| {n:,} | {fmt(sample['frames_per_s'])} | " + " | ".join(cells) + f" | {held} |"
+            )
+        largest = voice_largest(results, plan)
+        lines += ["", f"Largest step held: {largest or 0:,.0f} callers."]
+        per_frame = median_of(results, "voice", "cpu_us_per_frame", "portico")
+        if per_frame:
+            # A call relays 50 frames a second each way; the CPU per frame says how many
+            # calls a core would carry if it had nothing else to do.
+            lines.append(
+                f"From Portico's CPU per relayed frame at {plan.voice_callers} callers "
+                f"({per_frame:.0f} µs), one core carries about "
+                f"{1e6 / (per_frame / VOICE_FRAME_S):,.0f} calls."
+            )
+        lines.append("")
+    return lines
+
+
+def idle_max_targets(results: Results, plan: Plan) -> list[str]:
+    samples = results.get(("idle_max", "portico"), [])
+    if not samples:
+        return []
+    sample = samples[0]
+    count = int(sample["count"])
+    capped = (
+        f" (measured at {count:,}: the server's RLIMIT_NOFILE hard limit is "
+        f"{sample['fd_limit']:,.0f})"
+        if count < plan.idle_max
+        else ""
+    )
+    held = sample["held"] if count >= plan.idle_max else None
+    return [
+        verdict(
+            held,
+            lambda v: v >= plan.idle_max and sample["errors"] == 0,
+            f"{plan.idle_max:,} idle connections held by one process, held{capped}",
+            lambda v: f"{v:,.0f}",
+        )
+        if held is not None
+        else f"| {plan.idle_max:,} idle connections held by one process{capped} | "
+        f"{sample['held']:,.0f} held, {sample['errors']:,.0f} errors | **not measurable here** |",
+        verdict(
+            sample["kib_per_conn"],
+            lambda v: v <= 14,
+            f"≤ 14 KiB per idle connection (at {count:,}, one Portico)",
+        ),
     ]
 
 
@@ -872,6 +1209,7 @@ def report(results: Results, plan: Plan, started: float, elapsed: float, backgro
         "## RPC (/v1/rpc, Portico only)",
         "",
         *(rpc_tables(results, plan) or ["Not run.", ""]),
+        *voice_tables(results, plan),
         "## Targets",
         "",
         *targets_table(results, plan),
@@ -919,6 +1257,21 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
         "--rpc-repeat", type=int, help="/v1/rpc latency repeats (default: --repeat; --quick 1)"
     )
     parser.add_argument("--no-rpc", action="store_true", help="skip /v1/rpc altogether")
+    parser.add_argument(
+        "--only",
+        help="phases to run, comma-separated, of stream (with latency), rpc, resume, idle "
+        "(default: all); e.g. `--only idle --kinds portico,aiohttp` for an idle A/B",
+    )
+    parser.add_argument(
+        "--idle-max", type=int, help="idle connections on one Portico, once (default 50000)"
+    )
+    parser.add_argument(
+        "--voice",
+        help="voice: CALLERS[:STEP,STEP...], the callers on every server beside the bare "
+        "echo, then Portico's steps (default 100:100,250,500,750,1000,1500,2000); 0 skips",
+    )
+    parser.add_argument("--voice-seconds", type=float, help="voice: window, seconds")
+    parser.add_argument("--kinds", help="servers, comma-separated (default portico,aiohttp,picows)")
     parser.add_argument("--log-level", help="Portico's log level (default: its own, INFO)")
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "latest.md")
     args = parser.parse_args(argv)
@@ -932,11 +1285,24 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
         plan = replace(plan, idle_counts=counts)
     overrides = {"repeat": args.repeat, "clients": args.clients}
     overrides["log_level"] = args.log_level
+    overrides["idle_max"] = args.idle_max
     overrides["rpc_messages"] = args.rpc_messages
     overrides["rpc_pages"] = args.rpc_pages
     overrides["rpc_repeat"] = args.rpc_repeat
     if args.no_rpc:
         overrides["rpc"] = False
+    if args.voice is not None:
+        callers, _, steps = args.voice.partition(":")
+        plan = replace(plan, voice_callers=int(callers))
+        if steps or not int(callers):
+            chosen = tuple(int(n) for n in steps.split(",") if n and int(n) > 0)
+            plan = replace(plan, voice_steps=chosen)
+    if args.voice_seconds is not None:
+        plan = replace(plan, voice_seconds=args.voice_seconds)
+    if args.only is not None:
+        plan = replace(plan, phases=tuple(p for p in args.only.split(",") if p))
+    if args.kinds is not None:
+        plan = replace(plan, kinds=tuple(k for k in args.kinds.split(",") if k in SERVER_KINDS))
     if args.resume is not None:
         pairs = [item.split(":") for item in args.resume.split(",") if item not in ("", "0")]
         resume = tuple((int(backlog), int(count)) for backlog, count in pairs)

@@ -527,3 +527,28 @@ async def test_answered_pings_keep_the_connection_open(connect_short: Connect) -
     await client.expect_silence(SHORT_PONG_TIMEOUT * 2)
     assert not client.ws.closed
     assert (await client.ask())[-1]["type"] == "done"
+
+
+async def test_a_ping_further_than_a_wheel_slot_comes_on_time_not_early(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    # A ping interval over the deadline wheel's slot (server/deadlines.py, 1 s) waits
+    # in the shared wheel, then on a timer of its own: the ping comes, never early.
+    interval = 1.6
+    env = {"PORTICO_PING_INTERVAL": str(interval), "PORTICO_PONG_TIMEOUT": "30"}
+    server = ServerProcess(tmp_path / "data", env=env).start()
+    try:
+        ws = await http.ws_connect(server.ws_url, autoping=False)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        msg = await ws.receive(timeout=10)
+        assert msg.type is aiohttp.WSMsgType.TEXT  # `connected`
+        msg = await ws.receive(timeout=10)
+        assert msg.type is aiohttp.WSMsgType.PING
+        assert loop.time() - started >= interval * 0.99
+        await ws.pong(msg.data)
+        msg = await ws.receive(timeout=10)
+        assert msg.type is aiohttp.WSMsgType.PING  # the next one, armed again
+        await ws.close()
+    finally:
+        server.stop()

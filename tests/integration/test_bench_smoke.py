@@ -21,8 +21,8 @@ def run_quick(out: Path) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, str(BENCH / "run.py"), "--quick", "--out", str(out)]
     command += ["--clients", "2", "--seconds", "0.5", "--idle", "200", "--repeat", "1"]
     command += ["--resume", "1000:2,10000:1", "--rpc-messages", str(RPC_MESSAGES)]
-    command += ["--rpc-pages", "20"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=100, check=False)
+    command += ["--rpc-pages", "20", "--voice", "3:3", "--voice-seconds", "0.5"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=150, check=False)
 
 
 def table_rows(report: str, heading: str) -> list[list[str]]:
@@ -105,6 +105,19 @@ def test_quick_run_reports_every_workload_for_every_server(tmp_path: Path) -> No
     assert len(rpc_targets) == 2
     assert all(targets[t] not in ("not measured", "n/a") for t in rpc_targets), targets
     assert "PORTICO_RATE_LIMIT_MESSAGES" in report  # the lifted limits are disclosed
+
+    # voice: 3 real-time callers on every server (the echo through Portico's scripted
+    # duplex runtime and through the bare servers), then Portico's one step of 3.
+    voice = table_rows(report, "Voice (/ws calls, issue 15)")
+    relay = {row[0]: row[1:] for row in voice if not row[0][0].isdigit()}
+    for figure in ("echo p50, ms", "echo p99, ms"):
+        assert "—" not in relay[figure][:2], relay
+        assert "n/a" not in relay[figure], relay
+    assert relay["errors"][:2] == ["0", "0"], relay
+    assert relay["frames lost"][:2] == ["0", "0"], relay
+    (step,) = [row for row in voice if row[0] == "3"]
+    assert float(step[1].replace(",", "")) > 0  # frames/s sent
+    assert any("voice relay p99" in target for target in targets)
 
 
 def test_the_grpc_workload_runs_both_runtimes_and_reports_its_rows(tmp_path: Path) -> None:

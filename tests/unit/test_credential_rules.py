@@ -79,6 +79,21 @@ def test_a_credential_without_expiry_never_closes() -> None:
     assert not clock.close_due(1e12, turn_running=False)
 
 
+def test_a_ws_connection_without_expiry_shares_one_clock_that_acts_as_its_own_would() -> None:
+    # No clock per idle connection (docs/performance.md): the shared one answers as a
+    # CredentialClock of a credential without expiry does, refreshes included.
+    own = CredentialClock(token(None), margin=MARGIN, now=0.0, wall=WALL)
+    first, second = omnia(token(None)), omnia(token(None))
+    assert first.credential is second.credential
+    for clock in (own, first.credential):
+        assert clock.next_deadline() == math.inf
+        assert not clock.expired(1e12)
+        assert not clock.close_due(1e12, turn_running=False)
+        assert not clock.refresh(token(120.0), now=5.0, wall=WALL + 5.0)
+    assert not first.expiry_due(1e12, turn_running=False)
+    assert first.next_deadline() < math.inf  # the keepalive's, not the credential's
+
+
 def test_the_close_waits_for_a_running_turn_then_happens_at_once() -> None:
     clock = CredentialClock(token(60.0), margin=MARGIN, now=0.0, wall=WALL)
     assert not clock.close_due(31.0, turn_running=True)

@@ -664,3 +664,24 @@ def test_consecutive_stamps_in_one_millisecond_are_one_text() -> None:
     assert clock.at(100.0009) is first
     assert clock.at(101.0) == "2025-01-09T12:00:01.000Z"
     assert clock.at(99.0) == "2025-01-09T11:59:59.000Z"  # a later `now` is not assumed
+
+
+def test_a_forgotten_stamp_is_formatted_again_the_same() -> None:
+    clock = Timestamps(now=100.0, wall=WALL)
+    first = clock.at(100.5)
+    clock.forget()  # an idle connection keeps no formatted text
+    assert clock.text == ""
+    assert clock.until == 0.0
+    assert clock.at(100.5) == first == "2025-01-09T12:00:00.500Z"
+
+
+def test_an_idle_connection_holds_no_token_bucket_until_its_first_frame() -> None:
+    conn = make(messages_per_second=1.0, message_burst=2)
+    assert conn._messages is None
+    assert conn._media_bytes is None
+    conn.receive_text('{"type":"message","content":"a"}', 5.0)
+    conn.receive_text('{"type":"message","content":"b"}', 5.0)
+    conn.data_to_send()
+    # Made full at the first frame, as one made at connect would be by now: the third
+    # message within the burst's second is refused.
+    assert conn.receive_text('{"type":"message","content":"c"}', 5.0) == [LimitHit("messages")]

@@ -23,7 +23,7 @@ CLOSE_CREDENTIAL_EXPIRED = 4401
 CREDENTIAL_EXPIRED_REASON = "credential expired"
 
 
-def held_off(clock: CredentialClock, now: float, turn_running: bool) -> bool:
+def held_off(clock: CredentialClock | Unexpiring, now: float, turn_running: bool) -> bool:
     """A close that is due waits for `turn_running`: marked due, so the clock stops
     asking for a timer (a keepalive timer or the turn's end asks again)."""
     if turn_running:
@@ -84,3 +84,39 @@ class CredentialClock:
             return False
         self._place(new, now=now, wall=wall)
         return True
+
+
+class Unexpiring:
+    """The clock of a credential that never expires (API keys, `auth: none`): it has no
+    deadline and takes no refresh (a refresh needs a current expiry), so it holds
+    nothing and one instance serves every such connection."""
+
+    __slots__ = ()
+
+    def expired(self, now: float) -> bool:
+        return False
+
+    def close_point_passed(self, now: float) -> bool:
+        return False
+
+    def close_due(self, now: float, *, turn_running: bool) -> bool:
+        return False
+
+    def next_deadline(self) -> float:
+        return math.inf
+
+    def refresh(self, new: Identity, *, now: float, wall: float) -> bool:
+        return False
+
+
+UNEXPIRING = Unexpiring()
+
+
+def clock_for(
+    identity: Identity, *, margin: float, now: float, wall: float
+) -> CredentialClock | Unexpiring:
+    """A `CredentialClock` for a credential with an expiry; else the shared `UNEXPIRING`
+    (an idle connection keeps no clock of its own, docs/performance.md)."""
+    if identity.expires_at is None:
+        return UNEXPIRING
+    return CredentialClock(identity, margin=margin, now=now, wall=wall)

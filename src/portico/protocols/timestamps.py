@@ -24,6 +24,11 @@ class Timestamps:
 
     def __init__(self, *, now: float, wall: float) -> None:
         self._offset = wall - now  # wall-clock seconds at monotonic `now`
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the cached text (about 250 bytes): for a connection that may now be
+        idle for long; the next stamp formats afresh."""
         self._second = -1
         self._prefix = ""
         self.since = self.until = 0.0

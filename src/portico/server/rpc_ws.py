@@ -4,6 +4,7 @@ concurrently against `Conversations`, and pushes updates and live chunks."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -426,4 +427,7 @@ async def rpc_handler(request: web.Request) -> web.StreamResponse:
     services = request.app[SERVICES]
     # Credentials come in `connect`, never in the URL or on the upgrade.
     check_admission(request, services)
-    return await run_socket(request, services, lambda ws: RpcSocket(request, ws, services))
+    # A partial, not a lambda: a closure's cells would live as long as the connection.
+    return await run_socket(
+        request, services, functools.partial(RpcSocket, request, services=services)
+    )

@@ -46,6 +46,7 @@ from portico.server.capacity import (
     principal_cap,
     stranger_budget,
 )
+from portico.server.deadlines import DeadlineWheel
 from portico.server.duplex import build_calls
 from portico.server.metrics import Metrics
 from portico.store.base import Store
@@ -139,6 +140,8 @@ class Services:
         # a WeakSet's weakref and callback cost ~480 bytes per idle connection).
         self.connections: set[LiveConnection] = set()
         self.slots = ConnectionSlots(settings.max_connections)
+        # The sockets' far deadlines (keepalive pings), on one loop timer per second.
+        self.deadlines = DeadlineWheel()
         self.strangers = Strangers(stranger_budget(settings))
         self.principals = PrincipalSlots(principal_cap(settings))
 

@@ -9,6 +9,7 @@ is attached, so a client that resumes gets exactly what it missed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -870,7 +871,10 @@ async def session_handler(request: web.Request) -> web.StreamResponse:
         )
     services = request.app[SERVICES]
     check_admission(request, services)
-    return await run_socket(request, services, lambda ws: SessionSocket(request, ws, services))
+    # A partial, not a lambda: a closure's cells would live as long as the connection.
+    return await run_socket(
+        request, services, functools.partial(SessionSocket, request, services=services)
+    )
 
 
 __all__ = ["LIVE_SESSIONS", "LiveSession", "SessionSocket", "session_handler"]

@@ -109,8 +109,9 @@ class ServerSocket(ABC):
         self._writing = True  # False once the client overflowed its queue
         self._batched = not services.settings.ws_compression and self._transport is not None
         self._waiter: asyncio.Task[None] | None = None  # a drain or a compressed write
-        self._timer: asyncio.TimerHandle | None = None
-        self._armed = math.inf  # the deadline the timer handle fires at
+        # A loop timer, the key of a slot of the shared wheel, or None (not armed).
+        self._timer: asyncio.TimerHandle | int | None = None
+        self._armed = math.inf  # when the timer or the wheel's slot fires
         self._timer_task: asyncio.Task[None] | None = None
         self._frames_out = services.metrics.frames_out.labels(self.protocol)
         # Set once the socket stops taking engine events (closed or shutting down).
@@ -155,15 +156,68 @@ class ServerSocket(ABC):
     # -- running ------------------------------------------------------------------------
 
     async def serve(self) -> None:
+        """Serve the upgraded socket to its end; gives back the slot `upgrade` took.
+
+        The read loop runs in this one coroutine: every frame of a coroutine chain is
+        held by each idle connection for its whole life (docs/performance.md).
+        """
         started = time.perf_counter()
-        log.info("connection opened protocol=%s %s", self.protocol, self.describe())
+        try:
+            self._opened()
+            ws, frames_in = self._ws, self._metrics.frames_in.labels(self.protocol)
+            # aiohttp checks a compressed message's size after inflating it with one
+            # byte of slack (see `upgrade`), so on a compressing connection the limit is
+            # checked here, exactly.
+            limit = self._services.settings.max_payload_size if ws.compress else None
+            msg: WSMessage | None
+            while not ws.closed:
+                msg = await ws.receive()
+                now = self._loop.time()
+                if limit is not None and msg.type in _DATA and larger_than(msg.data, limit):
+                    self.start_close(WSCloseCode.MESSAGE_TOO_BIG, "message too big")
+                    break
+                if msg.type is WSMsgType.TEXT:
+                    frames_in.inc()
+                    # Only the handler holds the frame, so it can let go of it once
+                    # decoded (a maximal frame is 16 MiB of text), before the engine
+                    # archives it.
+                    handling = self.on_text(msg.data, now)
+                    del msg
+                    await handling
+                elif msg.type is WSMsgType.BINARY:
+                    frames_in.inc()
+                    await self.on_binary(msg.data, now)
+                elif msg.type is WSMsgType.PING:
+                    self.on_control(now)
+                    await ws.pong(msg.data)
+                elif msg.type is WSMsgType.PONG:
+                    self.on_control(now)
+                else:  # CLOSE, CLOSING, CLOSED, ERROR (e.g. a frame over max_msg_size: 1009)
+                    break
+                msg = None  # not kept while the next frame is awaited
+                self.wake()
+                self._schedule_timer()
+        except ConnectionResetError:
+            pass
+        finally:
+            await self._ended(started)
+
+    def _opened(self) -> None:
+        """Counted, listed and logged as open."""
+        services, protocol = self._services, self.protocol
+        services.metrics.connections.labels(protocol).inc()
+        services.metrics.connections_open.labels(protocol).inc()
+        services.connections.add(self)
+        log.info("connection opened protocol=%s %s", protocol, self.describe())
         if self.authenticates_in_band:
             self._await_handshake()
         self.wake()
         self._schedule_timer()
+
+    async def _ended(self, started: float) -> None:
+        """Detach, let a close the server started finish, give back the slots, log."""
+        services = self._services
         try:
-            await self._read_loop()
-        finally:
             self._closed = True
             self._writing = False
             self.on_closed()
@@ -172,7 +226,7 @@ class ServerSocket(ABC):
                 await asyncio.gather(self._closing, return_exceptions=True)
             await self._stop_background()
             if self._held_principal is not None:
-                self._services.principals.give(self._held_principal)
+                services.principals.give(self._held_principal)
             log.info(
                 "connection closed protocol=%s %s close_code=%s duration_s=%.1f",
                 self.protocol,
@@ -180,6 +234,10 @@ class ServerSocket(ABC):
                 self._ws.close_code if self._sent_close_code is None else self._sent_close_code,
                 time.perf_counter() - started,
             )
+        finally:
+            services.connections.discard(self)
+            services.metrics.connections_open.labels(self.protocol).dec()
+            services.slots.give()
 
     # -- admission ----------------------------------------------------------------------
 
@@ -255,8 +313,7 @@ class ServerSocket(ABC):
         return ()
 
     async def _stop_background(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        self._disarm()
         tasks = [t for t in (self._waiter, self._timer_task) if t is not None]
         for task in tasks:
             task.cancel()
@@ -267,40 +324,6 @@ class ServerSocket(ABC):
         if not self._flush_scheduled and self._writing:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
-
-    async def _read_loop(self) -> None:
-        ws, frames_in = self._ws, self._metrics.frames_in.labels(self.protocol)
-        # aiohttp checks a compressed message's size after inflating it with one byte
-        # of slack (see `run_socket`), so on a compressing connection the limit is
-        # checked here, exactly.
-        limit = self._services.settings.max_payload_size if ws.compress else None
-        msg: WSMessage | None
-        while not ws.closed:
-            msg = await ws.receive()
-            now = self._loop.time()
-            if limit is not None and msg.type in _DATA and larger_than(msg.data, limit):
-                self.start_close(WSCloseCode.MESSAGE_TOO_BIG, "message too big")
-                break
-            if msg.type is WSMsgType.TEXT:
-                frames_in.inc()
-                # Only the handler holds the frame, so it can let go of it once decoded
-                # (a maximal frame is 16 MiB of text), before the engine archives it.
-                handling = self.on_text(msg.data, now)
-                del msg
-                await handling
-            elif msg.type is WSMsgType.BINARY:
-                frames_in.inc()
-                await self.on_binary(msg.data, now)
-            elif msg.type is WSMsgType.PING:
-                self.on_control(now)
-                await ws.pong(msg.data)
-            elif msg.type is WSMsgType.PONG:
-                self.on_control(now)
-            else:  # CLOSE, CLOSING, CLOSED, ERROR (e.g. a frame over max_msg_size: 1009)
-                break
-            msg = None  # not kept while the next frame is awaited
-            self.wake()
-            self._schedule_timer()
 
     # -- writing ------------------------------------------------------------------------
 
@@ -382,15 +405,32 @@ class ServerSocket(ABC):
     # -- timers -------------------------------------------------------------------------
 
     def _schedule_timer(self) -> None:
-        """Arm a handle for the core's next deadline when it is sooner than the armed one
-        (a deadline that moved later is simply re-read when the handle fires)."""
+        """Arm for the core's next deadline when it is sooner than the armed one (a
+        deadline that moved later is simply re-read when the timer fires). A far one
+        waits in the shared wheel (server/deadlines.py), a near one on a loop timer."""
         deadline = self.core.next_deadline()
         if deadline >= self._armed or self._closed:
             return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._armed = deadline
-        self._timer = self._loop.call_at(deadline, self._timer_fired)
+        self._disarm()
+        wheel = self._services.deadlines
+        if deadline - self._loop.time() > wheel.resolution:
+            key = wheel.add(self, deadline)
+            self._timer, self._armed = key, wheel.starts(key)
+        else:
+            self._armed = deadline
+            self._timer = self._loop.call_at(deadline, self._timer_fired)
+
+    def _disarm(self) -> None:
+        timer, self._timer, self._armed = self._timer, None, math.inf
+        if isinstance(timer, int):
+            self._services.deadlines.discard(self, timer)
+        elif timer is not None:
+            timer.cancel()
+
+    def slot_fired(self) -> None:
+        """The wheel's slot began: the deadline is less than a slot away now."""
+        self._timer, self._armed = None, math.inf
+        self._schedule_timer()
 
     def _timer_fired(self) -> None:
         self._timer, self._armed = None, math.inf
@@ -444,14 +484,11 @@ class ServerSocket(ABC):
         await asyncio.gather(self._closing or asyncio.sleep(0), return_exceptions=True)
 
 
-async def run_socket(
-    request: web.Request,
-    services: Services,
-    socket_for: Callable[[web.WebSocketResponse], ServerSocket],
-    *,
-    protocols: tuple[str, ...] = (),
+async def upgrade(
+    request: web.Request, services: Services, *, protocols: tuple[str, ...] = ()
 ) -> web.WebSocketResponse:
-    """Upgrade, count the connection against `max_connections`, and serve it.
+    """Take a connection slot (`max_connections`) and upgrade; from then on the slot is
+    the socket's, given back when `ServerSocket.serve` ends.
 
     `protocols`: the subprotocols the upgrade may select (the client's first offer
     among them is echoed)."""
@@ -464,24 +501,29 @@ async def run_socket(
         autoping=False,  # the cores decide when a peer is dead, so they see every pong
         compress=settings.ws_compression,
     )
-    # Plain try blocks, no context managers: their objects would live as long as the
-    # connection, on every idle one (docs/performance.md, idle connections).
     services.slots.take()
     try:
         await ws.prepare(request)
-        socket = socket_for(ws)
-        protocol = socket.protocol
-        services.metrics.connections.labels(protocol).inc()
-        open_gauge = services.metrics.connections_open.labels(protocol)
-        open_gauge.inc()
-        services.connections.add(socket)
-        try:
-            await socket.serve()
-        except ConnectionResetError:
-            pass
-        finally:
-            services.connections.discard(socket)
-            open_gauge.dec()
-    finally:
+    except BaseException:
         services.slots.give()
+        raise
+    return ws
+
+
+async def run_socket(
+    request: web.Request,
+    services: Services,
+    socket_for: Callable[[web.WebSocketResponse], ServerSocket],
+    *,
+    protocols: tuple[str, ...] = (),
+) -> web.WebSocketResponse:
+    """Upgrade, count the connection against `max_connections`, and serve it."""
+    ws = await upgrade(request, services, protocols=protocols)
+    try:
+        socket = socket_for(ws)
+    except BaseException:
+        services.slots.give()
+        raise
+    del socket_for  # what it holds is the socket's now, not this frame's
+    await socket.serve()
     return ws

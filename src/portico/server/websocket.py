@@ -17,7 +17,7 @@ from portico.auth.base import (
     subprotocol_token,
 )
 from portico.calls.service import LiveCall
-from portico.config import DEFAULT_AGENT
+from portico.config import DEFAULT_AGENT, Settings
 from portico.core.engine import UserMessage
 from portico.core.events import TurnCompleted, TurnEvent, TurnFailed
 from portico.core.tools import ClientReply
@@ -63,15 +63,21 @@ from portico.runtime.duplex.base import DuplexEvent
 from portico.server.admission import admit
 from portico.server.duplex import voice_limits
 from portico.server.services import SERVICES, Services
-from portico.server.sockets import ServerSocket, run_socket
+from portico.server.sockets import ServerSocket, upgrade
 
 log = logging.getLogger("portico.ws")
 PROTOCOL = "omnia"
+_LIMITS: dict[int, tuple[Settings, ConnectionLimits]] = {}
+_EMPTY: dict[str, None] = {}  # shared, never written: a connection's `_attached` until used
 
 
 def connection_limits(services: Services) -> ConnectionLimits:
+    """The settings' limits, made once per process: every connection shares them."""
     settings = services.settings
-    return ConnectionLimits(
+    cached = _LIMITS.get(id(settings))
+    if cached is not None and cached[0] is settings:
+        return cached[1]
+    limits = ConnectionLimits(
         max_payload_size=settings.max_payload_size,
         ping_interval=settings.ping_interval,
         pong_timeout=settings.pong_timeout,
@@ -82,6 +88,9 @@ def connection_limits(services: Services) -> ConnectionLimits:
         max_send_queue_bytes=settings.max_send_queue_bytes,
         credential_margin=settings.credential_expiry_margin,
     )
+    _LIMITS.clear()  # one settings tree per process; tests make a few, one after another
+    _LIMITS[id(settings)] = (settings, limits)
+    return limits
 
 
 class OmniaSocket(ServerSocket):
@@ -91,13 +100,13 @@ class OmniaSocket(ServerSocket):
     __slots__ = (
         "_agent",
         "_attached",
-        "_base_url",
         "_binding",
         "_call",
         "_call_epoch",
         "_core",
         "_memory_facet",
         "_principal",
+        "_request",
     )
 
     def __init__(
@@ -112,8 +121,9 @@ class OmniaSocket(ServerSocket):
         reclaimed: LiveCall | PorticoError | None = None,
     ) -> None:
         super().__init__(request, ws, services)
-        # Upload URLs point at this server as the client reached it.
-        self._base_url = str(request.url.origin())
+        # Upload URLs point at this server as the client reached it (`_base_url`);
+        # aiohttp keeps the request for the connection's life anyway.
+        self._request = request
         self._principal = identity.principal
         self._binding = identity.session_value
         self._agent = agent
@@ -138,8 +148,9 @@ class OmniaSocket(ServerSocket):
         )
         if resume is not None:
             self._resume_call(resume, reclaimed)
-        # A dict as an ordered set: empty, it costs 64 bytes where an empty set costs 216.
-        self._attached: dict[str, None] = {}
+        # The sessions this connection's turns ran in; an ordered set, made at the first
+        # message (an idle connection holds none): _EMPTY until then.
+        self._attached: dict[str, None] = _EMPTY
         # The minted id is this principal's before its first message (core/reservations.py).
         services.reservations.reserve(self._core.session_id, self._principal)
 
@@ -328,7 +339,7 @@ class OmniaSocket(ServerSocket):
             filename=request.filename,
             mime_type=request.mime_type,
             size_bytes=request.size_bytes,
-            base_url=self._base_url,
+            base_url=str(self._request.url.origin()),
         )
         self._metrics.uploads.labels("granted").inc()
         ready = UploadReady(
@@ -371,6 +382,8 @@ class OmniaSocket(ServerSocket):
             memory_facet=self._memory_facet,
         )
         await self._services.engine.submit(message, self._on_turn_event)
+        if self._attached is _EMPTY:
+            self._attached = {}
         self._attached[event.session_id] = None
 
     async def _declaration(self, event: MessageReceived) -> dict[str, Any] | None:
@@ -406,25 +419,26 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
         raise web.HTTPTooManyRequests(
             text="too many connections for this principal", headers={"Retry-After": "1"}
         )
-    built: list[OmniaSocket] = []
     reclaimed: LiveCall | PorticoError | None = None
-
-    def socket_for(ws: web.WebSocketResponse) -> OmniaSocket:
-        built.append(
-            OmniaSocket(request, ws, services, identity, agent, memory_facet, resume, reclaimed)
-        )
-        return built[0]
-
+    built = False
     try:
         if resume is not None:
             # The principal's call of that session, wherever it runs (docs/replicas.md).
             reclaimed = await services.calls.reclaim(resume, principal, identity.session_value)
-        return await run_socket(
-            request,
-            services,
-            socket_for,
-            protocols=selected_subprotocol(request.headers.get("Sec-WebSocket-Protocol")),
-        )
+        protocols = selected_subprotocol(request.headers.get("Sec-WebSocket-Protocol"))
+        ws = await upgrade(request, services, protocols=protocols)
+        try:
+            socket = OmniaSocket(
+                request, ws, services, identity, agent, memory_facet, resume, reclaimed
+            )
+        except BaseException:
+            services.slots.give()
+            raise
+        built = True
+        # Served from this frame: no coroutine between the handler and the socket's
+        # (docs/performance.md, idle connections).
+        await socket.serve()
+        return ws
     finally:
         services.principals.give(principal)
         if not built and isinstance(reclaimed, LiveCall):

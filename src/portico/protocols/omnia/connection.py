@@ -45,7 +45,7 @@ from portico.errors import (
     PorticoError,
     RateLimited,
 )
-from portico.protocols.credential import CredentialClock
+from portico.protocols.credential import clock_for
 from portico.protocols.omnia import frames as f
 from portico.protocols.omnia.binary import decode_frame
 from portico.protocols.omnia.voice import (
@@ -202,7 +202,7 @@ class OmniaConnection:
         the call limits when the agent takes calls (None: binary media is refused);
         `resumed` is `connected.resumed` (None: the client asked for no resume)."""
         self.session_id = session_id
-        self.credential = CredentialClock(
+        self.credential = clock_for(
             identity or Identity(principal=""), margin=limits.credential_margin, now=now, wall=wall
         )
         self._stamps = Timestamps(now=now, wall=wall)
@@ -214,13 +214,10 @@ class OmniaConnection:
         self.voice = (
             None if voice is None else VoiceWire(session_id=session_id, binary=binary, limits=voice)
         )
-        self._messages = TokenBucket(
-            rate=limits.messages_per_second, burst=limits.message_burst, now=now
-        )
-        # A burst as large as one frame's inline attachment; beyond that the rate holds.
-        self._media_bytes = TokenBucket(
-            rate=limits.media_bytes_per_second, burst=limits.media_burst_bytes, now=now
-        )
+        # Made at the first frame that spends from them: a bucket starts full, so one
+        # made then is the one made now (an idle connection holds neither).
+        self._messages: TokenBucket | None = None
+        self._media_bytes: TokenBucket | None = None
         # `connected` is the first frame and is sent once per connection.
         self._queue(
             f.ConnectedFrame(
@@ -238,6 +235,8 @@ class OmniaConnection:
                 timestamp=self._stamps.at(now),
             )
         )
+        # Most connections then wait: an idle one keeps no formatted stamp.
+        self._stamps.forget()
 
     # -- output -----------------------------------------------------------------
 
@@ -277,7 +276,7 @@ class OmniaConnection:
 
     def receive_text(self, data: str | bytes, now: float) -> list[Event]:
         self._last_received = now
-        if not self._messages.allow(now):
+        if not self._message_bucket(now).allow(now):
             self.send_error(RateLimited("too many messages; slow down"), now=now)
             return [LimitHit("messages")]
         try:
@@ -310,7 +309,7 @@ class OmniaConnection:
     def receive_binary(self, data: bytes, now: float) -> list[Event]:
         """Decode an inbound binary frame; without an audio session it has nowhere to go."""
         self._last_received = now
-        if not self._media_bytes.allow(now, len(data)):
+        if not self._media_bucket(now).allow(now, len(data)):
             self.send_error(RateLimited("media byte rate exceeded"), now=now)
             return [LimitHit("media_bytes")]
         try:
@@ -330,6 +329,23 @@ class OmniaConnection:
             refusal = MediaNotEnabled("no audio session: binary media is not accepted")
             self.send_error(refusal, now=now)
         return []
+
+    def _message_bucket(self, now: float) -> TokenBucket:
+        if self._messages is None:
+            limits = self._limits
+            self._messages = TokenBucket(
+                rate=limits.messages_per_second, burst=limits.message_burst, now=now
+            )
+        return self._messages
+
+    def _media_bucket(self, now: float) -> TokenBucket:
+        """A burst as large as one frame's inline attachment; beyond that the rate holds."""
+        if self._media_bytes is None:
+            limits = self._limits
+            self._media_bytes = TokenBucket(
+                rate=limits.media_bytes_per_second, burst=limits.media_burst_bytes, now=now
+            )
+        return self._media_bytes
 
     def receive_control(self, now: float) -> None:
         """A ping or pong arrived: the peer is alive."""
@@ -420,7 +436,8 @@ class OmniaConnection:
         inline = sum(
             base64_decoded_size(p.media.data) for p in parts if p.media is not None and p.media.data
         )
-        if inline and not self._media_bytes.allow(self._last_received, inline):
+        now = self._last_received
+        if inline and not self._media_bucket(now).allow(now, inline):
             raise _MediaRateExceeded()
         forwarded, directives = split_metadata(frame.metadata or {})
         return MessageReceived(
