@@ -2,6 +2,7 @@
 
     python bench/run.py             # the full run (about 5 minutes); writes bench/results/latest.md
     python bench/run.py --quick     # about a minute
+    python bench/run.py --only rpc  # one section (rpc, session), for A/B runs
     python bench/run.py --clients 2 --seconds 1 --idle 20 --repeat 1 --out /tmp/r.md
 
 Each server runs in its own process, each load generator in its own (bench/loadgen.py), all
@@ -95,6 +96,7 @@ class Plan:
     # same rate on the same server) in every repeat; then, once, `rpc_pages` timed
     # `v1.message.list` pages of a session of `rpc_messages` messages (0 skips the pages).
     rpc: bool = True
+    streams: bool = True  # the /ws stream and latency rows (and /v1/session stream)
     rpc_repeat: int | None = None  # None: `repeat`
     rpc_messages: int = 10_000
     rpc_pages: int = 1000
@@ -434,7 +436,8 @@ def run_idle_all(plan: Plan, workdir: Path, results: Results) -> None:
 
 def run(plan: Plan, workdir: Path) -> Results:
     results: Results = defaultdict(list)
-    run_streams_and_latency(plan, workdir, results)
+    if plan.streams:
+        run_streams_and_latency(plan, workdir, results)
     if plan.rpc:
         run_rpc(plan, workdir, results)
     if plan.resume:
@@ -919,6 +922,12 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
         "--rpc-repeat", type=int, help="/v1/rpc latency repeats (default: --repeat; --quick 1)"
     )
     parser.add_argument("--no-rpc", action="store_true", help="skip /v1/rpc altogether")
+    parser.add_argument(
+        "--only",
+        choices=ONLY_SECTIONS,
+        help="run one section for an A/B: `rpc` (/v1/rpc latency beside /ws, no pages) or "
+        "`session` (Portico's /ws and /v1/session stream, 1 client process)",
+    )
     parser.add_argument("--log-level", help="Portico's log level (default: its own, INFO)")
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "latest.md")
     args = parser.parse_args(argv)
@@ -948,7 +957,25 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
         plan = replace(plan, rpc_repeat=None)  # an explicit --repeat applies to /v1/rpc too
     if not picows_available():
         plan = replace(plan, kinds=tuple(k for k in plan.kinds if k != "picows"))
+    if args.only is not None:
+        plan = only_section(plan, args.only, rpc_pages=args.rpc_messages is not None)
     return plan, args.out
+
+
+ONLY_SECTIONS = ("rpc", "session")
+
+
+def only_section(plan: Plan, section: str, *, rpc_pages: bool) -> Plan:
+    """The plan cut down to one section (`--only`); the other sections' rows stay empty."""
+    plan = replace(plan, idle_counts=(), resume=())
+    if section == "rpc":
+        # `rates[0]` stays the RPC rate; no /ws stream or latency on the main servers.
+        return replace(
+            plan,
+            streams=False,
+            rpc_messages=plan.rpc_messages if rpc_pages else 0,
+        )
+    return replace(plan, kinds=("portico",), client_procs=(1,), rates=(), rpc=False)
 
 
 def background_cpu(seconds: float = 1.0) -> float:
