@@ -2,6 +2,7 @@
 
     python bench/run.py             # the full run (about 8 minutes); writes bench/results/latest.md
     python bench/run.py --quick     # about a minute
+    python bench/run.py --only rpc  # one section (rpc, session), for A/B runs
     python bench/run.py --clients 2 --seconds 1 --idle 20 --repeat 1 --out /tmp/r.md
     python bench/run.py --only idle --kinds portico,aiohttp --idle 10000   # one phase, an A/B
     python bench/run.py --only voice --voice 100:100,250,500   # voice calls (issue 15)
@@ -1259,8 +1260,10 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
     parser.add_argument("--no-rpc", action="store_true", help="skip /v1/rpc altogether")
     parser.add_argument(
         "--only",
-        help="phases to run, comma-separated, of stream (with latency), rpc, resume, idle "
-        "(default: all); e.g. `--only idle --kinds portico,aiohttp` for an idle A/B",
+        help="phases to run, comma-separated, of stream (with latency), rpc, resume, idle, "
+        "idle_max, voice, session (default: all); e.g. `--only idle --kinds portico,aiohttp` "
+        "for an idle A/B; `rpc` alone skips the message pages unless --rpc-messages is given; "
+        "`session` is Portico's /ws and /v1/session stream alone, 1 client process",
     )
     parser.add_argument(
         "--idle-max", type=int, help="idle connections on one Portico, once (default 50000)"
@@ -1299,8 +1302,6 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
             plan = replace(plan, voice_steps=chosen)
     if args.voice_seconds is not None:
         plan = replace(plan, voice_seconds=args.voice_seconds)
-    if args.only is not None:
-        plan = replace(plan, phases=tuple(p for p in args.only.split(",") if p))
     if args.kinds is not None:
         plan = replace(plan, kinds=tuple(k for k in args.kinds.split(",") if k in SERVER_KINDS))
     if args.resume is not None:
@@ -1314,7 +1315,30 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
         plan = replace(plan, rpc_repeat=None)  # an explicit --repeat applies to /v1/rpc too
     if not picows_available():
         plan = replace(plan, kinds=tuple(k for k in plan.kinds if k != "picows"))
+    if args.only is not None:
+        plan = only_phases(plan, args.only, rpc_pages=args.rpc_messages is not None)
     return plan, args.out
+
+
+def only_phases(plan: Plan, only: str, *, rpc_pages: bool) -> Plan:
+    """The plan cut down to the phases `--only` names (for A/B runs); the other
+    sections' rows stay empty."""
+    phases = tuple(p for p in only.split(",") if p)
+    plan = replace(plan, phases=phases)
+    if "stream" not in phases and "rpc" in phases and not rpc_pages:
+        # The RPC latency beside /ws alone (`rates[0]` stays the RPC rate).
+        plan = replace(plan, rpc_messages=0)
+    if "session" in phases:
+        # Portico's /ws and /v1/session streams back to back, one client process.
+        plan = replace(
+            plan,
+            phases=(*phases, "stream"),
+            kinds=("portico",),
+            client_procs=(1,),
+            rates=(),
+            rpc=False,
+        )
+    return plan
 
 
 def background_cpu(seconds: float = 1.0) -> float:

@@ -139,7 +139,8 @@ async def test_send_creates_a_session_stores_the_message_and_streams_the_reply(
     assert result["message_id"]
     session_id = result["session_id"]
     # The reply's updates: the session, then (one update) the user message, its turn,
-    # the session's activity and the assistant's reply, created empty and `pending`.
+    # the session's activity and the assistant's reply, created empty and `pending`,
+    # then the turn's start (it starts at once: the same write, an update of its own).
     items = [(i["entity"], i["action"]) for u in reply["updates"] for i in u["items"]]
     assert items == [
         ("session", "created"),
@@ -147,7 +148,15 @@ async def test_send_creates_a_session_stores_the_message_and_streams_the_reply(
         ("turn", "created"),
         ("session", "updated"),
         ("message", "created"),
+        ("turn", "updated"),
     ]
+    turns = [
+        data
+        for update in reply["updates"]
+        for item, data in zip(update["items"], update["data_list"], strict=True)
+        if item["entity"] == "turn"
+    ]
+    assert [t["status"] for t in turns] == ["pending", "running"]
     assert [u["offset"] for u in reply["updates"]] == sorted(u["offset"] for u in reply["updates"])
     turn = await finished(alice, session_id)
     assert turn["status"] == "completed"

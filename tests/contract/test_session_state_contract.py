@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import support.fuzzing  # noqa: F401  (Hypothesis settings, see the module)
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
 from portico.sessionstate.base import ENDED_TURNS_KEPT, BufferLimits, SessionStates
 from portico.sessionstate.memory import InProcessSessionStates

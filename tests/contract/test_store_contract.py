@@ -1486,6 +1486,35 @@ async def test_begin_turn_can_refuse_a_client_id_the_owner_already_used(store: S
     assert [m.client_id for m in await store.list_messages("s2")] == ["c1"]
 
 
+async def test_begin_turn_can_archive_the_turns_start_in_the_same_write(store: Store) -> None:
+    await store.create_session(make_session("s1"))
+    turn = make_turn("t1")
+    started = msgspec.structs.replace(turn, state=TurnState.RUNNING, started_at=1.0)
+    reply = make_pending_reply("r1", turn_id="t1")
+    with collecting_updates() as updates:
+        await store.begin_turn(turn, make_message("s1", n=1), reply=reply, started=started)
+    assert await store.get_turn("t1") == started
+    # Created `pending`, then `running`: two updates, in this order, one offset apart.
+    assert [items_of(update)[-1] for update in updates] == [
+        ("message", "created", "r1"),
+        ("turn", "updated", "t1"),
+    ]
+    assert [update.offset for update in updates] == [2, 3]
+    assert updates[0].data_list[1] == turn
+    assert updates[1].data_list == (started,)
+    assert (await all_updates(store, "alice"))[1:] == updates  # what the log replays
+    # A refused client id writes neither: no turn, no update.
+    await store.create_session(make_session("s2"))
+    again = msgspec.structs.replace(make_message("s2", n=2), client_id="m")
+    taken = msgspec.structs.replace(make_message("s1", n=3), client_id="m")
+    await store.begin_turn(make_turn("t3"), taken, unique_client_id=True)
+    t2 = make_turn("t2", session_id="s2")
+    running = msgspec.structs.replace(t2, state=TurnState.RUNNING, started_at=1.0)
+    with pytest.raises(DuplicateClientId):
+        await store.begin_turn(t2, again, unique_client_id=True, started=running)
+    assert await store.get_turn("t2") is None
+
+
 async def test_begin_turn_can_create_the_turns_reply_in_the_same_write(store: Store) -> None:
     await store.create_session(make_session("s1"))
     turn = make_turn("t1")

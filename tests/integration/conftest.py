@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import support.fuzzing  # noqa: F401  (Hypothesis settings, see the module)
 from support.fake_openai import FakeOpenAI
 
 

@@ -779,6 +779,7 @@ class LosingStore(MemoryStore):
         *,
         reply: Message | None = None,
         unique_client_id: bool = False,
+        started: Turn | None = None,
     ) -> Message:
         raise StoreError("disk full")
 

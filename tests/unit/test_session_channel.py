@@ -126,6 +126,19 @@ def test_a_cumulative_ack_frees_everything_up_to_n() -> None:
     assert channel.buffered == (0, 0)
 
 
+def test_a_backlog_read_back_from_the_port_replaces_what_was_kept() -> None:
+    # The server on the in-process port keeps no copy of the resend buffer: a resume
+    # reads it back from the port into the channel.
+    channel = make()
+    data = [channel.send(chunk(str(i))) for i in range(4)]
+    channel.acknowledge(1)
+    channel.replace_backlog(((3, data[2]), (4, data[3])))
+    assert channel.unacknowledged() == data[2:]
+    assert channel.buffered == (2, len(data[2]) + len(data[3]))
+    channel.replace_backlog(((1, data[0]), (4, data[3])))  # at or below peer_acked: dropped
+    assert channel.unacknowledged() == [data[3]]
+
+
 def test_an_ack_may_skip_ahead_over_several_messages() -> None:
     channel = make()
     for _ in range(4):

@@ -625,13 +625,19 @@ class Engine:
     async def _archive_user_message(
         self, session: Session, message: UserMessage, *, with_reply: bool
     ) -> tuple[Turn, TurnInput, OpenReply | None]:
+        """`with_reply`: the turn starts as soon as this write is in. Then its start is
+        in the same write too (`pending`, then `running`: two updates, one commit), not
+        a write of the runner's after it, one batch of the archive writer later. Not
+        with replicas: there the turn starts only once this replica holds the session."""
         turn, unsaved = self._new_turn(session, message)
         reply = _pending_reply(turn) if with_reply else None
+        started = _started(turn) if with_reply and self._link is None else None
         stored = await self.store.begin_turn(
-            turn, unsaved, reply=reply, unique_client_id=message.unique_client_id
+            turn, unsaved, reply=reply, unique_client_id=message.unique_client_id, started=started
         )
         turn_input = self._turn_input(session, message, stored, self._history_before)
-        return turn, turn_input, None if reply is None else OpenReply(reply, _done_future())
+        opened = None if reply is None else OpenReply(reply, _done_future())
+        return started or turn, turn_input, opened
 
     def _new_turn(self, session: Session, message: UserMessage) -> tuple[Turn, Message]:
         """A pending turn and its user message, not archived yet."""
@@ -706,11 +712,7 @@ class Engine:
         """
         pending, unsaved = self._new_turn(session, message)
         # It starts now: archived as running at once, one write fewer per turn.
-        turn = msgspec.structs.replace(
-            pending,
-            state=next_turn_state(pending.state, TurnTrigger.START),
-            started_at=pending.created_at,
-        )
+        turn = _started(pending)
         reply = _pending_reply(turn)
         archived = asyncio.ensure_future(self.store.begin_turn(turn, unsaved, reply=reply))
 
@@ -884,6 +886,13 @@ def _remove_listener(table: dict[str, tuple[Listener, ...]], key: str, listener:
             table[key] = remaining
         else:
             del table[key]
+
+
+def _started(turn: Turn) -> Turn:
+    """A pending turn, started when it was created."""
+    return msgspec.structs.replace(
+        turn, state=next_turn_state(turn.state, TurnTrigger.START), started_at=turn.created_at
+    )
 
 
 def _pending_reply(turn: Turn) -> Message:

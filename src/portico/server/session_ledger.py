@@ -171,6 +171,26 @@ class SessionLedger:
                 self.handled = seq
             return fresh
 
+    @property
+    def in_process(self) -> bool:
+        """The port is this process's memory: it holds the resend buffer, so the
+        session's `Channel` needs no copy of it (`backlog` reads it back for a resume)."""
+        return self._now is not None
+
+    def backlog(self) -> tuple[tuple[int, bytes], ...]:
+        """The in-process port's resend buffer (empty for any other port)."""
+        now = self._now
+        return () if now is None else now.unacknowledged_now(self.session_id)
+
+    def acknowledged_now(self, epoch: int, seq: int) -> bool:
+        """`acknowledged` in the caller's step, on the in-process port while no claim or
+        mark holds the lock (they never suspend there); False: await `acknowledged`."""
+        now = self._now
+        if now is None or self._lock.locked():
+            return False
+        now.record_ack_now(self.session_id, epoch, seq)
+        return True
+
     async def acknowledged(self, epoch: int, seq: int) -> None:
         async with self._lock:
             await self.states.record_ack(self.session_id, epoch, seq)

@@ -181,6 +181,8 @@ class LiveSession:
         )
         self.channel = channel
         self.ledger = ledger
+        # One resend buffer, not two: per message one append fewer, per ack one trim.
+        self._port_keeps = ledger.in_process
         self.socket: SessionSocket | None = None
         self.ended = False
         # The voice call half, when `ready.audio.input` chose a format (set by the
@@ -334,8 +336,10 @@ class LiveSession:
             del self._ended_turns[next(iter(self._ended_turns))]
 
     def _recorded(self, seq: int, data: bytes) -> None:
-        """The port holds message `seq`: keep it for a resend here, and write it."""
-        self.channel.keep(seq, data)
+        """The port holds message `seq`: keep it for a resend here (unless the port is
+        this process's memory, which is the resend buffer then), and write it."""
+        if not self._port_keeps:
+            self.channel.keep(seq, data)
         if self.socket is not None:
             self.socket.write(data)
 
@@ -536,6 +540,8 @@ class SessionSocket(ServerSocket):
         peer_last_seq = hello.last_seq if hello.session_id else 0
         if peer_last_seq and not await self._port_ack(live, peer_last_seq):
             return
+        if live.ledger.in_process:
+            live.channel.replace_backlog(live.ledger.backlog())
         settings = self._services.settings
         ready = f.Ready(
             session_id=live.id,
@@ -720,7 +726,8 @@ class SessionSocket(ServerSocket):
     async def _port_ack(self, live: LiveSession, seq: int) -> bool:
         """Trim the port's resend buffer; False when the connection failed instead."""
         try:
-            await live.ledger.acknowledged(self._epoch, seq)
+            if not live.ledger.acknowledged_now(self._epoch, seq):
+                await live.ledger.acknowledged(self._epoch, seq)
         except (SessionMoved, ProtocolViolation) as exc:
             self._port_refused(live, exc)
             return False

@@ -84,6 +84,10 @@ class InProcessSessionStates:
             ledger.ended_turns.append(ends_turn)
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
+        self.record_ack_now(session_id, epoch, seq)
+
+    def record_ack_now(self, session_id: str, epoch: int, seq: int) -> None:
+        """`record_ack` in the caller's step (a client acks every few messages)."""
         ledger = self._current(session_id, epoch)
         if seq >= ledger.next_seq:
             raise ProtocolViolation(f"ack {seq} is beyond the highest seq sent")
@@ -111,6 +115,11 @@ class InProcessSessionStates:
 
     async def remove(self, session_id: str, epoch: int | None = None) -> None:
         self.remove_now(session_id, epoch)
+
+    def unacknowledged_now(self, session_id: str) -> tuple[tuple[int, bytes], ...]:
+        """The session's resend buffer, in order (empty for an unknown session)."""
+        ledger = self._ledgers.get(session_id)
+        return () if ledger is None else tuple(ledger.buffer)
 
     def remove_now(self, session_id: str, epoch: int | None = None) -> None:
         """`remove` in the caller's step."""

@@ -176,6 +176,7 @@ class Store(Protocol):
         *,
         reply: Message | None = None,
         unique_client_id: bool = False,
+        started: Turn | None = None,
     ) -> Message:
         """Atomically create `turn`, append its user `message` (and, when given, the
         turn's `reply` right after it) and touch the session.
@@ -185,6 +186,10 @@ class Store(Protocol):
         `unique_client_id`, a non-empty `client_id` the session's owner already used
         is `DuplicateClientId` (checked in the same transaction, so two racing
         writers cannot both pass).
+
+        `started`: the same turn, started (`running`), saved in the same write after
+        the rest, as an update of its own (the turn's `updated`, one offset later): a
+        turn that starts at once is archived `pending` then `running` in one commit.
         """
 
     async def save_turn(self, turn: Turn) -> None:

@@ -201,6 +201,7 @@ class MemoryStore:
         *,
         reply: Message | None = None,
         unique_client_id: bool = False,
+        started: Turn | None = None,
     ) -> Message:
         owner = (
             self._sessions[message.session_id].owner if message.session_id in self._sessions else ""
@@ -224,6 +225,9 @@ class MemoryStore:
         if reply is not None:
             changes.append(("created", self._append(reply)))
         self._log(session.id, *changes)
+        if started is not None:
+            self._turns[started.id] = started
+            self._log(session.id, ("updated", started))
         return stored
 
     async def save_turn(self, turn: Turn) -> None:

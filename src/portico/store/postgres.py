@@ -415,6 +415,7 @@ async def _begin_turn(
     message: Message,
     reply: Message | None,
     unique_client_id: bool,
+    started: Turn | None = None,
 ) -> Message:
     if unique_client_id and message.client_id:
         await _refuse_taken_client_id(conn, message)
@@ -426,6 +427,9 @@ async def _begin_turn(
     session = _session(row)
     change = rows.begun_turn(stored, action, turn, session, reply_stored)
     await _log_for_owner(conn, out, session.owner, *change)
+    if started is not None:
+        started_change = rows.changes((await _save_turn(conn, started), started))
+        await _log_for_owner(conn, out, session.owner, *started_change)
     return stored
 
 
@@ -927,14 +931,21 @@ class PostgresStore:
         *,
         reply: Message | None = None,
         unique_client_id: bool = False,
+        started: Turn | None = None,
     ) -> Message:
         operation = functools.partial(
-            _begin_turn, turn=turn, message=message, reply=reply, unique_client_id=unique_client_id
+            _begin_turn,
+            turn=turn,
+            message=message,
+            reply=reply,
+            unique_client_id=unique_client_id,
+            started=started,
         )
         # The client-id check reads other sessions' rows: that write runs alone.
         messages = (message,) if reply is None else (message, reply)
         merge = None
-        if not (unique_client_id and message.client_id) and _one_session(turn, *messages):
+        alone = (unique_client_id and message.client_id) or started is not None
+        if not alone and _one_session(turn, *messages):
             merge = _BeginTurn(turn, messages)
         return await self._write(operation, merge)
 

@@ -453,6 +453,7 @@ def _begin_turn(
     message: Message,
     reply: Message | None = None,
     unique_client_id: bool = False,
+    started: Turn | None = None,
 ) -> Message:
     if unique_client_id and message.client_id:
         taken = conn.execute(SQL.owners_client_id, (message.client_id, message.session_id))
@@ -469,6 +470,10 @@ def _begin_turn(
     _log_for_owner(
         conn, out, session.owner, *rows.begun_turn(stored, action, turn, session, reply_stored)
     )
+    if started is not None:
+        _log_for_owner(
+            conn, out, session.owner, *rows.changes((_save_turn(conn, started), started))
+        )
     return stored
 
 
@@ -998,6 +1003,7 @@ class SqliteStore:
         *,
         reply: Message | None = None,
         unique_client_id: bool = False,
+        started: Turn | None = None,
     ) -> Message:
         # One write, one thread hop, and all or nothing (each write is a savepoint).
         return await self._write(
@@ -1007,6 +1013,7 @@ class SqliteStore:
                 message=message,
                 reply=reply,
                 unique_client_id=unique_client_id,
+                started=started,
             )
         )
 

@@ -76,6 +76,14 @@ class Channel:
         self._buffer.append((seq, data))
         self._buffer_bytes += len(data)
 
+    def replace_backlog(self, unacknowledged: tuple[tuple[int, bytes], ...]) -> None:
+        """Hold exactly these messages for a resend (read back from a port that keeps
+        the resend buffer itself, so this channel kept none meanwhile)."""
+        self._buffer.clear()
+        self._buffer_bytes = 0
+        for seq, data in unacknowledged:
+            self.keep(seq, data)
+
     def acknowledge(self, seq: int) -> None:
         """A cumulative ack: forget everything up to `seq`. A regressing ack is ignored."""
         if seq >= self.next_seq:
