@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from conftest import rpc_url, start_rpc_server
 
+from support.conformance import rpc_url, start_rpc_server
 from support.omnia import OmniaClient, scenario
 from support.rawws import RawWebSocket
 from support.rpc import RpcProbe

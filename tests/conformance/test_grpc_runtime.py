@@ -18,10 +18,10 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from conftest import Connect, _connector
 
 from support.archive import open_archive
 from support.certs import make_certificates
+from support.conformance import Connect, connector
 from support.frames import frame_kinds, streamed_text
 from support.grpc_runtime import RuntimeProcess
 from support.omnia import OmniaClient, scenario
@@ -102,12 +102,12 @@ def short_server(
 
 @pytest.fixture
 def connect(http: aiohttp.ClientSession, grpc_server: ServerProcess) -> Connect:
-    return _connector(http, grpc_server, None)
+    return connector(http, grpc_server, None)
 
 
 @pytest.fixture
 def connect_short(http: aiohttp.ClientSession, short_server: ServerProcess) -> Connect:
-    return _connector(http, short_server, None)
+    return connector(http, short_server, None)
 
 
 def text_of(frames: list[dict[str, Any]]) -> str:

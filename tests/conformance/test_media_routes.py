@@ -25,8 +25,8 @@ from urllib.parse import unquote, urlsplit
 
 import aiohttp
 import pytest
-from conftest import ALICE, BOB
 
+from support.conformance import ALICE, BOB
 from support.omnia import OmniaClient, scenario
 from support.seaweed import ACCESS_KEY, SECRET_KEY, Seaweed
 from support.server import SCRIPT, ServerProcess

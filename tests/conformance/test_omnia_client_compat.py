@@ -16,10 +16,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import SMALL_MAX_PAYLOAD, Connect, rpc_url
 
 from portico.protocols.omnia.binary import media_frames
 from support.archive import wait_for_messages
+from support.conformance import SMALL_MAX_PAYLOAD, Connect, rpc_url
 from support.omnia import OmniaClient, scenario
 from support.server import SCRIPT, ServerProcess
 

@@ -13,9 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from conftest import Connect
 
 from portico.protocols.omnia.binary import media_frames
+from support.conformance import Connect
 from support.omnia import OmniaClient, scenario
 from support.rawws import RawWebSocket
 from support.server import SCRIPT, ServerProcess

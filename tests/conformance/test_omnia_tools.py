@@ -13,10 +13,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import BOB, SHORT_TOOL_ACK_TIMEOUT, Connect
 
 from portico.domain.states import ToolCallState
 from support.archive import open_archive, wait_for_messages
+from support.conformance import BOB, SHORT_TOOL_ACK_TIMEOUT, Connect
 from support.omnia import OmniaClient, scenario
 from support.server import SCRIPT, ServerProcess
 

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from conftest import ALICE, BOB, Connect
 
+from support.conformance import ALICE, BOB, Connect
 from support.omnia import OmniaClient, scenario
 from support.server import SCRIPT, ServerProcess
 

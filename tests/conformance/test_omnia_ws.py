@@ -8,11 +8,17 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import BOB, SHORT_CONTEXT_TTL, SHORT_PONG_TIMEOUT, SMALL_MAX_PAYLOAD, Connect
 
 from portico.domain.states import TurnState
 from portico.errors import SessionExpired
 from support.archive import open_archive, wait_for_messages
+from support.conformance import (
+    BOB,
+    SHORT_CONTEXT_TTL,
+    SHORT_PONG_TIMEOUT,
+    SMALL_MAX_PAYLOAD,
+    Connect,
+)
 from support.omnia import scenario
 from support.server import ServerProcess
 

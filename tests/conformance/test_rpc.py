@@ -13,8 +13,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import rpc_url, start_rpc_server
 
+from support.conformance import rpc_url, start_rpc_server
 from support.omnia import OmniaClient
 from support.rpc import RpcClosed, RpcProbe
 from support.server import ServerProcess

@@ -9,9 +9,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import rpc_url, start_rpc_server
 
 from support.archive import wait_for_tool_calls
+from support.conformance import rpc_url, start_rpc_server
 from support.rpc import RpcProbe
 from support.server import ServerProcess
 
