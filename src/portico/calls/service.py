@@ -21,7 +21,7 @@ import msgspec
 
 from portico.calls.directory import CallDirectory, CallRecord, InProcessCallDirectory
 from portico.calls.parking import InProcessParkingLot, ParkingLot
-from portico.calls.rules import DUPLEX_ERROR, CallRules, VoiceTurnRecord
+from portico.calls.rules import DUPLEX_ERROR, CallRules, Step, VoiceTurnRecord
 from portico.calls.slots import AudioSessionSlots
 from portico.core.compaction import since_latest_summary
 from portico.core.engine import HISTORY_LIMIT
@@ -173,7 +173,10 @@ class LiveCall:
     async def _run(self) -> None:
         try:
             async for event in self._call.events():
-                if await self._deliver_step(event):
+                step = self._forward(event)
+                if step.records:
+                    await self._archive(step.records)
+                if step.ended:
                     break
         except Exception:
             log.exception("duplex runtime failed mid-call")
@@ -202,16 +205,24 @@ class LiveCall:
                 listener(None)
 
     async def _deliver_step(self, event: DuplexEvent) -> bool:
+        step = self._forward(event)
+        if step.records:
+            await self._archive(step.records)
+        return step.ended
+
+    def _forward(self, event: DuplexEvent) -> Step:
+        """The call rules' step for `event`, its events handed to the listener; what it
+        archives is the caller's to await (most events, agent audio, archive nothing:
+        no coroutine is made for them, docs/performance.md "Voice calls")."""
         step = self._rules.feed(event)
         for forwarded in step.forward:
-            if isinstance(forwarded, DuplexFailure):
-                self.failure = forwarded.code
             if isinstance(forwarded, AudioOut):
                 self._service.telemetry.audio("out", len(forwarded.data))
+            elif isinstance(forwarded, DuplexFailure):
+                self.failure = forwarded.code
             if self._listener is not None:
                 self._listener(forwarded)
-        await self._archive(step.records)
-        return step.ended
+        return step
 
     async def _archive(self, records: list[VoiceTurnRecord]) -> None:
         for record in records:
