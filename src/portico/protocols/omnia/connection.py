@@ -319,6 +319,8 @@ class OmniaConnection:
             return []
         if self.voice is not None:
             voice_events, errors = self.voice.receive(frame, now)
+            if not errors:
+                return voice_events  # a call's every frame: no list made over again
             for error in errors:
                 self.send_error(error, self.session_id, now=now)
             limited = any(isinstance(error, RateLimited) for error in errors)
