@@ -320,7 +320,7 @@ class OmniaConnection:
         if self.voice is not None:
             voice_events, errors = self.voice.receive(frame, now)
             if not errors:
-                return voice_events  # a call's every frame: no list made over again
+                return list(voice_events)  # a call's every frame: no any(), no unpacking
             for error in errors:
                 self.send_error(error, self.session_id, now=now)
             limited = any(isinstance(error, RateLimited) for error in errors)
