@@ -112,6 +112,9 @@ class LiveCall:
         self._started = time.monotonic()
         self._sending = asyncio.Lock()  # the port: frames in order, never concurrently
         self._pump = detached(self._run(), name=f"call-{session.id}")
+        hand_over = getattr(call, "hand_over", None)
+        if hand_over is not None:
+            hand_over(self._take)
 
     @property
     def hello(self) -> Hello | None:
@@ -209,6 +212,16 @@ class LiveCall:
         if step.records:
             await self._archive(step.records)
         return step.ended
+
+    def _take(self, event: DuplexEvent) -> bool:
+        """An event the runtime offers while the pump waits with nothing unread (its
+        `hand_over`): agent audio of a started call is forwarded here and now, which
+        is what the pump would do next, without waking it. Anything else, or a call
+        that ended, goes to the pump (a step that archives or ends the call is its)."""
+        if type(event) is not AudioOut or self._rules.hello is None or self._rules.ended:
+            return False
+        self._forward(event)  # AudioOut: no records, never ends the call once started
+        return True
 
     def _forward(self, event: DuplexEvent) -> Step:
         """The call rules' step for `event`, its events handed to the listener; what it

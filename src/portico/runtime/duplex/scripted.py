@@ -42,6 +42,7 @@ from portico.runtime.duplex.base import (
     DuplexEvent,
     DuplexFailure,
     DuplexStart,
+    EventTaker,
     Hello,
     Interruption,
     SpokenTurnDone,
@@ -179,6 +180,7 @@ class _Call:
         # bookkeeping is a third of the hop's cost, docs/performance.md "Voice calls").
         self._events: deque[DuplexEvent | None] = deque()
         self._reader: asyncio.Future[None] | None = None  # the reader waiting for one
+        self._taker: EventTaker | None = None  # see `hand_over`
         self._pending_done = False
         self._closed = False
         self._speaker: asyncio.Task[None] | None = None
@@ -218,7 +220,20 @@ class _Call:
                 return
             yield event
 
+    def hand_over(self, taker: EventTaker) -> None:
+        """Events the waiting reader would be woken for go to `taker` first (base.py)."""
+        self._taker = taker
+
     def _push(self, event: DuplexEvent | None) -> None:
+        taker = self._taker
+        if (
+            taker is not None
+            and event is not None
+            and self._reader is not None  # the reader waits: nothing of its is unread
+            and not self._events
+            and taker(event)
+        ):
+            return
         self._events.append(event)
         reader, self._reader = self._reader, None
         if reader is not None and not reader.done():
