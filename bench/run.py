@@ -576,7 +576,8 @@ def log_voice(what: str, sample: Sample) -> None:
         f"voice   {what}: {sample['callers']:.0f} callers, echo p50 {sample['echo_p50_ms']:.2f} "
         f"ms p99 {sample['echo_p99_ms']:.2f} ms, lost {sample['lost']:.0f} of "
         f"{sample['sent']:.0f}, errors {sample['errors']:.0f}, server CPU "
-        f"{sample['server_cpu']:.0f}%, client CPU {sample['client_cpu']:.0f}%, "
+        f"{sample['server_cpu']:.0f}% ({sample['cpu_us_per_frame']:.1f} µs a frame), "
+        f"client CPU {sample['client_cpu']:.0f}%, "
         f"send lag p99 {sample['lag_p99_ms']:.1f} ms"
     )
 

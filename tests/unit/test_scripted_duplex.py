@@ -162,6 +162,34 @@ async def test_barge_in_during_a_call_interrupts_and_skips_the_turns_done() -> N
     assert not any(isinstance(event, SpokenTurnDone) for event in seen + rest)
 
 
+async def test_events_a_waiting_reader_would_wake_for_go_to_the_taker_first() -> None:
+    """`hand_over` (runtime/duplex/base.py): offered only while the reader waits with
+    nothing unread, so the events keep their order; a declined one is read as usual."""
+    runtime = ScriptedDuplexRuntime(VoiceScript(echo=True))
+    call = await runtime.start(DuplexStart(session_id="s", agent="a", owner="o", format=CALLER))
+    taken: list[DuplexEvent] = []
+    accepting = [True]
+
+    def taker(event: DuplexEvent) -> bool:
+        if accepting[0]:
+            taken.append(event)
+        return accepting[0]
+
+    call.hand_over(taker)  # type: ignore[attr-defined]  # the scripted call has it
+    await call.send(frame(QUIET, 0))  # nobody reads yet: queued behind the Hello
+    events = call.events()
+    assert isinstance(await anext(events), Hello)
+    assert await anext(events) == AudioOut(data=QUIET, sequence=0)
+    reading = asyncio.ensure_future(anext(events))
+    await asyncio.sleep(0)  # the reader now waits, nothing unread
+    await call.send(frame(QUIET, 1))
+    assert taken == [AudioOut(data=QUIET, sequence=1)]
+    accepting[0] = False
+    await call.send(frame(QUIET, 2))
+    assert await asyncio.wait_for(reading, 5) == AudioOut(data=QUIET, sequence=2)
+    assert taken == [AudioOut(data=QUIET, sequence=1)]
+
+
 def test_a_script_file_loads_and_a_bad_one_is_refused(tmp_path: Path) -> None:
     good = tmp_path / "voice.yaml"
     good.write_text("echo: true\nturns:\n  - hear_frames: 2\n    transcript: hi\n")

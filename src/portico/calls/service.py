@@ -21,7 +21,7 @@ import msgspec
 
 from portico.calls.directory import CallDirectory, CallRecord, InProcessCallDirectory
 from portico.calls.parking import InProcessParkingLot, ParkingLot
-from portico.calls.rules import DUPLEX_ERROR, CallRules, VoiceTurnRecord
+from portico.calls.rules import DUPLEX_ERROR, CallRules, Step, VoiceTurnRecord
 from portico.calls.slots import AudioSessionSlots
 from portico.core.compaction import since_latest_summary
 from portico.core.engine import HISTORY_LIMIT
@@ -112,6 +112,9 @@ class LiveCall:
         self._started = time.monotonic()
         self._sending = asyncio.Lock()  # the port: frames in order, never concurrently
         self._pump = detached(self._run(), name=f"call-{session.id}")
+        hand_over = getattr(call, "hand_over", None)
+        if hand_over is not None:
+            hand_over(self._take)
 
     @property
     def hello(self) -> Hello | None:
@@ -173,7 +176,10 @@ class LiveCall:
     async def _run(self) -> None:
         try:
             async for event in self._call.events():
-                if await self._deliver_step(event):
+                step = self._forward(event)
+                if step.records:
+                    await self._archive(step.records)
+                if step.ended:
                     break
         except Exception:
             log.exception("duplex runtime failed mid-call")
@@ -202,16 +208,34 @@ class LiveCall:
                 listener(None)
 
     async def _deliver_step(self, event: DuplexEvent) -> bool:
+        step = self._forward(event)
+        if step.records:
+            await self._archive(step.records)
+        return step.ended
+
+    def _take(self, event: DuplexEvent) -> bool:
+        """An event the runtime offers while the pump waits with nothing unread (its
+        `hand_over`): agent audio of a started call is forwarded here and now, which
+        is what the pump would do next, without waking it. Anything else, or a call
+        that ended, goes to the pump (a step that archives or ends the call is its)."""
+        if type(event) is not AudioOut or self._rules.hello is None or self._rules.ended:
+            return False
+        self._forward(event)  # AudioOut: no records, never ends the call once started
+        return True
+
+    def _forward(self, event: DuplexEvent) -> Step:
+        """The call rules' step for `event`, its events handed to the listener; what it
+        archives is the caller's to await (most events, agent audio, archive nothing:
+        no coroutine is made for them, docs/performance.md "Voice calls")."""
         step = self._rules.feed(event)
         for forwarded in step.forward:
-            if isinstance(forwarded, DuplexFailure):
-                self.failure = forwarded.code
             if isinstance(forwarded, AudioOut):
                 self._service.telemetry.audio("out", len(forwarded.data))
+            elif isinstance(forwarded, DuplexFailure):
+                self.failure = forwarded.code
             if self._listener is not None:
                 self._listener(forwarded)
-        await self._archive(step.records)
-        return step.ended
+        return step
 
     async def _archive(self, records: list[VoiceTurnRecord]) -> None:
         for record in records:

@@ -233,6 +233,9 @@ class OmniaSocket(ServerSocket):
 
     async def _handle(self, event: Event) -> None:
         match event:
+            case CallAudio(audio=audio):  # first: 50 a second for each voice call
+                if self._call is not None:
+                    await self._call.send(audio)
             case MessageReceived():
                 await self._submit(event)
             case ToolReply():
@@ -249,9 +252,6 @@ class OmniaSocket(ServerSocket):
                 await self.refresh_credential(token, self._core.refresh)
             case CallRequested():
                 await self._start_call(event)
-            case CallAudio(audio=audio):
-                if self._call is not None:
-                    await self._call.send(audio)
             case CallHungUp():
                 await self._hang_up_call()
 

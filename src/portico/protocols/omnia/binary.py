@@ -115,28 +115,60 @@ _decode_metadata = msgspec.json.Decoder(BinaryMetadata).decode
 
 def encode_frame(frame: BinaryFrame) -> bytes:
     """The wire bytes of `frame`; ValueError if a field does not fit the header."""
-    media_id = frame.media_id.encode()
-    if len(media_id) > MEDIA_ID_SIZE:
-        raise ValueError(f"media id exceeds {MEDIA_ID_SIZE} bytes: {frame.media_id!r}")
-    if media_id.endswith(b"\0"):
-        raise ValueError(f"media id must not end in NUL: {frame.media_id!r}")
-    if not 0 <= frame.sequence <= UINT32_MAX:
-        raise ValueError(f"sequence outside uint32: {frame.sequence}")
-    metadata = _encode_metadata(frame.metadata)
-    if len(metadata) > UINT32_MAX or len(frame.payload) > UINT32_MAX:
+    media_id = media_id_bytes(frame.media_id)
+    return encode_media(
+        encode_metadata(frame.metadata),
+        frame.payload,
+        sequence=frame.sequence,
+        media_id=media_id,
+        chunked=frame.chunked,
+        is_last=frame.is_last,
+    )
+
+
+def media_id_bytes(media_id: str) -> bytes:
+    """A MediaID as the header holds it (before padding); ValueError if it cannot."""
+    raw = media_id.encode()
+    if len(raw) > MEDIA_ID_SIZE:
+        raise ValueError(f"media id exceeds {MEDIA_ID_SIZE} bytes: {media_id!r}")
+    if raw.endswith(b"\0"):
+        raise ValueError(f"media id must not end in NUL: {media_id!r}")
+    return raw
+
+
+def encode_metadata(metadata: BinaryMetadata) -> bytes:
+    return _encode_metadata(metadata)
+
+
+def encode_media(
+    metadata: bytes,
+    payload: bytes,
+    *,
+    sequence: int,
+    media_id: bytes,
+    chunked: bool = False,
+    is_last: bool = False,
+) -> bytes:
+    """A MediaChunk frame of metadata already encoded (`encode_metadata`) and a MediaID
+    already checked (`media_id_bytes`): a stream's frames differ only in Sequence, IsLast
+    and payload, so its sender encodes the rest once, not per frame (docs/performance.md,
+    "Voice calls"). ValueError if a field does not fit the header."""
+    if not 0 <= sequence <= UINT32_MAX:
+        raise ValueError(f"sequence outside uint32: {sequence}")
+    if len(metadata) > UINT32_MAX or len(payload) > UINT32_MAX:
         raise ValueError("metadata or payload longer than a uint32 length can describe")
-    flags = (FLAG_CHUNKED if frame.chunked else 0) | (FLAG_IS_LAST if frame.is_last else 0)
+    flags = (FLAG_CHUNKED if chunked else 0) | (FLAG_IS_LAST if is_last else 0)
     header = _HEADER.pack(
         MAGIC,
         VERSION,
         flags,
-        frame.message_type,
+        MessageType.MEDIA_CHUNK,
         len(metadata),
-        len(frame.payload),
-        frame.sequence,
+        len(payload),
+        sequence,
         media_id,  # struct pads "12s" with NULs
     )
-    return b"".join((header, metadata, frame.payload))
+    return b"".join((header, metadata, payload))
 
 
 def decode_frame(data: bytes) -> BinaryFrame:

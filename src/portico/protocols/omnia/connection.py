@@ -319,6 +319,8 @@ class OmniaConnection:
             return []
         if self.voice is not None:
             voice_events, errors = self.voice.receive(frame, now)
+            if not errors:
+                return list(voice_events)  # a call's every frame: no any(), no unpacking
             for error in errors:
                 self.send_error(error, self.session_id, now=now)
             limited = any(isinstance(error, RateLimited) for error in errors)
@@ -374,11 +376,13 @@ class OmniaConnection:
 
     def send_duplex_event(self, event: DuplexEvent, now: float) -> None:
         """Queue what one runtime event of this connection's call becomes."""
-        if self.voice is None:
+        voice = self.voice
+        if voice is None:
             return
-        self._put_voice(
-            self.voice.on_event(event, self._stamps.at(now)), lossy=type(event) is AudioOut
-        )
+        audio = type(event) is AudioOut
+        # Binary agent audio carries no timestamp: not formatted for each of its frames.
+        stamp = "" if audio and voice.binary else self._stamps.at(now)
+        self._put_voice(voice.on_event(event, stamp), lossy=audio)
 
     def refuse_call(self, error: PorticoError, now: float) -> None:
         """The call asked for by `CallRequested` could not start."""

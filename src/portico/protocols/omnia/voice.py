@@ -52,8 +52,10 @@ from portico.protocols.omnia.binary import (
     DEFAULT_SPLIT_ABOVE,
     BinaryFrame,
     BinaryMetadata,
-    encode_frame,
+    encode_media,
+    encode_metadata,
     media_frames,
+    media_id_bytes,
 )
 from portico.protocols.outbox import BinaryData
 from portico.runtime.duplex.base import (
@@ -183,6 +185,7 @@ class VoiceWire:
         self._ending_told = False
         self._assembly: _Assembly | None = None
         self._format: AudioFormat | None = None  # the runtime's (Hello), once known
+        self._plain_metadata = b""  # the metadata of agent audio frames but an item's first
         self._pending_format = AudioFormat()  # the caller's, read from the call's first frame
         self._items = 0  # agent audio items sent, for their MediaIDs
         self._item: str | None = None  # the open item's MediaID
@@ -304,6 +307,7 @@ class VoiceWire:
         self._assembly = None
         self._ending_told = self._rate_told = False
         self._format = None
+        self._plain_metadata = b""
         self._item = None
         self._spoken = []
 
@@ -397,18 +401,31 @@ class VoiceWire:
                     is_last_of_stream=out.is_last,
                 )
             ]
-        metadata = BinaryMetadata(
-            session_id=self.session_id,
-            mime_type=fmt.mime_type,
-            sample_rate=fmt.sample_rate if first else None,
-            channels=fmt.channels if first else None,
-            codec=fmt.codec if first else None,
-        )
-        frame = BinaryFrame(
-            is_last=out.is_last,
-            sequence=sequence % 2**32,
-            media_id=media_id,
-            metadata=metadata,
-            payload=out.data,
-        )
-        return [BinaryData(encode_frame(frame))]
+        if first:
+            metadata = BinaryMetadata(
+                session_id=self.session_id,
+                mime_type=fmt.mime_type,
+                sample_rate=fmt.sample_rate,
+                channels=fmt.channels,
+                codec=fmt.codec,
+            )
+            encoded = encode_metadata(metadata)
+        else:
+            # The item's later frames all carry the same metadata: encoded once a call.
+            encoded = self._plain_metadata or self._encode_plain_metadata(fmt)
+        return [
+            BinaryData(
+                encode_media(
+                    encoded,
+                    out.data,
+                    sequence=sequence % 2**32,
+                    media_id=media_id_bytes(media_id),
+                    is_last=out.is_last,
+                )
+            )
+        ]
+
+    def _encode_plain_metadata(self, fmt: AudioFormat) -> bytes:
+        metadata = BinaryMetadata(session_id=self.session_id, mime_type=fmt.mime_type)
+        self._plain_metadata = encode_metadata(metadata)
+        return self._plain_metadata

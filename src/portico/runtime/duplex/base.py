@@ -23,7 +23,7 @@ Rules every implementation keeps (the duplex contract suite checks them):
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -144,6 +144,14 @@ class DuplexCall(Protocol):
 
     async def close(self) -> None:
         """End the call (hangup, or the session ended); idempotent."""
+
+
+# Optional on a DuplexCall: `hand_over(taker)`. While the reader of `events()` waits with
+# nothing unread, the call may offer an event to `taker` instead of queueing it; True
+# means taken (it must not be queued too), False that it goes to the reader as usual.
+# It saves the reader's wakeup per frame of agent audio (docs/performance.md, "Voice
+# calls"); a runtime without it is read through `events()` alone.
+EventTaker = Callable[[DuplexEvent], bool]
 
 
 class FailedCall:

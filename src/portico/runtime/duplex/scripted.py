@@ -42,6 +42,7 @@ from portico.runtime.duplex.base import (
     DuplexEvent,
     DuplexFailure,
     DuplexStart,
+    EventTaker,
     Hello,
     Interruption,
     SpokenTurnDone,
@@ -174,7 +175,12 @@ class _Call:
     def __init__(self, core: ScriptedCall, frame_interval: float) -> None:
         self._core = core
         self._interval = frame_interval
-        self._queue: asyncio.Queue[DuplexEvent | None] = asyncio.Queue()
+        # The events not yet read, None last; a deque and one future rather than an
+        # asyncio.Queue: every caller frame of an echo call passes here (its per-item
+        # bookkeeping is a third of the hop's cost, docs/performance.md "Voice calls").
+        self._events: deque[DuplexEvent | None] = deque()
+        self._reader: asyncio.Future[None] | None = None  # the reader waiting for one
+        self._taker: EventTaker | None = None  # see `hand_over`
         self._pending_done = False
         self._closed = False
         self._speaker: asyncio.Task[None] | None = None
@@ -184,10 +190,10 @@ class _Call:
     async def send(self, audio: AudioIn) -> None:
         if self._closed:
             return
-        events = self._core.hear(audio)
-        if any(isinstance(event, Interruption) for event in events):
-            self._pending_done = False
-        self._put(events)
+        for event in self._core.hear(audio):
+            if isinstance(event, Interruption):
+                self._pending_done = False
+            self._push(event)
         if self._core.ended:
             self._finish()
             return
@@ -204,15 +210,38 @@ class _Call:
         self._finish()
 
     async def _drain(self) -> AsyncIterator[DuplexEvent]:
+        events = self._events
         while True:
-            event = await self._queue.get()
+            while not events:
+                self._reader = asyncio.get_running_loop().create_future()
+                await self._reader
+            event = events.popleft()
             if event is None:
                 return
             yield event
 
+    def hand_over(self, taker: EventTaker) -> None:
+        """Events the waiting reader would be woken for go to `taker` first (base.py)."""
+        self._taker = taker
+
+    def _push(self, event: DuplexEvent | None) -> None:
+        taker = self._taker
+        if (
+            taker is not None
+            and event is not None
+            and self._reader is not None  # the reader waits: nothing of its is unread
+            and not self._events
+            and taker(event)
+        ):
+            return
+        self._events.append(event)
+        reader, self._reader = self._reader, None
+        if reader is not None and not reader.done():
+            reader.set_result(None)
+
     def _put(self, events: list[DuplexEvent]) -> None:
         for event in events:
-            self._queue.put_nowait(event)
+            self._push(event)
 
     def _ensure_speaker(self) -> None:
         if self._speaker is None or self._speaker.done():
@@ -220,12 +249,12 @@ class _Call:
 
     async def _speak(self) -> None:
         while (frame := self._core.next_speech()) is not None and not self._closed:
-            self._queue.put_nowait(frame)
+            self._push(frame)
             # Speech at the pace a caller hears it (or as fast as read, for tests).
             await asyncio.sleep(self._interval)
         if self._pending_done and not self._closed:
             self._pending_done = False
-            self._queue.put_nowait(SpokenTurnDone())
+            self._push(SpokenTurnDone())
 
     def _finish_after_speech(self) -> None:
         async def later() -> None:
@@ -241,7 +270,7 @@ class _Call:
         self._closed = True
         if self._speaker is not None and self._speaker is not asyncio.current_task():
             self._speaker.cancel()
-        self._queue.put_nowait(None)
+        self._push(None)
 
 
 class ScriptedDuplexRuntime:
