@@ -155,7 +155,7 @@ class ServerSocket(ABC):
 
     # -- running ------------------------------------------------------------------------
 
-    async def serve(self) -> None:
+    async def serve(self) -> web.WebSocketResponse:
         """Serve the upgraded socket to its end; gives back the slot `upgrade` took.
 
         The read loop runs in this one coroutine: every frame of a coroutine chain is
@@ -201,6 +201,7 @@ class ServerSocket(ABC):
             pass
         finally:
             await self._ended(started)
+        return self._ws
 
     def _opened(self) -> None:
         """Counted, listed and logged as open."""
@@ -225,8 +226,6 @@ class ServerSocket(ABC):
             if self._closing is not None:
                 await asyncio.gather(self._closing, return_exceptions=True)
             await self._stop_background()
-            if self._held_principal is not None:
-                services.principals.give(self._held_principal)
             log.info(
                 "connection closed protocol=%s %s close_code=%s duration_s=%.1f",
                 self.protocol,
@@ -235,6 +234,8 @@ class ServerSocket(ABC):
                 time.perf_counter() - started,
             )
         finally:
+            if self._held_principal is not None:
+                services.principals.give(self._held_principal)
             services.connections.discard(self)
             services.metrics.connections_open.labels(self.protocol).dec()
             services.slots.give()
