@@ -122,7 +122,7 @@ class OmniaSocket(ServerSocket):
     ) -> None:
         super().__init__(request, ws, services)
         # Taken by `open_socket`: counted until the socket ends (`_ended` gives it back).
-        self._held_principal = identity.principal
+        self.hold(identity.principal)
         # Upload URLs point at this server as the client reached it (`_base_url`);
         # aiohttp keeps the request for the connection's life anyway.
         self._request = request
