@@ -8,6 +8,7 @@ offers `next_frame()`, `overflowed` and `next_deadline()`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -81,7 +82,7 @@ class ServerSocket(ABC):
         "_closing",
         "_flush_scheduled",
         "_frames_out",
-        "_request_protocol",
+        "_request",
         "_sent_close_code",
         "_services",
         "_timer",
@@ -94,7 +95,7 @@ class ServerSocket(ABC):
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, services: Services) -> None:
         self._transport = request.transport
-        self._request_protocol = request.protocol
+        self._request = request  # aiohttp keeps it for the connection's life anyway
         self._ws = ws
         self._services = services
         # No task per connection for writing or timers (each costs memory on every idle
@@ -366,7 +367,7 @@ class ServerSocket(ABC):
             self._metrics.slow_consumers.inc()
             log.info("slow consumer protocol=%s %s", self.protocol, self.describe())
             self.on_overflow()
-        elif self._request_protocol.writing_paused:
+        elif self._request.protocol.writing_paused:
             # Waiting for the drain is the backpressure: meanwhile frames wait in the
             # core's bounded queue, never in an unbounded transport buffer.
             self._waiter = asyncio.create_task(self._drain())
@@ -374,7 +375,7 @@ class ServerSocket(ABC):
             self.after_flush()
 
     async def _drain(self) -> None:
-        await self._request_protocol._drain_helper()
+        await self._request.protocol._drain_helper()
         self._waiter = None
         self._flush()
 
@@ -502,6 +503,13 @@ class ServerSocket(ABC):
         await asyncio.gather(self._closing or asyncio.sleep(0), return_exceptions=True)
 
 
+@functools.lru_cache(maxsize=4)
+def _one_more(limit: int) -> int:
+    """`limit + 1`, one int object for every connection: a new one would be 32 bytes
+    held by each idle connection's `WebSocketResponse`."""
+    return limit + 1
+
+
 async def upgrade(
     request: web.Request, services: Services, *, protocols: tuple[str, ...] = ()
 ) -> web.WebSocketResponse:
@@ -515,7 +523,7 @@ async def upgrade(
         protocols=protocols,
         # aiohttp refuses a message of exactly `max_msg_size` bytes; the setting is the
         # largest message accepted.
-        max_msg_size=settings.max_payload_size + 1,
+        max_msg_size=_one_more(settings.max_payload_size),
         autoping=False,  # the cores decide when a peer is dead, so they see every pong
         compress=settings.ws_compression,
     )

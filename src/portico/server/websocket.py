@@ -106,7 +106,6 @@ class OmniaSocket(ServerSocket):
         "_core",
         "_memory_facet",
         "_principal",
-        "_request",
     )
 
     def __init__(
@@ -123,9 +122,7 @@ class OmniaSocket(ServerSocket):
         super().__init__(request, ws, services)
         # Taken by `open_socket`: counted until the socket ends (`_ended` gives it back).
         self.hold(identity.principal)
-        # Upload URLs point at this server as the client reached it (`_base_url`);
-        # aiohttp keeps the request for the connection's life anyway.
-        self._request = request
+        # Upload URLs point at this server as the client reached it: `self._request`.
         self._principal = identity.principal
         self._binding = identity.session_value
         self._agent = agent
