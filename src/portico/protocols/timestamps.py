@@ -26,6 +26,12 @@ class Timestamps:
         self._offset = wall - now  # wall-clock seconds at monotonic `now`
         self.forget()
 
+    @property
+    def offset(self) -> float:
+        """Wall-clock minus monotonic seconds: `Timestamps(now=0.0, wall=offset)` stamps
+        as this one does."""
+        return self._offset
+
     def forget(self) -> None:
         """Drop the cached text (about 250 bytes): for a connection that may now be
         idle for long; the next stamp formats afresh."""

@@ -30,7 +30,7 @@ class DeadlineWheel:
     def __init__(self, resolution: float = RESOLUTION) -> None:
         self.resolution = resolution
         self._loop: asyncio.AbstractEventLoop | None = None  # the first user's
-        self._slots: dict[int, tuple[asyncio.TimerHandle, set[Owner]]] = {}
+        self._slots: dict[int, tuple[asyncio.TimerHandle, set[Owner], int]] = {}
 
     def add(self, owner: Owner, deadline: float) -> int:
         """Hold `owner` until the slot of `deadline` begins; returns the slot's key."""
@@ -38,11 +38,13 @@ class DeadlineWheel:
         entry = self._slots.get(key)
         if entry is not None:
             entry[1].add(owner)
-            return key
+            # The slot's own key object: the owner keeps it, and an int this large is a
+            # new 32-byte object per call.
+            return entry[2]
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         handle = self._loop.call_at(key * self.resolution, self._fire, key)
-        self._slots[key] = (handle, {owner})
+        self._slots[key] = (handle, {owner}, key)
         return key
 
     def starts(self, key: int) -> float:
@@ -53,16 +55,16 @@ class DeadlineWheel:
         entry = self._slots.get(key)
         if entry is None:
             return
-        handle, owners = entry
+        handle, owners, _ = entry
         owners.discard(owner)
         if not owners:  # nobody left to wake: no timer, no entry
             handle.cancel()
             del self._slots[key]
 
     def _fire(self, key: int) -> None:
-        _, owners = self._slots.pop(key)
+        _, owners, _ = self._slots.pop(key)
         for owner in owners:
             owner.slot_fired()
 
     def __len__(self) -> int:
-        return sum(len(owners) for _, owners in self._slots.values())
+        return sum(len(owners) for _, owners, _ in self._slots.values())

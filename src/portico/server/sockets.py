@@ -8,6 +8,7 @@ offers `next_frame()`, `overflowed` and `next_deadline()`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -21,6 +22,7 @@ from portico.auth.base import Identity
 from portico.errors import Unauthenticated
 from portico.protocols.outbox import BinaryData
 from portico.server.admission import CLOSE_HANDSHAKE_TIMEOUT, CLOSE_TRY_AGAIN_LATER
+from portico.server.metrics import Metrics
 from portico.server.services import Services
 
 log = logging.getLogger("portico.ws")
@@ -74,17 +76,13 @@ class ServerSocket(ABC):
     # One per connection, most of them idle: slots, not a dict (docs/performance.md); a
     # subclass without `__slots__` of its own gets a dict again.
     __slots__ = (
-        "_armed",
+        "_admission",
         "_batched",
         "_closed",
         "_closing",
         "_flush_scheduled",
         "_frames_out",
-        "_handshake_timer",
-        "_held_principal",
-        "_loop",
-        "_metrics",
-        "_request_protocol",
+        "_request",
         "_sent_close_code",
         "_services",
         "_timer",
@@ -97,11 +95,9 @@ class ServerSocket(ABC):
 
     def __init__(self, request: web.Request, ws: web.WebSocketResponse, services: Services) -> None:
         self._transport = request.transport
-        self._request_protocol = request.protocol
+        self._request = request  # aiohttp keeps it for the connection's life anyway
         self._ws = ws
         self._services = services
-        self._metrics = services.metrics
-        self._loop = asyncio.get_running_loop()
         # No task per connection for writing or timers (each costs memory on every idle
         # connection): writes are flushed from a loop callback, deadlines are call_at
         # handles, and a task exists only while it has something to wait for.
@@ -110,8 +106,8 @@ class ServerSocket(ABC):
         self._batched = not services.settings.ws_compression and self._transport is not None
         self._waiter: asyncio.Task[None] | None = None  # a drain or a compressed write
         # A loop timer, the key of a slot of the shared wheel, or None (not armed).
+        # When it fires is read from it (`_armed`): a float per connection less.
         self._timer: asyncio.TimerHandle | int | None = None
-        self._armed = math.inf  # when the timer or the wheel's slot fires
         self._timer_task: asyncio.Task[None] | None = None
         self._frames_out = services.metrics.frames_out.labels(self.protocol)
         # Set once the socket stops taking engine events (closed or shutting down).
@@ -120,8 +116,22 @@ class ServerSocket(ABC):
         # reaches the client before the socket goes.
         self._closing: asyncio.Task[None] | None = None
         self._sent_close_code: int | None = None  # logged: what the client was sent
-        self._handshake_timer: asyncio.TimerHandle | None = None
-        self._held_principal: str | None = None  # counted in the principal's connections
+        # A stranger's handshake timer (`authenticates_in_band`), then the principal
+        # whose connections count this one (`hold`): never both, so one slot.
+        self._admission: asyncio.TimerHandle | str | None = None
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        # Not kept per connection: every caller runs on the loop.
+        return asyncio.get_running_loop()
+
+    @property
+    def _metrics(self) -> Metrics:
+        return self._services.metrics
+
+    def hold(self, principal: str) -> None:
+        """`principal`'s connection count includes this one until the socket ends."""
+        self._admission = principal
 
     @property
     @abstractmethod
@@ -155,7 +165,7 @@ class ServerSocket(ABC):
 
     # -- running ------------------------------------------------------------------------
 
-    async def serve(self) -> None:
+    async def serve(self) -> web.WebSocketResponse:
         """Serve the upgraded socket to its end; gives back the slot `upgrade` took.
 
         The read loop runs in this one coroutine: every frame of a coroutine chain is
@@ -201,6 +211,7 @@ class ServerSocket(ABC):
             pass
         finally:
             await self._ended(started)
+        return self._ws
 
     def _opened(self) -> None:
         """Counted, listed and logged as open."""
@@ -225,8 +236,6 @@ class ServerSocket(ABC):
             if self._closing is not None:
                 await asyncio.gather(self._closing, return_exceptions=True)
             await self._stop_background()
-            if self._held_principal is not None:
-                services.principals.give(self._held_principal)
             log.info(
                 "connection closed protocol=%s %s close_code=%s duration_s=%.1f",
                 self.protocol,
@@ -235,6 +244,8 @@ class ServerSocket(ABC):
                 time.perf_counter() - started,
             )
         finally:
+            if isinstance(self._admission, str):
+                services.principals.give(self._admission)
             services.connections.discard(self)
             services.metrics.connections_open.labels(self.protocol).dec()
             services.slots.give()
@@ -243,18 +254,19 @@ class ServerSocket(ABC):
 
     def _await_handshake(self) -> None:
         self._services.strangers.arrived(self)
-        self._handshake_timer = self._loop.call_later(
+        self._admission = self._loop.call_later(
             self._services.settings.handshake_timeout, self._handshake_expired
         )
 
     def _stop_being_a_stranger(self) -> None:
-        if self._handshake_timer is not None:
-            self._handshake_timer.cancel()
-            self._handshake_timer = None
+        timer = self._admission
+        if timer is not None and not isinstance(timer, str):  # uvloop's is no asyncio.TimerHandle
+            timer.cancel()
+            self._admission = None
         self._services.strangers.left(self)
 
     def _handshake_expired(self) -> None:
-        self._handshake_timer = None
+        self._admission = None
         self._stop_being_a_stranger()
         self._metrics.upgrades_refused.labels("handshake_timeout").inc()
         self._hang_up(CLOSE_HANDSHAKE_TIMEOUT, "handshake timeout")
@@ -284,7 +296,7 @@ class ServerSocket(ABC):
         if not self._services.principals.take(principal):
             self._metrics.upgrades_refused.labels("principal").inc()
             return False
-        self._held_principal = principal
+        self.hold(principal)
         return True
 
     async def refresh_credential(self, token: str, refresh: Callable[..., bool]) -> None:
@@ -355,7 +367,7 @@ class ServerSocket(ABC):
             self._metrics.slow_consumers.inc()
             log.info("slow consumer protocol=%s %s", self.protocol, self.describe())
             self.on_overflow()
-        elif self._request_protocol.writing_paused:
+        elif self._request.protocol.writing_paused:
             # Waiting for the drain is the backpressure: meanwhile frames wait in the
             # core's bounded queue, never in an unbounded transport buffer.
             self._waiter = asyncio.create_task(self._drain())
@@ -363,7 +375,7 @@ class ServerSocket(ABC):
             self.after_flush()
 
     async def _drain(self) -> None:
-        await self._request_protocol._drain_helper()
+        await self._request.protocol._drain_helper()
         self._waiter = None
         self._flush()
 
@@ -409,19 +421,26 @@ class ServerSocket(ABC):
         deadline that moved later is simply re-read when the timer fires). A far one
         waits in the shared wheel (server/deadlines.py), a near one on a loop timer."""
         deadline = self.core.next_deadline()
-        if deadline >= self._armed or self._closed:
+        if deadline >= self._armed() or self._closed:
             return
         self._disarm()
         wheel = self._services.deadlines
         if deadline - self._loop.time() > wheel.resolution:
-            key = wheel.add(self, deadline)
-            self._timer, self._armed = key, wheel.starts(key)
+            self._timer = wheel.add(self, deadline)
         else:
-            self._armed = deadline
             self._timer = self._loop.call_at(deadline, self._timer_fired)
 
+    def _armed(self) -> float:
+        """When the armed timer or the wheel's slot fires; infinity when not armed."""
+        timer = self._timer
+        if timer is None:
+            return math.inf
+        if isinstance(timer, int):
+            return self._services.deadlines.starts(timer)
+        return timer.when()
+
     def _disarm(self) -> None:
-        timer, self._timer, self._armed = self._timer, None, math.inf
+        timer, self._timer = self._timer, None
         if isinstance(timer, int):
             self._services.deadlines.discard(self, timer)
         elif timer is not None:
@@ -429,11 +448,11 @@ class ServerSocket(ABC):
 
     def slot_fired(self) -> None:
         """The wheel's slot began: the deadline is less than a slot away now."""
-        self._timer, self._armed = None, math.inf
+        self._timer = None
         self._schedule_timer()
 
     def _timer_fired(self) -> None:
-        self._timer, self._armed = None, math.inf
+        self._timer = None
         if not self._closed and self._timer_task is None:
             self._timer_task = asyncio.create_task(self._run_timer())
 
@@ -484,6 +503,13 @@ class ServerSocket(ABC):
         await asyncio.gather(self._closing or asyncio.sleep(0), return_exceptions=True)
 
 
+@functools.lru_cache(maxsize=4)
+def _one_more(limit: int) -> int:
+    """`limit + 1`, one int object for every connection: a new one would be 32 bytes
+    held by each idle connection's `WebSocketResponse`."""
+    return limit + 1
+
+
 async def upgrade(
     request: web.Request, services: Services, *, protocols: tuple[str, ...] = ()
 ) -> web.WebSocketResponse:
@@ -497,7 +523,7 @@ async def upgrade(
         protocols=protocols,
         # aiohttp refuses a message of exactly `max_msg_size` bytes; the setting is the
         # largest message accepted.
-        max_msg_size=settings.max_payload_size + 1,
+        max_msg_size=_one_more(settings.max_payload_size),
         autoping=False,  # the cores decide when a peer is dead, so they see every pong
         compress=settings.ws_compression,
     )

@@ -106,7 +106,6 @@ class OmniaSocket(ServerSocket):
         "_core",
         "_memory_facet",
         "_principal",
-        "_request",
     )
 
     def __init__(
@@ -121,9 +120,9 @@ class OmniaSocket(ServerSocket):
         reclaimed: LiveCall | PorticoError | None = None,
     ) -> None:
         super().__init__(request, ws, services)
-        # Upload URLs point at this server as the client reached it (`_base_url`);
-        # aiohttp keeps the request for the connection's life anyway.
-        self._request = request
+        # Taken by `open_socket`: counted until the socket ends (`_ended` gives it back).
+        self.hold(identity.principal)
+        # Upload URLs point at this server as the client reached it: `self._request`.
         self._principal = identity.principal
         self._binding = identity.session_value
         self._agent = agent
@@ -406,6 +405,15 @@ class OmniaSocket(ServerSocket):
 
 
 async def omnia_handler(request: web.Request) -> web.StreamResponse:
+    # This frame lives as long as the connection: it holds the socket and nothing
+    # else; the admission's locals go with `open_socket`'s frame (docs/performance.md).
+    socket = await open_socket(request)
+    return await socket.serve()
+
+
+async def open_socket(request: web.Request) -> OmniaSocket:
+    """Admit and upgrade: the socket, which holds the principal's connection from now
+    on (given back when it ends), or the upgrade's refusal."""
     services = request.app[SERVICES]
     agent = request.query.get("agent") or DEFAULT_AGENT
     if not services.engine.has_agent(agent):
@@ -420,7 +428,6 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
             text="too many connections for this principal", headers={"Retry-After": "1"}
         )
     reclaimed: LiveCall | PorticoError | None = None
-    built = False
     try:
         if resume is not None:
             # The principal's call of that session, wherever it runs (docs/replicas.md).
@@ -428,21 +435,17 @@ async def omnia_handler(request: web.Request) -> web.StreamResponse:
         protocols = selected_subprotocol(request.headers.get("Sec-WebSocket-Protocol"))
         ws = await upgrade(request, services, protocols=protocols)
         try:
-            socket = OmniaSocket(
+            return OmniaSocket(
                 request, ws, services, identity, agent, memory_facet, resume, reclaimed
             )
         except BaseException:
             services.slots.give()
             raise
-        built = True
-        # Served from this frame: no coroutine between the handler and the socket's
-        # (docs/performance.md, idle connections).
-        await socket.serve()
-        return ws
-    finally:
+    except BaseException:
         services.principals.give(principal)
-        if not built and isinstance(reclaimed, LiveCall):
+        if isinstance(reclaimed, LiveCall):
             services.calls.park(reclaimed)  # the upgrade failed: the call waits again
+        raise
 
 
 def upgrade_memory_facet(request: web.Request, services: Services, agent: str) -> str:

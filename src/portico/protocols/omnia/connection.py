@@ -170,13 +170,13 @@ def memory_facet_of(values: list[str], fixed: str | None) -> str:
 class OmniaConnection:
     # One per `/ws` connection, most of them idle: slots, not a dict (docs/performance.md).
     __slots__ = (
+        "_clock",
         "_last_received",
         "_limits",
         "_media_bytes",
         "_messages",
         "_next_ping",
         "_outbox",
-        "_stamps",
         "_told_no_audio",
         "credential",
         "session_id",
@@ -205,7 +205,7 @@ class OmniaConnection:
         self.credential = clock_for(
             identity or Identity(principal=""), margin=limits.credential_margin, now=now, wall=wall
         )
-        self._stamps = Timestamps(now=now, wall=wall)
+        self._clock: Timestamps | float = Timestamps(now=now, wall=wall)
         self._limits = limits
         self._last_received = now
         self._next_ping = now + limits.ping_interval
@@ -235,8 +235,16 @@ class OmniaConnection:
                 timestamp=self._stamps.at(now),
             )
         )
-        # Most connections then wait: an idle one keeps no formatted stamp.
-        self._stamps.forget()
+        # Most connections then wait: an idle one keeps only the clock's offset, no
+        # `Timestamps` (made again at the next frame, `_stamps`).
+        self._clock = self._stamps.offset
+
+    @property
+    def _stamps(self) -> Timestamps:
+        clock = self._clock
+        if isinstance(clock, float):
+            self._clock = clock = Timestamps(now=0.0, wall=clock)
+        return clock
 
     # -- output -----------------------------------------------------------------
 
