@@ -242,7 +242,7 @@ class OmniaConnection:
     @property
     def _stamps(self) -> Timestamps:
         clock = self._clock
-        if isinstance(clock, float):
+        if not isinstance(clock, Timestamps):  # an offset (a number: int is a float here)
             self._clock = clock = Timestamps(now=0.0, wall=clock)
         return clock
 
