@@ -34,8 +34,9 @@ from portico.protocols.session import frames as f
 from portico.protocols.session.voice import ITEM_FORMAT, ITEM_OPEN, UNKNOWN_ITEM
 from portico.server.session_ws import NO_AUDIO_INPUT
 from support.archive import open_archive, wait_for_messages
-from support.server import FIXTURES, SCRIPT, ServerProcess
+from support.server import SCRIPT, ServerProcess
 from support.session import SessionProbe, check_frame
+from support.voicecall import agent
 
 USERS = 60
 WINDOW = 30.0  # resume window, seconds: the resume tests reconnect long before it
@@ -49,15 +50,6 @@ REPLY = "Hi, how can I help?"
 STORY = "Once upon a time"
 
 _users = itertools.count()
-
-
-def agent(script: str) -> dict[str, Any]:
-    return {
-        "runtime": "scripted",
-        "script": str(SCRIPT),
-        "duplex_runtime": "scripted",
-        "duplex_script": str(FIXTURES / script),
-    }
 
 
 def start_server(data_dir: Path, window: float) -> ServerProcess:

@@ -12,8 +12,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
-import grpc.aio
 import pytest
 
 from portico.config import AgentSettings
@@ -24,7 +22,7 @@ from portico.domain.model import Message
 from portico.runtime.base import Done, RuntimeEvent, ToolCall, ToolOutcome, TurnInput
 from portico.runtime.grpc.runtime import GrpcRuntime
 from portico.store.memory import MemoryStore
-from support.grpc_runtime import serialize
+from support.grpc_runtime import start_converse_server
 
 WITHIN = 10.0
 KEY = MemoryKey(principal="alice", agent="agent", facet="f")
@@ -67,18 +65,7 @@ class Scripted:
 
 @pytest.fixture
 async def runtime() -> AsyncIterator[GrpcRuntime]:
-    server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(
-        Scripted().converse,
-        request_deserializer=pb.ClientMessage.FromString,
-        response_serializer=serialize,
-    )
-    service = grpc.method_handlers_generic_handler(
-        "omnia.runtime.v1.RuntimeService", {"Converse": handler}
-    )
-    server.add_generic_rpc_handlers((service,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await start_converse_server(Scripted().converse)
     settings = AgentSettings(runtime="grpc", grpc_target=f"127.0.0.1:{port}")
     runtime = GrpcRuntime("memory", settings, env={})
     yield runtime

@@ -25,7 +25,7 @@ from portico.contract import runtime_pb2 as pb
 from portico.domain.model import Message
 from portico.runtime.base import Done, Failure, RuntimeEvent, ToolCall, ToolOutcome, TurnInput
 from portico.runtime.grpc.runtime import GrpcRuntime
-from support.grpc_runtime import serialize
+from support.grpc_runtime import start_converse_server
 
 Out = pb.ServerMessage
 Item = Out | bytes | str  # a message, raw bytes, or "abort"
@@ -51,19 +51,7 @@ class Replayer:
 
 
 async def start(replayer: Replayer) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
-    handler = grpc.stream_stream_rpc_method_handler(
-        replayer.converse,
-        request_deserializer=pb.ClientMessage.FromString,
-        response_serializer=serialize,
-    )
-    service = grpc.method_handlers_generic_handler(
-        "omnia.runtime.v1.RuntimeService", {"Converse": handler}
-    )
-    server.add_generic_rpc_handlers((service,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, port
+    return await start_converse_server(replayer.converse)
 
 
 @pytest.fixture(scope="module")

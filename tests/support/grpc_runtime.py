@@ -418,6 +418,26 @@ def serialize(message: Out | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
+async def start_converse_server(
+    converse: Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[None]],
+) -> tuple[grpc.aio.Server, int]:
+    """A grpc.aio server on a free port whose only method is `Converse`, answered by
+    `converse` with raw bytes allowed (`serialize`), started; the caller stops it."""
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(
+        converse,
+        request_deserializer=pb.ClientMessage.FromString,
+        response_serializer=serialize,
+    )
+    service = grpc.method_handlers_generic_handler(
+        "omnia.runtime.v1.RuntimeService", {"Converse": handler}
+    )
+    server.add_generic_rpc_handlers((service,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
 def add_runtime(runtime: Runtime, server: grpc.aio.Server) -> None:
     """The generated registration, but `Converse` replies go through `serialize`."""
     service = "omnia.runtime.v1.RuntimeService"
