@@ -347,8 +347,11 @@ async def test_redis_away_mid_turn_costs_clients_a_reconnect_and_loses_nothing(
             port = group.servers[int(client.replica[1:])].port
             again = f"ws://127.0.0.1:{port}/v1/session" if n % 2 else url
             if await recover(http, again, client):
-                (ended,) = await frames_until(client.probe, 1)
+                # The rest of the turn: chunks when it was still running at the resume,
+                # then its one terminal message.
+                (*rest, ended) = await frames_until(client.probe, 1)
                 assert ended["type"] == "done", ended
+                assert all(frame["type"] not in ("done", "error") for frame in rest), rest
                 client.turns.append("done")
                 await client.probe.ack()
             else:
