@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -1149,6 +1150,18 @@ def source_state() -> str:
     return f"commit {head}" + (" with uncommitted changes in src/" if dirty else "")
 
 
+def python_call_ns() -> float:
+    """What one Python function call costs on this host, best of 5 (timeit): hosts with
+    the same CPU name differ by 3x in it, and Portico's figures against the bare servers
+    (mostly C) move with it, so each report says it."""
+
+    def noop() -> None:
+        return None
+
+    best = min(timeit.repeat(noop, number=200_000, repeat=5))
+    return best / 200_000 * 1e9
+
+
 def machine() -> list[str]:
     cpu = "unknown"
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -1159,7 +1172,8 @@ def machine() -> list[str]:
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return [
         f"- CPU: {cpu}, {os.cpu_count()} cores; memory {int(mem) / 1024**2:.1f} GiB; "
-        f"Linux {platform.release()}; RLIMIT_NOFILE {nofile}",
+        f"Linux {platform.release()}; RLIMIT_NOFILE {nofile}; a Python function call "
+        f"{python_call_ns():.0f} ns",
         f"- Python {platform.python_version()}; {versions()}; Portico at {source_state()}",
     ]
 
