@@ -742,7 +742,20 @@ def diagnostics_table(results: Results, plan: Plan) -> list[str]:
         lines.append(
             f"| {kind} | {cell(one)} | {cell(two)} | {ratio} | {' | '.join(cpu)} | {errors:.0f} |"
         )
-    return lines
+    return lines + errors_by_workload(results)
+
+
+def errors_by_workload(results: Results) -> list[str]:
+    """Which workloads the errors column counts (it sums them all): named when any."""
+    counts = {
+        f"{workload} on {server}": total
+        for (workload, server), samples in results.items()
+        if (total := sum(sample.get("errors", 0) for sample in samples))
+    }
+    if not counts:
+        return []
+    named = ", ".join(f"{where} {total:.0f}" for where, total in sorted(counts.items()))
+    return ["", f"Errors by workload: {named}."]
 
 
 def median_of(results: Results, workload: str, figure: str, kind: str) -> float | None:
