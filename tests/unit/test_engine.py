@@ -889,3 +889,91 @@ async def test_a_key_sent_again_while_its_turn_runs_names_the_running_turn() -> 
     runtime.release.set()
     assert await engine.wait_idle(WAIT)
     assert len(runtime.inputs) == 1
+
+
+class FifoGatedStore(MemoryStore):
+    """An archive whose `begin_turn` writes wait to be let through one by one, in the
+    order they were made (as the SQL stores' one writer commits them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: list[asyncio.Event] = []
+        self.holding = True
+
+    async def begin_turn(
+        self,
+        turn: Turn,
+        message: Message,
+        *,
+        reply: Message | None = None,
+        unique_client_id: bool = False,
+        started: Turn | None = None,
+    ) -> Message:
+        if self.holding:
+            gate = asyncio.Event()
+            self.gates.append(gate)
+            await gate.wait()
+        return await super().begin_turn(
+            turn, message, reply=reply, unique_client_id=unique_client_id, started=started
+        )
+
+    async def let_through(self) -> None:
+        gate = self.gates.pop(0)
+        gate.set()
+        for _ in range(5):  # the write lands, the enqueue after it runs
+            await asyncio.sleep(0)
+
+
+class TurnByTurnRuntime:
+    """Each turn streams a chunk and waits until the test releases that turn."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.releases: dict[str, asyncio.Event] = {}
+
+    async def run(self, turn: TurnInput) -> TurnStream:
+        self.started.append(turn.turn_id)
+        release = self.releases.setdefault(turn.turn_id, asyncio.Event())
+        yield Chunk("x")
+        await release.wait()
+        yield Done()
+
+    def release(self, turn_id: str) -> None:
+        self.releases.setdefault(turn_id, asyncio.Event()).set()
+
+
+async def test_a_message_sent_while_earlier_ones_are_being_archived_waits_behind_them() -> None:
+    # The bench's RPC fill found it: a send that found the session free while earlier
+    # sends were still being archived started at once (archived `running`), landed in the
+    # backlog behind them, and was then absorbed into one of them: a running turn cannot
+    # merge, so that backlog was dropped, its turns pending for good.
+    runtime = TurnByTurnRuntime()
+    store = FifoGatedStore()
+    engine = make_engine(runtime, store=store)
+    session = await engine.open_session(principal="alice", agent="default", session_id="s1")
+    first = asyncio.create_task(engine.enqueue(session, user_message(content="one")))
+    await asyncio.sleep(0)
+    await store.let_through()
+    running = (await first).turn_id
+    sends = [
+        asyncio.create_task(engine.enqueue(session, user_message(content=text)))
+        for text in ("two", "three")
+    ]
+    await asyncio.sleep(0)
+    runtime.release(running)  # the first turn ends while "two" and "three" are archived
+    assert await engine.wait_idle(WAIT)
+    sends.append(asyncio.create_task(engine.enqueue(session, user_message(content="four"))))
+    await asyncio.sleep(0)
+    while store.gates:
+        await store.let_through()
+    messages = await asyncio.gather(*sends)
+    store.holding = False
+    while engine.is_busy("s1"):
+        for turn_id in runtime.started:
+            runtime.release(turn_id)
+        await asyncio.sleep(0.01)
+    states = {t.id: t.state for t in await engine.store.list_turns("s1")}
+    # Every turn ended: "two" ran (the oldest waiting), "three" joined it or ran next,
+    # and "four" too; none is left pending or running.
+    assert set(states.values()) <= {TurnState.COMPLETED, TurnState.MERGED}, states
+    assert {m.turn_id for m in messages} <= set(states)

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -191,7 +192,9 @@ class Engine:
         self._background = Background("archiving in the background")
         self._stopping = False  # shutting down: waiting turns stay pending
         self._compacting: set[str] = set()  # sessions with a compaction queued
-        self._claimed: set[str] = set()  # sessions whose next turn is being archived
+        # RPC messages being archived, per session: a turn may start at once only when
+        # none is, or it would overtake an earlier message still on its way to the backlog.
+        self._archiving: Counter[str] = Counter()
         self.replica_id = replica_id or new_id("rep")
         self._lease = replica_lease
         self._leasing: asyncio.Task[None] | None = None
@@ -397,26 +400,30 @@ class Engine:
         absorbs the rest, which end `merged` into it. The caller checked ownership.
         """
         await self._check_media(message)
-        # Only a turn that will start at once gets its reply with its first write: one
-        # that waits may end merged, and its reply would stay empty.
-        starts_now = not self._busy_or_claimed(session.id)
-        if starts_now:
-            self._claimed.add(session.id)
+        # Only a turn that will start at once gets its reply (and its start) with its
+        # first write: one that waits may end merged, and its reply would stay empty. A
+        # message still being archived counts as waiting: the writes land in order, so
+        # this turn would reach the backlog behind it, archived `running` but absorbed
+        # into it (a running turn cannot be merged: the backlog was lost with it).
+        starts_now = not self._busy_or_archiving(session.id)
+        self._archiving[session.id] += 1
         try:
             turn, turn_input, reply = await self._archive_user_message(
                 session, message, with_reply=starts_now
             )
         finally:
-            self._claimed.discard(session.id)
+            self._archiving[session.id] -= 1
+            if not self._archiving[session.id]:
+                del self._archiving[session.id]
         self._backlog.setdefault(session.id, []).append(Queued(session, turn, turn_input, reply))
         self._start_waiting(session.id)
         return turn_input.message
 
-    def _busy_or_claimed(self, session_id: str) -> bool:
+    def _busy_or_archiving(self, session_id: str) -> bool:
         return (
             session_id in self._running
             or bool(self._backlog.get(session_id))
-            or session_id in self._claimed
+            or session_id in self._archiving
         )
 
     def _start_waiting(self, session_id: str) -> None:
