@@ -14,9 +14,12 @@ Script (YAML or JSON; docs/voice.md):
       - after_silence_frames: 10   # or: speak once speech is followed by this much silence
         fail: {code: PROVIDER_UNAVAILABLE, message: the script says so}
 
-While the agent speaks, a loud caller frame is barge-in: the rest of its speech is
-dropped and `Interruption` follows. The rules live in `ScriptedCall`, which is sans-I/O
-(frames in, events out); `ScriptedDuplexRuntime` only queues them.
+While the agent speaks (a spoken turn lasts from its start to its `SpokenTurnDone`,
+the pause after its last frame included), a loud caller frame is barge-in: the rest of
+its speech is dropped and `Interruption` follows instead of the done. So turns never
+overlap: the next utterance can only be heard once the agent's turn has ended. The
+rules live in `ScriptedCall`, which is sans-I/O (frames in, events out);
+`ScriptedDuplexRuntime` only queues them.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class ScriptedCall:
         self._loud = 0
         self._silent_after_speech = 0
         self._speaking: deque[bytes] = deque()
+        self._turn_open = False  # a spoken turn started and has not ended (done or barge-in)
         self._turn_started = False
         self.ended = False
 
@@ -121,8 +125,9 @@ class ScriptedCall:
         if self.script.echo:
             return [AudioOut(data=frame.data, sequence=frame.sequence)]
         loud = peak(frame.data) >= self.script.silence_peak
-        if loud and self._speaking:
+        if loud and self._turn_open:
             self._speaking.clear()
+            self._turn_open = False
             self._loud = 1
             return [Interruption()]
         return self._count(loud)
@@ -135,6 +140,14 @@ class ScriptedCall:
     def next_speech(self) -> AudioOut | None:
         """The next frame of agent speech, or None when it is not speaking."""
         return AudioOut(data=self._speaking.popleft()) if self._speaking else None
+
+    def end_of_speech(self) -> SpokenTurnDone | None:
+        """The end of the spoken turn whose speech has all been taken (once), or None:
+        no turn is open (none started, or it was barged in on), or it has speech left."""
+        if not self._turn_open or self._speaking:
+            return None
+        self._turn_open = False
+        return SpokenTurnDone()
 
     def _count(self, loud: bool) -> list[DuplexEvent]:
         turn = self._current()
@@ -167,7 +180,7 @@ class ScriptedCall:
         if turn.reply:
             events.append(AgentText(turn.reply))
         self._speaking.extend(tone(self.format, turn.tone_ms, turn.tone_hz))
-        self._turn_started = True
+        self._turn_open = self._turn_started = True
         return events
 
 
@@ -181,7 +194,6 @@ class _Call:
         self._events: deque[DuplexEvent | None] = deque()
         self._reader: asyncio.Future[None] | None = None  # the reader waiting for one
         self._taker: EventTaker | None = None  # see `hand_over`
-        self._pending_done = False
         self._closed = False
         self._speaker: asyncio.Task[None] | None = None
         self._ender: asyncio.Task[None] | None = None
@@ -190,15 +202,11 @@ class _Call:
     async def send(self, audio: AudioIn) -> None:
         if self._closed:
             return
-        for event in self._core.hear(audio):
-            if isinstance(event, Interruption):
-                self._pending_done = False
-            self._push(event)
+        self._put(self._core.hear(audio))
         if self._core.ended:
             self._finish()
             return
         if self._core.take_turn_started():
-            self._pending_done = True
             self._ensure_speaker()
         if audio.is_last:
             self._finish_after_speech()
@@ -248,13 +256,15 @@ class _Call:
             self._speaker = asyncio.create_task(self._speak())
 
     async def _speak(self) -> None:
+        # The core says when a turn ends: a barge-in during a pause ends it without its
+        # done, and a turn started since (only after that barge-in) is spoken on here.
         while (frame := self._core.next_speech()) is not None and not self._closed:
             self._push(frame)
             # Speech at the pace a caller hears it (or as fast as read, for tests).
             await asyncio.sleep(self._interval)
-        if self._pending_done and not self._closed:
-            self._pending_done = False
-            self._push(SpokenTurnDone())
+        done = self._core.end_of_speech()
+        if done is not None and not self._closed:
+            self._push(done)
 
     def _finish_after_speech(self) -> None:
         async def later() -> None:
