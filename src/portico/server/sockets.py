@@ -54,6 +54,13 @@ def close_frame(code: int, reason: str) -> bytes:
     return bytes((0x88, len(payload))) + payload
 
 
+def fires_at(timer: asyncio.Handle) -> float:
+    """When a loop timer fires. uvloop's `call_at` of a time already past is its
+    `call_soon`: a plain Handle, with no `when()`, that fires at once."""
+    when = getattr(timer, "when", None)
+    return -math.inf if when is None else float(when())
+
+
 def frame_type(frame: bytes) -> WSMsgType:
     """Queued frames are text unless a core marked them binary (`BinaryData`)."""
     return WSMsgType.BINARY if isinstance(frame, BinaryData) else WSMsgType.TEXT
@@ -107,7 +114,7 @@ class ServerSocket(ABC):
         self._waiter: asyncio.Task[None] | None = None  # a drain or a compressed write
         # A loop timer, the key of a slot of the shared wheel, or None (not armed).
         # When it fires is read from it (`_armed`): a float per connection less.
-        self._timer: asyncio.TimerHandle | int | None = None
+        self._timer: asyncio.Handle | int | None = None
         self._timer_task: asyncio.Task[None] | None = None
         self._frames_out = services.metrics.frames_out.labels(self.protocol)
         # Set once the socket stops taking engine events (closed or shutting down).
@@ -437,7 +444,7 @@ class ServerSocket(ABC):
             return math.inf
         if isinstance(timer, int):
             return self._services.deadlines.starts(timer)
-        return timer.when()
+        return fires_at(timer)
 
     def _disarm(self) -> None:
         timer, self._timer = self._timer, None
