@@ -41,6 +41,7 @@ from portico.runtime.duplex.base import (
     AudioFormat,
     AudioIn,
     AudioOut,
+    CallEvents,
     DuplexCall,
     DuplexEvent,
     DuplexFailure,
@@ -188,12 +189,7 @@ class _Call:
     def __init__(self, core: ScriptedCall, frame_interval: float) -> None:
         self._core = core
         self._interval = frame_interval
-        # The events not yet read, None last; a deque and one future rather than an
-        # asyncio.Queue: every caller frame of an echo call passes here (its per-item
-        # bookkeeping is a third of the hop's cost, docs/performance.md "Voice calls").
-        self._events: deque[DuplexEvent | None] = deque()
-        self._reader: asyncio.Future[None] | None = None  # the reader waiting for one
-        self._taker: EventTaker | None = None  # see `hand_over`
+        self._events = CallEvents()
         self._closed = False
         self._speaker: asyncio.Task[None] | None = None
         self._ender: asyncio.Task[None] | None = None
@@ -212,44 +208,18 @@ class _Call:
             self._finish_after_speech()
 
     def events(self) -> AsyncIterator[DuplexEvent]:
-        return self._drain()
+        return self._events.drain()
 
     async def close(self) -> None:
         self._finish()
 
-    async def _drain(self) -> AsyncIterator[DuplexEvent]:
-        events = self._events
-        while True:
-            while not events:
-                self._reader = asyncio.get_running_loop().create_future()
-                await self._reader
-            event = events.popleft()
-            if event is None:
-                return
-            yield event
-
     def hand_over(self, taker: EventTaker) -> None:
         """Events the waiting reader would be woken for go to `taker` first (base.py)."""
-        self._taker = taker
-
-    def _push(self, event: DuplexEvent | None) -> None:
-        taker = self._taker
-        if (
-            taker is not None
-            and event is not None
-            and self._reader is not None  # the reader waits: nothing of its is unread
-            and not self._events
-            and taker(event)
-        ):
-            return
-        self._events.append(event)
-        reader, self._reader = self._reader, None
-        if reader is not None and not reader.done():
-            reader.set_result(None)
+        self._events.hand_over(taker)
 
     def _put(self, events: list[DuplexEvent]) -> None:
         for event in events:
-            self._push(event)
+            self._events.push(event)
 
     def _ensure_speaker(self) -> None:
         if self._speaker is None or self._speaker.done():
@@ -259,12 +229,12 @@ class _Call:
         # The core says when a turn ends: a barge-in during a pause ends it without its
         # done, and a turn started since (only after that barge-in) is spoken on here.
         while (frame := self._core.next_speech()) is not None and not self._closed:
-            self._push(frame)
+            self._events.push(frame)
             # Speech at the pace a caller hears it (or as fast as read, for tests).
             await asyncio.sleep(self._interval)
         done = self._core.end_of_speech()
         if done is not None and not self._closed:
-            self._push(done)
+            self._events.push(done)
 
     def _finish_after_speech(self) -> None:
         async def later() -> None:
@@ -280,7 +250,7 @@ class _Call:
         self._closed = True
         if self._speaker is not None and self._speaker is not asyncio.current_task():
             self._speaker.cancel()
-        self._push(None)
+        self._events.close()
 
 
 class ScriptedDuplexRuntime:
