@@ -25,7 +25,8 @@ back to back with `/ws` latency at the same rate on the same server in each repe
 Idle memory at `--idle` counts on every server, and `--idle-max` (50,000) idle connections
 on one Portico (measured at the hard RLIMIT_NOFILE when that is lower). Voice calls
 (`--voice`): real-time 20 ms PCM callers over `/ws`, echoed by the scripted duplex runtime
-beside the bare servers' echo, then Portico's callers stepped up to a 20 ms p99.
+beside the bare servers' echo, then Portico's callers and the bare aiohttp echo's
+stepped up alternately to a 20 ms p99 (the largest N each holds, in the same run).
 """
 
 from __future__ import annotations
@@ -114,8 +115,10 @@ class Plan:
     rpc_pages: int = 1000
     rpc_page_warm: int = 5
     # voice (issue 15): `voice_callers` callers on every server in each repeat (the relay
-    # latency beside the bare echo), then Portico alone at each of `voice_steps` callers
-    # until the echo p99 passes `voice_p99_ms` (or frames are lost, or errors come).
+    # latency beside the bare echo), then Portico and the bare aiohttp echo, alternately,
+    # at each of `voice_steps` callers, each until its echo p99 passes `voice_p99_ms` (or
+    # frames are lost, or errors come): the bare server's own ceiling on this machine,
+    # measured beside Portico's, is what Portico's is judged against.
     voice_callers: int = 100
     voice_steps: tuple[int, ...] = (100, 250, 500, 750, 1000, 1500, 2000)
     voice_warmup: float = 1.0
@@ -583,8 +586,12 @@ def log_voice(what: str, sample: Sample) -> None:
     )
 
 
+VOICE_STEPPED = ("portico", "aiohttp")  # the servers whose callers are stepped up
+
+
 def run_voice(plan: Plan, workdir: Path, results: Results) -> None:
-    """Relay latency beside the bare echo servers, then Portico's callers stepped up."""
+    """Relay latency beside the bare echo servers, then Portico's callers and the bare
+    aiohttp echo's stepped up."""
     servers = {"portico": voice_server(plan, workdir)}
     servers.update({k: Server(k, workdir) for k in plan.kinds if k != "portico"})
     clock = time.monotonic()
@@ -598,15 +605,25 @@ def run_voice(plan: Plan, workdir: Path, results: Results) -> None:
                 sample = measure_voice(server, plan, plan.voice_callers)
                 results[("voice", kind)].append(sample)
                 log_voice(f"rep {rep + 1} {kind:8}", sample)
-        for callers in plan.voice_steps:
-            sample = measure_voice(servers["portico"], plan, callers)
-            results[(f"voice_step{callers}", "portico")].append(sample)
-            log_voice("step portico", sample)
-            if not voice_holds(sample, plan):
-                break
+        step_voice(plan, {k: s for k, s in servers.items() if k in VOICE_STEPPED}, results)
     finally:
         stop_all(list(servers.values()))
     log(f"voice   took {time.monotonic() - clock:.0f} s")
+
+
+def step_voice(plan: Plan, servers: dict[str, Server], results: Results) -> None:
+    """Each server at each step in turn (alternating, so a busy spell of the machine
+    falls on both), until its first step that does not hold: bounded by the steps."""
+    climbing = list(servers)
+    for callers in plan.voice_steps:
+        for kind in list(climbing):
+            sample = measure_voice(servers[kind], plan, callers)
+            results[(f"voice_step{callers}", kind)].append(sample)
+            log_voice(f"step {kind:8}", sample)
+            if not voice_holds(sample, plan):
+                climbing.remove(kind)
+        if not climbing:
+            return
 
 
 def run(plan: Plan, workdir: Path) -> Results:
@@ -813,9 +830,9 @@ def targets_table(results: Results, plan: Plan) -> list[str]:
     ]
 
 
-def voice_largest(results: Results, plan: Plan) -> float | None:
+def voice_largest(results: Results, plan: Plan, kind: str = "portico") -> float | None:
     """The most callers of a step that held (`voice_holds`); 0 when none did."""
-    steps = [results.get((f"voice_step{n}", "portico"), []) for n in plan.voice_steps]
+    steps = [results.get((f"voice_step{n}", kind), []) for n in plan.voice_steps]
     if not any(steps):
         return None
     held = [s[0]["callers"] for s in steps if s and voice_holds(s[0], plan)]
@@ -823,12 +840,31 @@ def voice_largest(results: Results, plan: Plan) -> float | None:
 
 
 def voice_targets(results: Results, plan: Plan) -> list[str]:
-    if not results.get(("voice", "portico")) and voice_largest(results, plan) is None:
+    largest = voice_largest(results, plan)
+    if not results.get(("voice", "portico")) and largest is None:
         return []
     portico = median_of(results, "voice", "echo_p99_ms", "portico")
     bare = median_of(results, "voice", "echo_p99_ms", "aiohttp")
     added = None if portico is None or bare is None else portico - bare
     bound = f"{plan.voice_p99_ms:g} ms"
+    bare_largest = voice_largest(results, plan, "aiohttp")
+    # The bare echo's own ceiling in the same run says what this machine allows: when
+    # even it holds fewer than 1,000, the absolute target cannot be judged here, and
+    # Portico's ceiling is judged against the bare one's.
+    machine = "" if bare_largest is None else f"; the bare aiohttp echo held {bare_largest:,.0f}"
+    against_bare = "voice callers held, Portico ÷ the bare aiohttp echo (same run, same steps) ≥ 1"
+    if largest is not None and bare_largest == 0:
+        compared = (
+            f"| {against_bare} | n/a: the bare echo held no step (Portico {largest:,.0f}) | — |"
+        )
+    else:
+        share = None if largest is None or bare_largest is None else largest / bare_largest
+        compared = verdict(
+            share,
+            lambda v: v >= 1.0,
+            against_bare,
+            lambda v: f"{v:.2f} ({largest or 0:,.0f} of {bare_largest or 0:,.0f})",
+        )
     return [
         verdict(
             added,
@@ -836,11 +872,12 @@ def voice_targets(results: Results, plan: Plan) -> list[str]:
             f"voice relay p99, ms added to bare aiohttp ≤ 1 (at {plan.voice_callers} callers)",
         ),
         verdict(
-            voice_largest(results, plan),
+            largest,
             lambda v: v >= 1000,
-            f"voice callers one process holds with echo p99 < {bound} ≥ 1,000",
+            f"voice callers one process holds with echo p99 < {bound} ≥ 1,000{machine}",
             lambda v: f"{v:,.0f}",
         ),
+        compared,
     ]
 
 
@@ -864,7 +901,12 @@ VOICE_COUNTS = frozenset({"lost", "errors"})
 
 def voice_tables(results: Results, plan: Plan) -> list[str]:
     kinds = [k for k in plan.kinds if results.get(("voice", k))]
-    steps = [n for n in plan.voice_steps if results.get((f"voice_step{n}", "portico"))]
+    steps = [
+        (n, k)
+        for n in plan.voice_steps
+        for k in VOICE_STEPPED
+        if results.get((f"voice_step{n}", k))
+    ]
     if not kinds and not steps:
         return []
     lines = [
@@ -905,26 +947,31 @@ def voice_tables(results: Results, plan: Plan) -> list[str]:
         lines.append("")
     if steps:
         lines += [
-            f"Portico alone, callers stepped up until the echo p99 reaches "
-            f"{plan.voice_p99_ms:g} ms, a frame in a thousand is lost or an error comes:",
+            "Portico and the bare aiohttp echo, callers stepped up (the two alternately at "
+            f"each step), each until its echo p99 reaches {plan.voice_p99_ms:g} ms, a frame in "
+            "a thousand is lost or an error comes:",
             "",
-            "| Callers | frames/s sent | "
+            "| Callers | server | frames/s sent | "
             + " | ".join(label for _, label in VOICE_COLUMNS)
             + " | held |",
-            "|---:|---:|" + "---:|" * len(VOICE_COLUMNS) + "---|",
+            "|---:|---|---:|" + "---:|" * len(VOICE_COLUMNS) + "---|",
         ]
-        for n in steps:
-            sample = results[(f"voice_step{n}", "portico")][0]
+        for n, kind in steps:
+            sample = results[(f"voice_step{n}", kind)][0]
             cells = [
                 f"{sample[key]:,.0f}" if key in VOICE_COUNTS else fmt(sample[key])
                 for key, _ in VOICE_COLUMNS
             ]
             held = "yes" if voice_holds(sample, plan) else "**no**"
             lines.append(
-                f"| {n:,} | {fmt(sample['frames_per_s'])} | " + " | ".join(cells) + f" | {held} |"
+                f"| {n:,} | {kind} | {fmt(sample['frames_per_s'])} | "
+                + " | ".join(cells)
+                + f" | {held} |"
             )
         largest = voice_largest(results, plan)
-        lines += ["", f"Largest step held: {largest or 0:,.0f} callers."]
+        bare_largest = voice_largest(results, plan, "aiohttp")
+        bare_held = "" if bare_largest is None else f", the bare aiohttp echo {bare_largest:,.0f}"
+        lines += ["", f"Largest step held: Portico {largest or 0:,.0f} callers{bare_held}."]
         per_frame = median_of(results, "voice", "cpu_us_per_frame", "portico")
         if per_frame:
             # A call relays 50 frames a second each way; the CPU per frame says how many
@@ -1299,7 +1346,8 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
     parser.add_argument(
         "--voice",
         help="voice: CALLERS[:STEP,STEP...], the callers on every server beside the bare "
-        "echo, then Portico's steps (default 100:100,250,500,750,1000,1500,2000); 0 skips",
+        "echo, then the steps of Portico and the bare aiohttp echo (default "
+        "100:100,250,500,750,1000,1500,2000); 0 skips",
     )
     parser.add_argument("--voice-seconds", type=float, help="voice: window, seconds")
     parser.add_argument("--kinds", help="servers, comma-separated (default portico,aiohttp,picows)")

@@ -7,7 +7,8 @@ connection core decodes the OMNI frame (`receive_binary`), the call takes it
 (`LiveCall.send`), the scripted runtime in `echo` mode turns it into agent audio, the
 call's pump hands that to the connection (`send_duplex_event`, the OMNI encode) and
 the socket's batch write takes the queued frames (`_write_batch`'s framing, without
-the transport). `--calls` calls take one frame each per loop round, as concurrent
+the transport); the socket's frame counts (`portico_frames_in`/`_out`) are bumped as
+sockets.py does. `--calls` calls take one frame each per loop round, as concurrent
 callers do. Prints µs of process CPU per relayed frame (in and its echo out) for each
 repeat, then the median; `--profile` prints a cProfile of one repeat instead.
 """
@@ -39,8 +40,9 @@ FRAME = bytes(640)  # 20 ms of 16 kHz mono PCM16
 
 
 class Caller:
-    def __init__(self, service: CallService, index: int, now: float) -> None:
+    def __init__(self, service: CallService, index: int, now: float, metrics: Metrics) -> None:
         self.service = service
+        self.frames = metrics.frames.of("omnia")  # the socket counts each frame (sockets.py)
         self.core = OmniaConnection(
             session_id=f"s{index}",
             binary=True,
@@ -75,6 +77,7 @@ class Caller:
 
     async def frame(self, now: float) -> None:
         data = self.next if self.call is not None else self.first
+        self.frames.inbound += 1
         for event in self.core.receive_binary(data, now):
             if isinstance(event, CallRequested):
                 self.call = await self.service.start(
@@ -98,6 +101,7 @@ class Caller:
         if frames:
             b"".join(frames)
             self.written += len(frames) // 2
+            self.frames.outbound += len(frames) // 2
 
 
 async def open_session(**kwargs: Any) -> Session:
@@ -112,6 +116,7 @@ async def open_session(**kwargs: Any) -> Session:
 
 
 async def run(calls: int, frames: int) -> tuple[float, int]:
+    metrics = Metrics()
     service = CallService(
         runtimes={"a": ScriptedDuplexRuntime(VoiceScript(echo=True))},
         store=None,  # type: ignore[arg-type]  # an echo call archives nothing
@@ -119,9 +124,9 @@ async def run(calls: int, frames: int) -> tuple[float, int]:
         grace_window=30,
         max_sessions=100_000,
         max_sessions_per_principal=None,
-        telemetry=Metrics(),
+        telemetry=metrics,
     )
-    callers = [Caller(service, i, time.monotonic()) for i in range(calls)]
+    callers = [Caller(service, i, time.monotonic(), metrics) for i in range(calls)]
     for caller in callers:  # started (and its session_config out) before the window
         await caller.frame(time.monotonic())
     for _ in range(5):

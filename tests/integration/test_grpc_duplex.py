@@ -149,6 +149,39 @@ async def test_talking_over_the_agent_interrupts_it(to_agent: GrpcDuplexRuntime)
     assert not any(isinstance(event, DuplexFailure) for event in await drain(call))
 
 
+async def test_handed_over_speech_keeps_its_order_and_restarts_the_silence_deadline(
+    voice_agent: AgentProcess,
+) -> None:
+    """`hand_over` (runtime/duplex/base.py): agent audio arriving while the reader waits
+    with nothing unread goes to the taker. Each frame handed over is one the reader
+    would have read, so it restarts the silence deadline: 800 ms of speech at its pace
+    outlasts a 0.5 s `stream_idle_timeout`, one frame at a time."""
+    settings = grpc_agent(voice_agent.target, stream_idle_timeout=0.5)
+    runtime = GrpcDuplexRuntime("default", settings, env={})
+    call = await runtime.start(start())
+    arrived: list[DuplexEvent] = []
+    taken: list[AudioOut] = []
+
+    def taker(event: DuplexEvent) -> bool:
+        if not isinstance(event, AudioOut):
+            return False
+        arrived.append(event)
+        taken.append(event)
+        return True
+
+    call.hand_over(taker)  # type: ignore[attr-defined]  # the grpc call has it
+    await utterance(call, loud=40)
+    events = call.events()
+    while not arrived or not isinstance(arrived[-1], SpokenTurnDone | DuplexFailure):
+        arrived.append(await asyncio.wait_for(anext(events), WITHIN))
+    await call.close()
+    await runtime.close()
+    assert kinds(arrived) == ["Hello", "Transcript", "AgentText", "AudioOut", "SpokenTurnDone"]
+    speech = [event for event in arrived if isinstance(event, AudioOut)]
+    assert [frame.sequence for frame in speech] == list(range(40))
+    assert taken  # the reader waited while the agent spoke
+
+
 async def test_the_same_agent_process_answers_text_turns_on_the_same_port(
     voice_agent: AgentProcess,
 ) -> None:

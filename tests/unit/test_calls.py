@@ -398,6 +398,52 @@ def messages_probe() -> Message:
     return Message(id="probe", session_id="s1", role="user", content="", created_at=0, updated_at=0)
 
 
+class SlowToHear(ScriptedDuplexRuntime):
+    """Its calls' `send` suspends (as a runtime writing to a socket does) until let
+    through, and records frames going in at once."""
+
+    def __init__(self) -> None:
+        super().__init__(SCRIPT, frame_interval=0)
+        self.through = asyncio.Event()
+        self.heard: list[int] = []
+        self.at_once = 0
+        self.most_at_once = 0
+
+    async def start(self, start: DuplexStart) -> DuplexCall:
+        call = await super().start(start)
+        inner = call.send
+
+        async def send(audio: AudioIn) -> None:
+            self.at_once += 1
+            self.most_at_once = max(self.most_at_once, self.at_once)
+            await self.through.wait()
+            self.heard.append(audio.sequence)
+            self.at_once -= 1
+            await inner(audio)
+
+        call.send = send  # type: ignore[method-assign]
+        return call
+
+
+async def test_frames_of_two_holders_of_a_call_go_in_one_at_a_time_in_order(
+    store: MemoryStore,
+) -> None:
+    """A call taken over while the old connection's frame is still going in: the new
+    connection's frames wait their turn (calls/turnstile.py)."""
+    runtime = SlowToHear()
+    service = service_of(store, runtime)
+    call = await start(service, Listener())
+    sends = [asyncio.ensure_future(call.send(AudioIn(QUIET, n))) for n in range(3)]
+    for _ in range(3):
+        await asyncio.sleep(0)  # the first is in the runtime, the others wait
+    assert runtime.at_once == 1
+    runtime.through.set()
+    await asyncio.wait_for(asyncio.gather(*sends), WAIT)
+    assert runtime.heard == [0, 1, 2]
+    assert runtime.most_at_once == 1
+    await service.shutdown()
+
+
 async def test_a_resume_takes_over_a_call_its_owner_still_holds(store: MemoryStore) -> None:
     service = service_of(store, ScriptedDuplexRuntime(SCRIPT, frame_interval=0))
     first, released = Listener(), []

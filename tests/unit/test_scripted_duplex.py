@@ -96,6 +96,16 @@ def test_loud_audio_over_the_agents_speech_is_barge_in() -> None:
     assert core.hear(frame(QUIET)) == []  # silence while speaking is no barge-in
 
 
+def test_a_turn_speaks_until_its_done_and_talking_before_it_is_barge_in() -> None:
+    core = ScriptedCall(VoiceScript(turns=(VoiceTurn(hear_frames=1, tone_ms=20),)), CALLER)
+    core.hear(frame(LOUD))
+    assert core.end_of_speech() is None  # speech left
+    assert core.next_speech() is not None
+    assert core.next_speech() is None
+    assert core.hear(frame(LOUD)) == [Interruption()]  # all taken, the done not yet
+    assert core.end_of_speech() is None  # a barged-in turn has no done
+
+
 def test_a_fail_cue_is_one_failure_and_then_nothing() -> None:
     turn = VoiceTurn(hear_frames=1, fail=FailStep("PROVIDER_UNAVAILABLE", "cue"))
     core = ScriptedCall(VoiceScript(turns=(turn,)), CALLER)
@@ -114,8 +124,9 @@ def test_turns_go_in_order_and_the_last_repeats() -> None:
     said = []
     for _ in range(3):
         said.append(core.hear(frame(LOUD))[0])
-        while core.next_speech() is not None:  # the agent finishes speaking
+        while core.next_speech() is not None:  # the agent finishes speaking...
             pass
+        assert core.end_of_speech() == SpokenTurnDone()  # ...and its turn
     assert said == [Transcript("one"), Transcript("two"), Transcript("two")]
 
 
@@ -160,6 +171,40 @@ async def test_barge_in_during_a_call_interrupts_and_skips_the_turns_done() -> N
     await call.close()
     rest = await asyncio.wait_for(_all(events), 5)
     assert not any(isinstance(event, SpokenTurnDone) for event in seen + rest)
+
+
+async def test_talking_after_the_last_frame_before_the_done_is_barge_in_not_a_merged_turn() -> None:
+    """The agent's turn lasts until its `SpokenTurnDone`, its last frame's 20 ms
+    included: a loud frame in between is barge-in. (It used to count towards the next
+    utterance, and an utterance completed then was spoken by the same speaker as the
+    rest of the old turn: the old turn never got its done, the new one's transcript
+    landed inside it.)"""
+    turns = (
+        VoiceTurn(hear_frames=1, transcript="one", tone_ms=20),
+        VoiceTurn(hear_frames=1, transcript="two", tone_ms=20),
+    )
+    runtime = ScriptedDuplexRuntime(VoiceScript(turns=turns), frame_interval=0)
+    call = await runtime.start(DuplexStart(session_id="s", agent="a", owner="o", format=CALLER))
+    events = call.events()
+    await call.send(frame(LOUD, 0))
+    seen = [await anext(events) for _ in range(3)]
+    assert [type(event) for event in seen] == [Hello, Transcript, AudioOut]
+    # The reader is woken for the turn's only frame before its speaker's pause ends
+    # (asyncio runs ready callbacks in order): the speaker still owes the done.
+    await call.send(frame(LOUD, 1))
+    await call.send(frame(LOUD, 2))  # the next utterance, heard after the barge-in
+    await call.send(frame(QUIET, 3, last=True))
+    seen += await asyncio.wait_for(_all(events), 5)
+    assert [type(event).__name__ for event in seen] == [
+        "Hello",
+        "Transcript",
+        "AudioOut",
+        "Interruption",
+        "Transcript",
+        "AudioOut",
+        "SpokenTurnDone",
+    ]
+    assert seen[4] == Transcript("two")
 
 
 async def test_events_a_waiting_reader_would_wake_for_go_to_the_taker_first() -> None:

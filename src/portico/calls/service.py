@@ -23,6 +23,7 @@ from portico.calls.directory import CallDirectory, CallRecord, InProcessCallDire
 from portico.calls.parking import InProcessParkingLot, ParkingLot
 from portico.calls.rules import DUPLEX_ERROR, CallRules, Step, VoiceTurnRecord
 from portico.calls.slots import AudioSessionSlots
+from portico.calls.turnstile import Turnstile
 from portico.core.compaction import since_latest_summary
 from portico.core.engine import HISTORY_LIMIT
 from portico.domain.model import Message, Session, Turn, new_id
@@ -110,7 +111,7 @@ class LiveCall:
         self.over = False
         self.failure = ""  # the code the call failed with, if it did
         self._started = time.monotonic()
-        self._sending = asyncio.Lock()  # the port: frames in order, never concurrently
+        self._sending = Turnstile()  # the port: frames in order, never concurrently
         self._pump = detached(self._run(), name=f"call-{session.id}")
         hand_over = getattr(call, "hand_over", None)
         if hand_over is not None:
@@ -143,13 +144,18 @@ class LiveCall:
         if self.over:
             return
         self._service.telemetry.audio("in", len(audio.data))
-        async with self._sending:
-            try:
-                await self._call.send(audio)
-            except Exception:
-                log.exception("duplex runtime refused caller audio")
-                await self._deliver_step(DuplexFailure(DUPLEX_ERROR, "the voice runtime failed"))
-                self._pump.cancel()  # the call is over: its runtime's events are not read
+        sending = self._sending
+        if sending.busy:  # only a call taken over mid-frame (calls/turnstile.py)
+            await sending.wait()
+        sending.busy = True
+        try:
+            await self._call.send(audio)
+        except Exception:
+            log.exception("duplex runtime refused caller audio")
+            await self._deliver_step(DuplexFailure(DUPLEX_ERROR, "the voice runtime failed"))
+            self._pump.cancel()  # the call is over: its runtime's events are not read
+        finally:
+            sending.leave()
 
     async def interrupt(self) -> None:
         """The client barged in (`/v1/session` `interrupt`): see `CallRules.interrupt`."""

@@ -54,6 +54,13 @@ def close_frame(code: int, reason: str) -> bytes:
     return bytes((0x88, len(payload))) + payload
 
 
+def fires_at(timer: asyncio.Handle) -> float:
+    """When a loop timer fires. uvloop's `call_at` of a time already past is its
+    `call_soon`: a plain Handle, with no `when()`, that fires at once."""
+    when = getattr(timer, "when", None)
+    return -math.inf if when is None else float(when())
+
+
 def frame_type(frame: bytes) -> WSMsgType:
     """Queued frames are text unless a core marked them binary (`BinaryData`)."""
     return WSMsgType.BINARY if isinstance(frame, BinaryData) else WSMsgType.TEXT
@@ -81,7 +88,7 @@ class ServerSocket(ABC):
         "_closed",
         "_closing",
         "_flush_scheduled",
-        "_frames_out",
+        "_frames",
         "_request",
         "_sent_close_code",
         "_services",
@@ -107,9 +114,9 @@ class ServerSocket(ABC):
         self._waiter: asyncio.Task[None] | None = None  # a drain or a compressed write
         # A loop timer, the key of a slot of the shared wheel, or None (not armed).
         # When it fires is read from it (`_armed`): a float per connection less.
-        self._timer: asyncio.TimerHandle | int | None = None
+        self._timer: asyncio.Handle | int | None = None
         self._timer_task: asyncio.Task[None] | None = None
-        self._frames_out = services.metrics.frames_out.labels(self.protocol)
+        self._frames = services.metrics.frames.of(self.protocol)  # its frames, counted
         # Set once the socket stops taking engine events (closed or shutting down).
         self._closed = False
         # A close the server started; the handler waits for it so the close frame
@@ -174,7 +181,7 @@ class ServerSocket(ABC):
         started = time.perf_counter()
         try:
             self._opened()
-            ws, frames_in = self._ws, self._metrics.frames_in.labels(self.protocol)
+            ws, frames = self._ws, self._frames
             # aiohttp checks a compressed message's size after inflating it with one
             # byte of slack (see `upgrade`), so on a compressing connection the limit is
             # checked here, exactly.
@@ -187,7 +194,7 @@ class ServerSocket(ABC):
                     self.start_close(WSCloseCode.MESSAGE_TOO_BIG, "message too big")
                     break
                 if msg.type is WSMsgType.TEXT:
-                    frames_in.inc()
+                    frames.inbound += 1
                     # Only the handler holds the frame, so it can let go of it once
                     # decoded (a maximal frame is 16 MiB of text), before the engine
                     # archives it.
@@ -195,7 +202,7 @@ class ServerSocket(ABC):
                     del msg
                     await handling
                 elif msg.type is WSMsgType.BINARY:
-                    frames_in.inc()
+                    frames.inbound += 1
                     await self.on_binary(msg.data, now)
                 elif msg.type is WSMsgType.PING:
                     self.on_control(now)
@@ -358,7 +365,7 @@ class ServerSocket(ABC):
         if not self._batched:
             self._waiter = asyncio.create_task(self._write_each())
             return
-        self._frames_out.inc(self._write_batch())
+        self._frames.outbound += self._write_batch()
         self._after_write()
 
     def _after_write(self) -> None:
@@ -385,7 +392,7 @@ class ServerSocket(ABC):
         while (frame := self.core.next_frame()) is not None and not self._ws.closed:
             await self._ws.send_frame(frame, frame_type(frame))
             written += 1
-        self._frames_out.inc(written)
+        self._frames.outbound += written
         self._waiter = None
         self._after_write()
         if self.core.overflowed or not self._writing:
@@ -437,7 +444,7 @@ class ServerSocket(ABC):
             return math.inf
         if isinstance(timer, int):
             return self._services.deadlines.starts(timer)
-        return timer.when()
+        return fires_at(timer)
 
     def _disarm(self) -> None:
         timer, self._timer = self._timer, None

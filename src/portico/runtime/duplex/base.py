@@ -23,8 +23,10 @@ Rules every implementation keeps (the duplex contract suite checks them):
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
@@ -150,8 +152,123 @@ class DuplexCall(Protocol):
 # nothing unread, the call may offer an event to `taker` instead of queueing it; True
 # means taken (it must not be queued too), False that it goes to the reader as usual.
 # It saves the reader's wakeup per frame of agent audio (docs/performance.md, "Voice
-# calls"); a runtime without it is read through `events()` alone.
+# calls"); a runtime without it is read through `events()` alone. The four runtimes
+# here have it, through `EventQueue` below (the rules live there, once).
 EventTaker = Callable[[DuplexEvent], bool]
+
+Item = TypeVar("Item")
+
+
+class EventQueue(Generic[Item]):
+    """What a call has for the one reader of its `events()`, with the `hand_over` fast
+    path every runtime shares.
+
+    A deque and one future rather than an `asyncio.Queue`: every frame of agent audio
+    passes here, and that queue's per-item bookkeeping was a third of the hop's cost
+    (docs/performance.md, "Voice calls"). The hand-over rules:
+
+    - an event is offered to the taker only while the reader waits with nothing
+      unread, so the taker gets exactly what the reader would have got next and the
+      order never changes; declined (or not offered) it is queued;
+    - after `end()` nothing is offered: whatever follows goes to the reader.
+
+    Items are what the runtime's reader maps to events (`DuplexEvent`s for most, a
+    stream's messages for grpc). `limit` bounds the queue for `put_wait` (a producer
+    reading a stream then stops, and the stream's flow control holds the peer)."""
+
+    def __init__(self, limit: int = 0) -> None:
+        self._items: deque[Item] = deque()
+        self._reader: asyncio.Future[None] | None = None  # the reader, waiting for one
+        self._room: asyncio.Future[None] | None = None  # a producer, waiting for room
+        self._taker: EventTaker | None = None
+        self._limit = limit
+        self.ended = False
+
+    def hand_over(self, taker: EventTaker) -> None:
+        self._taker = taker
+
+    @property
+    def idle(self) -> bool:
+        """The reader waits with nothing unread (what arrives now is its next); not a
+        reader whose wait was cancelled (a deadline) and has yet to see it."""
+        reader = self._reader
+        return reader is not None and not reader.done() and not self._items
+
+    @property
+    def taking(self) -> bool:
+        """An event arriving now would be offered to a taker."""
+        return self._taker is not None and not self.ended and self.idle
+
+    def full(self) -> bool:
+        return 0 < self._limit <= len(self._items)
+
+    def offer(self, event: DuplexEvent) -> bool:
+        """True when the taker took `event` (then it must not be queued too)."""
+        # `taking`, inlined (this runs per frame); a waiting reader has nothing unread:
+        # `put` wakes and forgets it, and `get` waits only for an empty queue.
+        taker, reader = self._taker, self._reader
+        return (
+            taker is not None
+            and reader is not None
+            and not reader.done()
+            and not self.ended
+            and taker(event)
+        )
+
+    def put(self, item: Item) -> None:
+        self._items.append(item)
+        reader, self._reader = self._reader, None
+        if reader is not None and not reader.done():
+            reader.set_result(None)
+
+    async def put_wait(self, item: Item) -> None:
+        """`put`, once the queue is under its limit."""
+        while self.full():
+            self._room = asyncio.get_running_loop().create_future()
+            await self._room
+        self.put(item)
+
+    def end(self, last: Item) -> None:
+        """Queue the reader's last item; nothing is offered from now on."""
+        self.ended = True
+        self.put(last)
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._wake_producer()
+
+    async def get(self) -> Item:
+        while not self._items:
+            self._reader = asyncio.get_running_loop().create_future()
+            try:
+                await self._reader
+            finally:
+                self._reader = None  # woken, or cancelled (a deadline): not waiting now
+        item = self._items.popleft()
+        if self._room is not None:
+            self._wake_producer()
+        return item
+
+    def _wake_producer(self) -> None:
+        room, self._room = self._room, None
+        if room is not None and not room.done():
+            room.set_result(None)
+
+
+class CallEvents(EventQueue[DuplexEvent | None]):
+    """A call's events, None after the last: `push` offers one, else queues it."""
+
+    def push(self, event: DuplexEvent) -> None:
+        if not self.offer(event):
+            self.put(event)
+
+    def close(self) -> None:
+        if not self.ended:
+            self.end(None)
+
+    async def drain(self) -> AsyncIterator[DuplexEvent]:
+        while (event := await self.get()) is not None:
+            yield event
 
 
 class FailedCall:

@@ -28,8 +28,10 @@ from portico.runtime.duplex.base import (
     AudioFormat,
     AudioIn,
     AudioOut,
+    CallEvents,
     DuplexEvent,
     DuplexStart,
+    EventTaker,
     Hello,
     Interruption,
     SpokenTurnDone,
@@ -89,8 +91,8 @@ class EmbeddedVoiceCall:
         self._start, self._recognizer, self._synthesizer = start, recognizer, synthesizer
         self._pool, self._frame_interval = pool, frame_interval
         self._segmenter = Segmenter(WebRtcVad())
-        self._events: asyncio.Queue[DuplexEvent | None] = asyncio.Queue()
-        self._events.put_nowait(Hello(format=HEARD_FORMAT, capabilities=("audio",)))
+        self._events = CallEvents()
+        self._events.put(Hello(format=HEARD_FORMAT, capabilities=("audio",)))
         self._turn_lock = asyncio.Lock()  # one decoder per call: turns run one at a time
         self._turns: set[asyncio.Task[None]] = set()
         self._speaking: asyncio.Task[None] | None = None
@@ -111,11 +113,11 @@ class EmbeddedVoiceCall:
             self._spawn(self._hang_up())
 
     def events(self) -> AsyncIterator[DuplexEvent]:
-        return self._drain()
+        return self._events.drain()
 
-    async def _drain(self) -> AsyncIterator[DuplexEvent]:
-        while (event := await self._events.get()) is not None:
-            yield event
+    def hand_over(self, taker: EventTaker) -> None:
+        """Agent audio the waiting reader would be woken for goes to `taker` (base.py)."""
+        self._events.hand_over(taker)
 
     async def close(self) -> None:
         if self._ended:
@@ -123,7 +125,7 @@ class EmbeddedVoiceCall:
         self._ended = True
         for task in list(self._turns):
             task.cancel()
-        self._events.put_nowait(None)
+        self._events.close()
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)
@@ -133,7 +135,7 @@ class EmbeddedVoiceCall:
     def _barge_in(self) -> None:
         if self._speaking is not None and not self._speaking.done():
             self._speaking.cancel()
-            self._events.put_nowait(Interruption())
+            self._events.push(Interruption())
 
     async def _hang_up(self) -> None:
         async with self._turn_lock:  # after the last utterance's reply
@@ -146,12 +148,12 @@ class EmbeddedVoiceCall:
             heard = await loop.run_in_executor(self._pool, self._recognizer.recognize, utterance)
             if not heard or self._ended:
                 return  # nothing recognised: the agent stays silent
-            self._events.put_nowait(Transcript(heard, final=True))
+            self._events.push(Transcript(heard, final=True))
             reply = await demo_reply(heard, self._start)
             speech = await loop.run_in_executor(self._pool, self._synthesizer.synthesize, reply)
             if self._ended:
                 return
-            self._events.put_nowait(AgentText(reply))
+            self._events.push(AgentText(reply))
             self._speaking = asyncio.current_task()
             try:
                 await self._speak(speech)
@@ -161,14 +163,14 @@ class EmbeddedVoiceCall:
                 return  # barged in: the turn ends without `SpokenTurnDone`
             finally:
                 self._speaking = None
-            self._events.put_nowait(SpokenTurnDone())
+            self._events.push(SpokenTurnDone())
 
     async def _speak(self, speech: bytes) -> None:
         media_id = new_id("voice")[-12:]
         starts = range(0, len(speech), FRAME_BYTES)
         for index, offset in enumerate(starts):
             frame = speech[offset : offset + FRAME_BYTES].ljust(FRAME_BYTES, b"\0")
-            self._events.put_nowait(
+            self._events.push(
                 AudioOut(
                     data=frame, media_id=media_id, sequence=index, is_last=index == len(starts) - 1
                 )

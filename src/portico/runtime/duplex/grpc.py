@@ -6,7 +6,9 @@ audio session"), on a channel made exactly as the text runtime makes its own
 opens with `duplex_start`, caller frames go out as `audio_input`, and what comes back
 is mapped by the sans-I/O `CallReader` (`grpc_mapping.py`). A task reads the stream
 into a bounded inbox (a full one stops reading: gRPC flow control holds the runtime),
-and `events()` takes from it with the deadline the reader names, so a silence, a
+and `events()` takes from it with the deadline the reader names (agent audio arriving
+while `events()` waits with nothing unread is mapped by that task and handed over
+instead: base.py `EventQueue`), so a silence, a
 broken stream, a malformed message and a runtime's `error` each end the call with one
 `DuplexFailure`, and `close()` ends it at once. Decisions: docs/runtime-grpc.md.
 """
@@ -32,6 +34,8 @@ from portico.runtime.duplex.base import (
     DuplexEvent,
     DuplexFailure,
     DuplexStart,
+    EventQueue,
+    EventTaker,
     FailedCall,
 )
 from portico.runtime.duplex.grpc_mapping import (
@@ -78,7 +82,8 @@ class _Marker(NamedTuple):
 ENDED = _Marker("ended")  # the runtime ended the stream, status OK
 CLOSED = _Marker("closed")  # the facade closed the call
 WAKE = _Marker("wake")  # the reader's deadline changed (the caller's last audio went out)
-Inbox = pb.ServerMessage | Broken | WriteFailed | _Marker
+# What the reading task queues; a `Reading` is a message it mapped itself (`_hand_over`).
+Inbox = pb.ServerMessage | Reading | Broken | WriteFailed | _Marker
 
 
 class GrpcDuplexCall:
@@ -100,7 +105,9 @@ class GrpcDuplexCall:
         self._settings = settings
         self._where = where  # agent, target, session: for the log
         self._reader = CallReader(start.format)
-        self._inbox: asyncio.Queue[Inbox] = asyncio.Queue(settings.grpc_read_buffer_messages)
+        self._inbox: EventQueue[Inbox] = EventQueue(settings.grpc_read_buffer_messages)
+        self._deadline: asyncio.Timeout | None = None  # `events()` waiting: its silence
+        self._waited: float | None = None  # ...and that deadline's length
         self._write_lock = asyncio.Lock()
         self._closed = False
         self._caller_done = False  # `is_last` went out: later audio is ignored
@@ -123,7 +130,7 @@ class GrpcDuplexCall:
                         await self._stream.done_writing()
             self._reader.caller_finished()
             if not self._inbox.full():  # else `events` is woken by what fills it
-                self._inbox.put_nowait(WAKE)
+                self._inbox.put(WAKE)
 
     async def _write(self, message: pb.ClientMessage, what: str) -> None:
         idle = self._settings.stream_idle_timeout
@@ -145,17 +152,49 @@ class GrpcDuplexCall:
             while True:
                 message = await self._stream.read()
                 if message is grpc.aio.EOF:
-                    await self._inbox.put(ENDED)
+                    await self._inbox.put_wait(ENDED)
                     return
                 assert isinstance(message, pb.ServerMessage)
-                await self._inbox.put(message)
+                if not self._hand_over(message):
+                    await self._inbox.put_wait(message)
         except grpc.aio.AioRpcError as exc:
             within = self._settings.grpc_connect_timeout
             cause = await final_cause(self._stream, classify(exc), within=within, probe=self._probe)
-            await self._inbox.put(Broken(cause))
+            await self._inbox.put_wait(Broken(cause))
         except Exception as exc:  # a bug or a gRPC internal: the call must still end
             log.exception("reading a grpc duplex stream failed")
-            await self._inbox.put(Broken(f"unexpected {type(exc).__name__}"))
+            await self._inbox.put_wait(Broken(f"unexpected {type(exc).__name__}"))
+
+    def hand_over(self, taker: EventTaker) -> None:
+        """Agent audio `events()` would be woken for goes to `taker` (base.py)."""
+        self._inbox.hand_over(taker)
+
+    def _hand_over(self, message: pb.ServerMessage) -> bool:
+        """While `events()` waits with nothing unread, `message` is the next it would
+        read: mapped here, its events are offered to the taker; what is left (events not
+        taken, replies to write, the call's end) goes to `events()` as the `Reading`.
+        False: not mapped (nobody takes now), the message is queued as it came."""
+        if not self._inbox.taking:
+            return False
+        reading = self._reader.receive(message)
+        self._log(reading)
+        events, taken = reading.events, 0
+        if not reading.replies:  # written by `events()` before its events go on
+            while taken < len(events) and self._inbox.offer(events[taken]):
+                taken += 1
+        if taken < len(events) or reading.replies or self._reader.ended:
+            self._inbox.put(Reading(events[taken:], reading.replies))
+        else:
+            self._restart_deadline()  # it read a message, as `events()` would have
+        return True
+
+    def _restart_deadline(self) -> None:
+        deadline = self._deadline
+        if deadline is None:
+            return
+        self._waited = self._timeout()
+        at = None if self._waited is None else asyncio.get_running_loop().time() + self._waited
+        deadline.reschedule(at)
 
     def events(self) -> AsyncIterator[DuplexEvent]:
         return self._events()
@@ -172,21 +211,28 @@ class GrpcDuplexCall:
         finally:
             await self.close()
 
-    async def _next(self) -> Reading:
+    def _timeout(self) -> float | None:
         settings = self._settings
-        timeout = {
+        return {
             "hello": settings.first_token_timeout,
             "turn": settings.stream_idle_timeout,
             "ending": settings.first_token_timeout,
         }.get(self._reader.wait())
+
+    async def _next(self) -> Reading:
+        self._waited = self._timeout()
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(self._waited) as self._deadline:
                 item = await self._inbox.get()
         except TimeoutError:
-            assert timeout is not None
-            return self._reader.silence(timeout)
+            assert self._waited is not None
+            return self._reader.silence(self._waited)
+        finally:
+            self._deadline = None
         if isinstance(item, pb.ServerMessage):
             return self._reader.receive(item)
+        if isinstance(item, Reading):
+            return item  # mapped (and logged) by the reading task
         if isinstance(item, Broken):
             return self._reader.fail(BROKEN, f"stream broken: {item.cause}")
         if isinstance(item, WriteFailed):
@@ -220,9 +266,8 @@ class GrpcDuplexCall:
         self._on_end(self)
         self._pump.cancel()  # it puts nothing more: the inbox is this method's now
         self._stream.cancel()
-        while not self._inbox.empty():
-            self._inbox.get_nowait()
-        self._inbox.put_nowait(last)
+        self._inbox.clear()
+        self._inbox.end(last)
 
 
 class GrpcDuplexRuntime:

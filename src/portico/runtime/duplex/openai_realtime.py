@@ -37,11 +37,13 @@ from portico.runtime.duplex.base import (
     AudioFormat,
     AudioIn,
     AudioOut,
+    CallEvents,
     DuplexCall,
     DuplexEvent,
     DuplexFailure,
     DuplexRuntime,
     DuplexStart,
+    EventTaker,
     FailedCall,
     Hello,
     Interruption,
@@ -210,6 +212,12 @@ class RealtimeCall:
         self._closed = False
         self._ending = False  # the caller's last frame went out: end after the reply
         self._write = asyncio.Lock()
+        # A task reads the socket into the call's queue (rather than `events()` reading
+        # it itself), so agent audio can be handed over (base.py `EventQueue`).
+        self._events = CallEvents()
+        self._events.put(Hello(format=REALTIME_FORMAT, capabilities=("barge_in", "transcripts")))
+        self._broke: Exception | None = None  # what stopped the reading task, raised to the reader
+        self._reading = asyncio.ensure_future(self._read())
 
     async def send(self, audio: AudioIn) -> None:
         if self._closed or self._ending:
@@ -221,11 +229,16 @@ class RealtimeCall:
         """The call's first client event, before any audio (`session_update`)."""
         await self._send_all([session_update(instructions)])
 
+    def hand_over(self, taker: EventTaker) -> None:
+        """Agent audio the waiting reader would be woken for goes to `taker` (base.py)."""
+        self._events.hand_over(taker)
+
     async def events(self) -> AsyncIterator[DuplexEvent]:
-        yield Hello(format=REALTIME_FORMAT, capabilities=("barge_in", "transcripts"))
         try:
-            async for event in self._provider_events():
+            async for event in self._events.drain():
                 yield event
+            if self._broke is not None:
+                raise self._broke
         finally:
             await self.close()
 
@@ -233,9 +246,21 @@ class RealtimeCall:
         if self._closed:
             return
         self._closed = True
+        self._events.close()
+        if self._reading is not asyncio.current_task():
+            self._reading.cancel()
         with contextlib.suppress(Exception):
             await self._ws.close()
         await self._http.close()
+
+    async def _read(self) -> None:
+        try:
+            async for event in self._provider_events():
+                self._events.push(event)
+        except Exception as exc:  # a bug: the reader raises it, as when it read itself
+            self._broke = exc
+        finally:
+            self._events.close()
 
     async def _provider_events(self) -> AsyncIterator[DuplexEvent]:
         while not self._closed:

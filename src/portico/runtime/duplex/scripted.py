@@ -14,9 +14,12 @@ Script (YAML or JSON; docs/voice.md):
       - after_silence_frames: 10   # or: speak once speech is followed by this much silence
         fail: {code: PROVIDER_UNAVAILABLE, message: the script says so}
 
-While the agent speaks, a loud caller frame is barge-in: the rest of its speech is
-dropped and `Interruption` follows. The rules live in `ScriptedCall`, which is sans-I/O
-(frames in, events out); `ScriptedDuplexRuntime` only queues them.
+While the agent speaks (a spoken turn lasts from its start to its `SpokenTurnDone`,
+the pause after its last frame included), a loud caller frame is barge-in: the rest of
+its speech is dropped and `Interruption` follows instead of the done. So turns never
+overlap: the next utterance can only be heard once the agent's turn has ended. The
+rules live in `ScriptedCall`, which is sans-I/O (frames in, events out);
+`ScriptedDuplexRuntime` only queues them.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from portico.runtime.duplex.base import (
     AudioFormat,
     AudioIn,
     AudioOut,
+    CallEvents,
     DuplexCall,
     DuplexEvent,
     DuplexFailure,
@@ -109,6 +113,7 @@ class ScriptedCall:
         self._loud = 0
         self._silent_after_speech = 0
         self._speaking: deque[bytes] = deque()
+        self._turn_open = False  # a spoken turn started and has not ended (done or barge-in)
         self._turn_started = False
         self.ended = False
 
@@ -121,8 +126,9 @@ class ScriptedCall:
         if self.script.echo:
             return [AudioOut(data=frame.data, sequence=frame.sequence)]
         loud = peak(frame.data) >= self.script.silence_peak
-        if loud and self._speaking:
+        if loud and self._turn_open:
             self._speaking.clear()
+            self._turn_open = False
             self._loud = 1
             return [Interruption()]
         return self._count(loud)
@@ -135,6 +141,14 @@ class ScriptedCall:
     def next_speech(self) -> AudioOut | None:
         """The next frame of agent speech, or None when it is not speaking."""
         return AudioOut(data=self._speaking.popleft()) if self._speaking else None
+
+    def end_of_speech(self) -> SpokenTurnDone | None:
+        """The end of the spoken turn whose speech has all been taken (once), or None:
+        no turn is open (none started, or it was barged in on), or it has speech left."""
+        if not self._turn_open or self._speaking:
+            return None
+        self._turn_open = False
+        return SpokenTurnDone()
 
     def _count(self, loud: bool) -> list[DuplexEvent]:
         turn = self._current()
@@ -167,7 +181,7 @@ class ScriptedCall:
         if turn.reply:
             events.append(AgentText(turn.reply))
         self._speaking.extend(tone(self.format, turn.tone_ms, turn.tone_hz))
-        self._turn_started = True
+        self._turn_open = self._turn_started = True
         return events
 
 
@@ -175,13 +189,7 @@ class _Call:
     def __init__(self, core: ScriptedCall, frame_interval: float) -> None:
         self._core = core
         self._interval = frame_interval
-        # The events not yet read, None last; a deque and one future rather than an
-        # asyncio.Queue: every caller frame of an echo call passes here (its per-item
-        # bookkeeping is a third of the hop's cost, docs/performance.md "Voice calls").
-        self._events: deque[DuplexEvent | None] = deque()
-        self._reader: asyncio.Future[None] | None = None  # the reader waiting for one
-        self._taker: EventTaker | None = None  # see `hand_over`
-        self._pending_done = False
+        self._events = CallEvents()
         self._closed = False
         self._speaker: asyncio.Task[None] | None = None
         self._ender: asyncio.Task[None] | None = None
@@ -190,71 +198,43 @@ class _Call:
     async def send(self, audio: AudioIn) -> None:
         if self._closed:
             return
-        for event in self._core.hear(audio):
-            if isinstance(event, Interruption):
-                self._pending_done = False
-            self._push(event)
+        self._put(self._core.hear(audio))
         if self._core.ended:
             self._finish()
             return
         if self._core.take_turn_started():
-            self._pending_done = True
             self._ensure_speaker()
         if audio.is_last:
             self._finish_after_speech()
 
     def events(self) -> AsyncIterator[DuplexEvent]:
-        return self._drain()
+        return self._events.drain()
 
     async def close(self) -> None:
         self._finish()
 
-    async def _drain(self) -> AsyncIterator[DuplexEvent]:
-        events = self._events
-        while True:
-            while not events:
-                self._reader = asyncio.get_running_loop().create_future()
-                await self._reader
-            event = events.popleft()
-            if event is None:
-                return
-            yield event
-
     def hand_over(self, taker: EventTaker) -> None:
         """Events the waiting reader would be woken for go to `taker` first (base.py)."""
-        self._taker = taker
-
-    def _push(self, event: DuplexEvent | None) -> None:
-        taker = self._taker
-        if (
-            taker is not None
-            and event is not None
-            and self._reader is not None  # the reader waits: nothing of its is unread
-            and not self._events
-            and taker(event)
-        ):
-            return
-        self._events.append(event)
-        reader, self._reader = self._reader, None
-        if reader is not None and not reader.done():
-            reader.set_result(None)
+        self._events.hand_over(taker)
 
     def _put(self, events: list[DuplexEvent]) -> None:
         for event in events:
-            self._push(event)
+            self._events.push(event)
 
     def _ensure_speaker(self) -> None:
         if self._speaker is None or self._speaker.done():
             self._speaker = asyncio.create_task(self._speak())
 
     async def _speak(self) -> None:
+        # The core says when a turn ends: a barge-in during a pause ends it without its
+        # done, and a turn started since (only after that barge-in) is spoken on here.
         while (frame := self._core.next_speech()) is not None and not self._closed:
-            self._push(frame)
+            self._events.push(frame)
             # Speech at the pace a caller hears it (or as fast as read, for tests).
             await asyncio.sleep(self._interval)
-        if self._pending_done and not self._closed:
-            self._pending_done = False
-            self._push(SpokenTurnDone())
+        done = self._core.end_of_speech()
+        if done is not None and not self._closed:
+            self._events.push(done)
 
     def _finish_after_speech(self) -> None:
         async def later() -> None:
@@ -270,7 +250,7 @@ class _Call:
         self._closed = True
         if self._speaker is not None and self._speaker is not asyncio.current_task():
             self._speaker.cancel()
-        self._push(None)
+        self._events.close()
 
 
 class ScriptedDuplexRuntime:
