@@ -229,6 +229,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # (a stop, a tool result); past it the client gets SERVICE_UNAVAILABLE.
     bus_control_timeout: Seconds = 5.0
     bus_topic_ttl: Seconds = 86_400.0  # a turn-output stream's life after its last entry
+    # A replica's control inbox outlives the replica this long: the replica renews it
+    # every third of this while it reads it (so at least 3 x bus_read_block).
+    bus_inbox_ttl: Seconds = 300.0
 
     # Authentication: `none` (one principal, `local`), `apikey` or `jwt` (docs/auth.md).
     auth: Literal["none", "apikey", "jwt"] = "none"
@@ -457,6 +460,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError("media=s3 needs aiobotocore: pip install 'portico[s3]'")
 
     def _check_bus(self) -> None:
+        if self.bus_inbox_ttl < 3 * self.bus_read_block:
+            # Renewed between reads: a shorter one could lapse under a living replica.
+            raise ConfigError("bus_inbox_ttl must be at least 3 x bus_read_block")
         for name, value in (("bus", self.bus), ("session_state", self.session_state)):
             if value != "redis":
                 continue
