@@ -214,6 +214,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Seconds a replica may go without renewing its lease before it counts as dead
     # and another replica interrupts its unfinished turns.
     replica_lease: Seconds = 30.0
+    # A turn's end the archive refused (PostgreSQL reset, failing over) is written
+    # again every turn_end_retry_interval seconds for turn_end_retry_window seconds.
+    turn_end_retry_interval: Seconds = 0.5
+    turn_end_retry_window: Seconds = 120.0
     # Bus between replicas (docs/replicas.md): `memory` (one process) or `redis`
     # (redis_url; turn output, RPC updates, control and `/v1/session` state reach
     # every replica).

@@ -210,6 +210,14 @@ RUNTIMES = "demo, echo, scripted, openai, openai-realtime, grpc, python"
             "PORTICO_BUS_INBOX_TTL: invalid value '0'; expected `float` > 0.0",
         ),
         (
+            {"PORTICO_TURN_END_RETRY_INTERVAL": "0"},
+            "PORTICO_TURN_END_RETRY_INTERVAL: invalid value '0'; expected `float` > 0.0",
+        ),
+        (
+            {"PORTICO_TURN_END_RETRY_WINDOW": "-1"},
+            "PORTICO_TURN_END_RETRY_WINDOW: invalid value '-1'; expected `float` > 0.0",
+        ),
+        (
             {"PORTICO_LOG_LEVEL": "chatty"},
             "PORTICO_LOG_LEVEL: invalid value 'chatty'; valid values: DEBUG, INFO, WARNING, ERROR",
         ),
