@@ -338,6 +338,32 @@ async def test_rpc_messages_waiting_on_one_replica_run_after_the_other_replicas_
         await stop_all([a, b])
 
 
+async def test_an_rpc_message_whose_turn_takes_the_lock_counts_as_running(
+    redis: Any, gate: Gate
+) -> None:
+    """The drain stops once no turn runs: an RPC message accepted while its turn waits
+    for the lock (a round trip, slow here) must count, or a draining replica would stop
+    and leave it pending (the rolling restart's unanswered RPC message)."""
+    with SlowRelay(("127.0.0.1", 6379), delay=0.3) as relay:
+        slow = aioredis.from_url(f"redis://127.0.0.1:{relay.port}/0", socket_timeout=5)
+        a, b = await make_replicas(redis, gate, lock_clients={"rep-a": slow})
+        try:
+            session = await a.engine.open_session(
+                principal="alice", agent="default", session_id="s-drain"
+            )
+            ended = Recorder()
+            a.engine.attach(session.id, ended)
+            gate.release.set()
+            await a.engine.enqueue(session, message(session.id))
+            assert a.engine.running_turns == 1  # its lock is on its way
+            assert isinstance(await ended.terminal(), TurnCompleted)
+            await asyncio.wait_for(a.engine.wait_idle(WAIT), WAIT)
+            assert a.engine.running_turns == 0
+        finally:
+            await stop_all([a, b])
+            await slow.aclose()
+
+
 async def test_a_replica_shutting_down_sends_its_turns_terminal_events_before_it_goes(
     redis: Any, gate: Gate
 ) -> None:

@@ -815,7 +815,11 @@ class Engine:
 
     @property
     def running_turns(self) -> int:
-        return len(self._tasks)
+        """Turns running here, and RPC messages accepted here whose turn is about to
+        start (archived, or taking the session's turn lock): the drain waits for them
+        too, or they would stay pending until this replica's next start ends them
+        `interrupted`, unanswered."""
+        return len(self._tasks.keys() | self._claiming | self._claimed)
 
     async def wait_turn_end(self, within: float) -> None:
         """Until one of the running turns ends, or `within` seconds passed."""
