@@ -214,6 +214,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Seconds a replica may go without renewing its lease before it counts as dead
     # and another replica interrupts its unfinished turns.
     replica_lease: Seconds = 30.0
+    # A turn's end the archive refused (PostgreSQL reset, failing over) is written
+    # again every turn_end_retry_interval seconds for turn_end_retry_window seconds.
+    turn_end_retry_interval: Seconds = 0.5
+    turn_end_retry_window: Seconds = 120.0
     # Bus between replicas (docs/replicas.md): `memory` (one process) or `redis`
     # (redis_url; turn output, RPC updates, control and `/v1/session` state reach
     # every replica).
@@ -229,6 +233,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # (a stop, a tool result); past it the client gets SERVICE_UNAVAILABLE.
     bus_control_timeout: Seconds = 5.0
     bus_topic_ttl: Seconds = 86_400.0  # a turn-output stream's life after its last entry
+    # A replica's control inbox outlives the replica this long: the replica renews it
+    # every third of this while it reads it (so at least 3 x bus_read_block).
+    bus_inbox_ttl: Seconds = 300.0
 
     # Authentication: `none` (one principal, `local`), `apikey` or `jwt` (docs/auth.md).
     auth: Literal["none", "apikey", "jwt"] = "none"
@@ -457,6 +464,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError("media=s3 needs aiobotocore: pip install 'portico[s3]'")
 
     def _check_bus(self) -> None:
+        if self.bus_inbox_ttl < 3 * self.bus_read_block:
+            # Renewed between reads: a shorter one could lapse under a living replica.
+            raise ConfigError("bus_inbox_ttl must be at least 3 x bus_read_block")
         for name, value in (("bus", self.bus), ("session_state", self.session_state)):
             if value != "redis":
                 continue

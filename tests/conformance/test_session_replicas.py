@@ -306,11 +306,6 @@ async def test_the_window_of_a_dead_replicas_session_holds_on_the_other(
 ROUNDS = 6  # drops and resumes through the balancer
 
 
-# Known race, not yet understood (issue 16): with `session_state: redis`, about one run
-# in seven under full-suite load, a message sent after a resume gets no numbered answer
-# within the step deadline. Rerun at most twice so a consistent breakage still fails;
-# the race is in docs/replicas.md's list of what is left.
-@pytest.mark.flaky(reruns=2)
 async def test_round_robin_resumes_land_on_every_replica_and_lose_nothing(
     http: aiohttp.ClientSession, tmp_path: Path, state_env: dict[str, str]
 ) -> None:

@@ -218,3 +218,39 @@ async def test_redis_topics_expire_after_their_last_entry() -> None:
         await bus.close()
         await client.delete(f"{prefix}topic:session:t")
         await client.aclose()
+
+
+async def test_a_stopped_replicas_inbox_expires_and_a_living_ones_does_not() -> None:
+    """Redis backend: an inbox lives while its replica reads it. `inbox_ttl` is short
+    here; messages still sent to the stopped replica do not keep its inbox."""
+    if not _redis_up():
+        pytest.skip("Redis is not running at 127.0.0.1:6379")
+    import redis.asyncio as aioredis
+
+    from portico.bus.redis_bus import RedisBus
+
+    prefix = f"test-bus-{uuid.uuid4().hex}:"
+    bus = RedisBus(REDIS_URL, prefix=prefix, block=0.1, inbox_ttl=1.0)
+    client = aioredis.from_url(REDIS_URL)
+    alive, gone = bus.inbox("replica-alive"), bus.inbox("replica-gone")
+    try:
+        for name, inbox in (("replica-alive", alive), ("replica-gone", gone)):
+            taken = asyncio.ensure_future(anext(inbox))
+            await bus.send(name, b"hello")
+            assert await asyncio.wait_for(taken, DEADLINE) == b"hello"
+        reading = asyncio.ensure_future(anext(alive))  # the living replica reads on
+        await gone.aclose()  # type: ignore[attr-defined]  # the other one stopped
+        gone_key = f"{prefix}inbox:replica-gone"
+        async with asyncio.timeout(DEADLINE):
+            while await client.exists(gone_key):
+                await bus.send("replica-gone", b"for nobody")  # a sender does not renew
+                await asyncio.sleep(0.2)
+        assert await client.pttl(f"{prefix}inbox:replica-alive") > 0
+        await bus.send("replica-alive", b"still here")
+        assert await asyncio.wait_for(reading, DEADLINE) == b"still here"
+    finally:
+        await bus.close()
+        keys = [key async for key in client.scan_iter(match=f"{prefix}*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()

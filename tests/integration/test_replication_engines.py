@@ -28,6 +28,7 @@ from portico.replication.link import BusLink
 from portico.replication.turnlock import TurnLocks
 from portico.runtime.base import Chunk, Done, ToolCall, TurnInput, TurnStream
 from portico.store.memory import MemoryStore
+from support.slowtcp import SlowRelay
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 WAIT = 5.0
@@ -114,12 +115,21 @@ class SlowBus(InProcessBus):
         return await super().publish(topic, payload)
 
 
-async def make_replicas(redis: Any, runtime: Any, bus: InProcessBus | None = None) -> list[Replica]:
+async def make_replicas(
+    redis: Any,
+    runtime: Any,
+    bus: InProcessBus | None = None,
+    *,
+    lock_clients: dict[str, Any] | None = None,
+) -> list[Replica]:
+    """Replicas `rep-a` and `rep-b`; `lock_clients`: a replica's own Redis client for
+    its turn locks (the others use `redis`)."""
     store, bus = MemoryStore(), bus or InProcessBus()
     replicas = []
     for name in ("rep-a", "rep-b"):
         tools = ClientToolBroker(store=store, ack_timeout=5, answer_timeout=10, clock=time.time)
-        locks = TurnLocks(redis, prefix=redis.test_prefix, replica_id=name, lease=LEASE)
+        client = (lock_clients or {}).get(name, redis)
+        locks = TurnLocks(client, prefix=redis.test_prefix, replica_id=name, lease=LEASE)
         link = BusLink(bus, locks, store, replica_id=name, lease=LEASE, control_timeout=1.0)
         link.bind_tools(tools)
         tools.relay = link
@@ -195,6 +205,31 @@ async def test_a_second_replica_cannot_start_a_turn_in_a_busy_session(
         assert gate.runs == 2
     finally:
         await stop_all([a, b])
+
+
+async def test_a_turn_end_relayed_to_the_other_replica_finds_the_session_free(
+    redis: Any, gate: Gate
+) -> None:
+    """A client on A that reads the `done` of B's turn and sends its next message at once
+    is not told the turn is still in progress: B frees the session's lock before the
+    turn's end goes out. B's lock writes cross a slow link, so a release sent beside
+    (not before) the end would still be on its way when A asks for the lock."""
+    with SlowRelay(("127.0.0.1", 6379), delay=0.3) as relay:
+        slow = aioredis.from_url(f"redis://127.0.0.1:{relay.port}/0", socket_timeout=5)
+        a, b = await make_replicas(redis, gate, lock_clients={"rep-b": slow})
+        try:
+            watcher = Recorder()
+            a.engine.attach("sess-free", watcher)
+            await asyncio.sleep(0.05)  # the reader is up
+            await b.engine.submit(message("sess-free"), Recorder())
+            gate.release.set()
+            assert isinstance(await watcher.terminal(), TurnCompleted)
+            next_turn = Recorder()
+            await a.engine.submit(message("sess-free", "next"), next_turn)
+            assert isinstance(await next_turn.terminal(), TurnCompleted)
+        finally:
+            await stop_all([a, b])
+            await slow.aclose()
 
 
 async def test_racing_submits_on_two_replicas_run_one_turn(redis: Any, gate: Gate) -> None:
@@ -301,6 +336,32 @@ async def test_rpc_messages_waiting_on_one_replica_run_after_the_other_replicas_
         assert {t.replica for t in turns if t.state.value == "completed"} == {"rep-a", "rep-b"}
     finally:
         await stop_all([a, b])
+
+
+async def test_an_rpc_message_whose_turn_takes_the_lock_counts_as_running(
+    redis: Any, gate: Gate
+) -> None:
+    """The drain stops once no turn runs: an RPC message accepted while its turn waits
+    for the lock (a round trip, slow here) must count, or a draining replica would stop
+    and leave it pending (the rolling restart's unanswered RPC message)."""
+    with SlowRelay(("127.0.0.1", 6379), delay=0.3) as relay:
+        slow = aioredis.from_url(f"redis://127.0.0.1:{relay.port}/0", socket_timeout=5)
+        a, b = await make_replicas(redis, gate, lock_clients={"rep-a": slow})
+        try:
+            session = await a.engine.open_session(
+                principal="alice", agent="default", session_id="s-drain"
+            )
+            ended = Recorder()
+            a.engine.attach(session.id, ended)
+            gate.release.set()
+            await a.engine.enqueue(session, message(session.id))
+            assert a.engine.running_turns == 1  # its lock is on its way
+            assert isinstance(await ended.terminal(), TurnCompleted)
+            await asyncio.wait_for(a.engine.wait_idle(WAIT), WAIT)
+            assert a.engine.running_turns == 0
+        finally:
+            await stop_all([a, b])
+            await slow.aclose()
 
 
 async def test_a_replica_shutting_down_sends_its_turns_terminal_events_before_it_goes(

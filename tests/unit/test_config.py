@@ -206,6 +206,18 @@ RUNTIMES = "demo, echo, scripted, openai, openai-realtime, grpc, python"
             "PORTICO_MAX_CONNECTIONS: invalid value '0'; expected `int` >= 1",
         ),
         (
+            {"PORTICO_BUS_INBOX_TTL": "0"},
+            "PORTICO_BUS_INBOX_TTL: invalid value '0'; expected `float` > 0.0",
+        ),
+        (
+            {"PORTICO_TURN_END_RETRY_INTERVAL": "0"},
+            "PORTICO_TURN_END_RETRY_INTERVAL: invalid value '0'; expected `float` > 0.0",
+        ),
+        (
+            {"PORTICO_TURN_END_RETRY_WINDOW": "-1"},
+            "PORTICO_TURN_END_RETRY_WINDOW: invalid value '-1'; expected `float` > 0.0",
+        ),
+        (
             {"PORTICO_LOG_LEVEL": "chatty"},
             "PORTICO_LOG_LEVEL: invalid value 'chatty'; valid values: DEBUG, INFO, WARNING, ERROR",
         ),
@@ -444,6 +456,12 @@ def test_keepalive_that_would_close_punctual_peers_is_refused(
     load(
         {**env, "PORTICO_PONG_TIMEOUT": "61", "PORTICO_SESSION_IDLE_TIMEOUT": "46"}
     ).check_startable()
+
+
+def test_an_inbox_that_could_lapse_between_its_replicas_reads_is_refused() -> None:
+    with pytest.raises(ConfigError, match="bus_inbox_ttl must be at least 3 x bus_read_block"):
+        load({"PORTICO_BUS_INBOX_TTL": "2", "PORTICO_BUS_READ_BLOCK": "1"}).check_startable()
+    load({"PORTICO_BUS_INBOX_TTL": "3", "PORTICO_BUS_READ_BLOCK": "1"}).check_startable()
 
 
 def test_allow_unauthenticated_permits_an_open_bind() -> None:

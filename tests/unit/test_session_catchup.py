@@ -4,6 +4,8 @@ replica's included, never one that ended before the ledger's latest ended turn."
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 from portico.domain.model import Session, Turn
@@ -57,3 +59,30 @@ async def test_turns_before_the_latest_ended_one_are_not_answered_again() -> Non
     answers = Answers()
     await catch_up(answers, store, since=0.0, ended=("t-latest",), grace=0.01)
     assert answers.ended_turns == []
+
+
+class Lock:
+    """Another replica's turn lock on the session, freed after `held_for` looks."""
+
+    def __init__(self, held_for: int) -> None:
+        self.held_for = held_for
+        self.looks = 0
+
+    async def runs_elsewhere(self, session_ids: Iterable[str]) -> bool:
+        assert tuple(session_ids) == (SESSION,)
+        self.looks += 1
+        return self.looks <= self.held_for
+
+
+async def test_an_ended_turn_is_answered_only_once_its_replica_freed_the_session() -> None:
+    """The archive has a turn's end a moment before the replica that ran it releases the
+    session's lock: answered earlier, a client sending its next message at once on this
+    replica would be refused `TURN_IN_PROGRESS` (issue 16's round-robin race)."""
+    store = MemoryStore()
+    await archive(store, "t-elsewhere", 5.0, "other")
+    answers, lock = Answers(), Lock(held_for=2)
+    await catch_up(
+        answers, store, since=0.0, ended=(), grace=0.01, runs_elsewhere=lock.runs_elsewhere
+    )
+    assert answers.ended_turns == [("t-elsewhere", "Done")]
+    assert lock.looks == 3  # held twice, answered at the first look that found it free

@@ -4,6 +4,13 @@ Streams, not pub/sub: a reader holds its last id, so a slow consumer loses nothi
 (up to `max_len` entries kept) and a reader whose connection broke (Redis restarted)
 reconnects and reads on from its id, each entry once. An inbox is read through a
 consumer group with XACK so a control message is delivered to its replica once.
+
+An inbox lives as long as its replica: the replica reading it sets its expiry to
+`inbox_ttl` and renews it every third of that while it reads, so the inbox of a
+replica gone for good (its id never used again) leaves Redis `inbox_ttl` after the
+replica stopped. A sender never renews it: its expiry is set only on an inbox that
+has none (one the send itself created), so messages for a dead replica cannot keep
+its inbox.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from portico.health import Health, probe
 log = logging.getLogger("portico.bus")
 _GROUP = "replica"
 TOPIC_TTL = 24 * 3600.0  # seconds a topic's stream outlives its last entry
+INBOX_TTL = 300.0  # seconds a replica's inbox outlives the replica's last renewal
 
 
 class RedisBus:
@@ -34,15 +42,20 @@ class RedisBus:
         max_len: int = 10_000,
         block: float = 1.0,
         topic_ttl: float | None = TOPIC_TTL,
+        inbox_ttl: float | None = INBOX_TTL,
     ) -> None:
         """`topic_ttl`: seconds a topic's stream is kept after its last entry (None:
-        until trimmed), so the streams of sessions long over do not pile up in Redis."""
+        until trimmed), so the streams of sessions long over do not pile up in Redis.
+        `inbox_ttl`: seconds a replica's inbox is kept after its reader last renewed
+        it (None: for ever); it should be several times `block` (renewed between
+        reads)."""
         # Replies are handled as Any: redis-py types them as a union of sync and async.
         self._redis: Any = aioredis.from_url(url)
         self._prefix = prefix
         self._max_len = max_len
         self._block_ms = max(1, int(block * 1000))
         self._ttl = None if topic_ttl is None else max(1, int(topic_ttl))
+        self._inbox_ttl_ms = None if inbox_ttl is None else max(1, int(inbox_ttl * 1000))
 
     def _key(self, kind: str, name: str) -> str:
         return f"{self._prefix}{kind}:{name}"
@@ -84,22 +97,36 @@ class RedisBus:
         return entries[0][0].decode() if entries else "0-0"
 
     async def send(self, replica: str, payload: bytes) -> None:
-        await self._redis.xadd(
-            self._key("inbox", replica), {b"p": payload}, maxlen=self._max_len, approximate=True
-        )
+        key = self._key("inbox", replica)
+        if self._inbox_ttl_ms is None:
+            await self._redis.xadd(key, {b"p": payload}, maxlen=self._max_len, approximate=True)
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xadd(key, {b"p": payload}, maxlen=self._max_len, approximate=True)
+        # NX: an expiry only where there is none (an inbox this send created), never
+        # renewed by senders: only the replica reading it keeps it.
+        pipe.pexpire(key, self._inbox_ttl_ms, nx=True)
+        await pipe.execute()
 
     async def inbox(self, replica: str) -> AsyncIterator[bytes]:
         key = self._key("inbox", replica)
         await self._ensure_group(key)
+        loop = asyncio.get_running_loop()
+        renew_at = 0.0  # at once
         while True:
             try:
+                if self._inbox_ttl_ms is not None and loop.time() >= renew_at:
+                    await self._redis.pexpire(key, self._inbox_ttl_ms)
+                    renew_at = loop.time() + self._inbox_ttl_ms / 3000
                 batches = await self._redis.xreadgroup(
                     _GROUP, replica, {key: ">"}, block=self._block_ms
                 )
             except (RedisConnectionError, ResponseError):
-                # A restarted Redis without persistence lost the group: create it again.
+                # A restarted Redis without persistence lost the group: create it again
+                # (and the inbox's expiry with it).
                 await asyncio.sleep(self._block_ms / 1000)
                 await self._ensure_group_quietly(key)
+                renew_at = 0.0
                 continue
             for _, entries in batches or ():
                 for entry_id, fields in entries:

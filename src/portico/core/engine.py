@@ -26,7 +26,7 @@ from portico.core.replicalink import ReplicaLink
 from portico.core.reservations import SessionReservations
 from portico.core.telemetry import NoTelemetry, Telemetry
 from portico.core.tools import NoClientTools, ToolBroker
-from portico.core.turns import StreamedSoFar, TurnRunner
+from portico.core.turns import EndRetry, StreamedSoFar, TurnRunner
 from portico.domain.memory import NO_FACET, AgentMemory, MemoryKey, MemoryLimits
 from portico.domain.model import ContentPart, Message, Session, Turn, new_id
 from portico.domain.states import TurnState, TurnTrigger, next_turn_state
@@ -162,11 +162,13 @@ class Engine:
         reservations: SessionReservations | None = None,
         memory_limits: MemoryLimits | None = None,
         link: ReplicaLink | None = None,
+        end_retry: EndRetry | None = None,
     ) -> None:
         """`replica_id` names this process among the replicas sharing the archive (empty:
         a fresh one); `replica_lease`: seconds without renewal after which a replica
         counts as dead and its turns are interrupted (docs/storage.md). `link`: the
-        other replicas (docs/replicas.md); None runs as the only process."""
+        other replicas (docs/replicas.md); None runs as the only process. `end_retry`:
+        how a turn's end the archive refused is written again."""
         self._media = media
         self.reservations = reservations or SessionReservations()
         self._telemetry = telemetry or NoTelemetry()
@@ -199,6 +201,7 @@ class Engine:
         self._lease = replica_lease
         self._leasing: asyncio.Task[None] | None = None
         self._link = link
+        self._end_retry = end_retry or EndRetry()
         self._claiming: set[str] = set()  # sessions whose backlog waits for the turn lock
         if link is not None:
             link.bind(self)
@@ -759,6 +762,7 @@ class Engine:
             clock=self._clock,
             telemetry=self._telemetry,
             traces=self.traces,
+            end_retry=self._end_retry,
         )
         self._running[session.id] = runner
         task = detached(self._run_turn(session, runner), name=f"turn-{turn.id}")
@@ -818,7 +822,11 @@ class Engine:
 
     @property
     def running_turns(self) -> int:
-        return len(self._tasks)
+        """Turns running here, and RPC messages accepted here whose turn is about to
+        start (archived, or taking the session's turn lock): the drain waits for them
+        too, or they would stay pending until this replica's next start ends them
+        `interrupted`, unanswered."""
+        return len(self._tasks.keys() | self._claiming | self._claimed)
 
     async def wait_turn_end(self, within: float) -> None:
         """Until one of the running turns ends, or `within` seconds passed."""

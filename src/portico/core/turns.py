@@ -60,10 +60,16 @@ class StreamedSoFar(NamedTuple):
 
 
 YIELD_EVERY = 64  # runtime events between forced yields to the event loop
-# A turn's end the archive refused (PostgreSQL reset, failing over) is written again.
-END_RETRY_INTERVAL = 0.5  # seconds between attempts
-END_RETRY_WINDOW = 120.0  # seconds the attempts go on
 _END_RETRIES: set[asyncio.Task[None]] = set()
+
+
+class EndRetry(msgspec.Struct, frozen=True, kw_only=True):
+    """A turn's end the archive refused (PostgreSQL reset, failing over) is written
+    again: every `interval` seconds for `window` seconds (settings
+    `turn_end_retry_interval`, `turn_end_retry_window`)."""
+
+    interval: float = 0.5
+    window: float = 120.0
 
 
 class TurnRunner:
@@ -84,8 +90,10 @@ class TurnRunner:
         reply: Message | None = None,
         reply_written: asyncio.Future[Any] | None = None,
         traces: SessionTraces | None = None,
+        end_retry: EndRetry | None = None,
     ) -> None:
         self.turn = turn
+        self._end_retry = end_retry or EndRetry()
         self._traces = traces
         self._telemetry = telemetry
         self._created = time.perf_counter()
@@ -387,7 +395,7 @@ class TurnRunner:
             # tried again: a turn the archive keeps `running` would stay so while this
             # replica lives (the orphan sweep spares a live replica's turns).
             log.exception("archiving the turn's end failed turn=%s", self.turn.id)
-            _retry_end(self._store, self.turn, reply)
+            _retry_end(self._store, self.turn, reply, self._end_retry)
         self.emit(event)
 
     def _last_part(self, answer: str) -> str:
@@ -470,20 +478,22 @@ class TurnRunner:
 _PART_TYPES: dict[str, PartType] = {"image": "image", "audio": "audio", "video": "video"}
 
 
-def _retry_end(store: Store, turn: Turn, reply: Message | None) -> None:
-    task = asyncio.ensure_future(_archive_end_later(store, turn, reply))
+def _retry_end(store: Store, turn: Turn, reply: Message | None, retry: EndRetry) -> None:
+    task = asyncio.ensure_future(_archive_end_later(store, turn, reply, retry))
     _END_RETRIES.add(task)
     task.add_done_callback(_END_RETRIES.discard)
 
 
-async def _archive_end_later(store: Store, turn: Turn, reply: Message | None) -> None:
-    """The turn's end again, every `END_RETRY_INTERVAL` within `END_RETRY_WINDOW` (the
+async def _archive_end_later(
+    store: Store, turn: Turn, reply: Message | None, retry: EndRetry
+) -> None:
+    """The turn's end again, every `retry.interval` within `retry.window` (the
     write replaces the reply and the turn: repeating it is harmless). Past the window
     the turn stays `running` until this replica's next start sweeps it."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + END_RETRY_WINDOW
+    deadline = loop.time() + retry.window
     while loop.time() < deadline:
-        await asyncio.sleep(END_RETRY_INTERVAL)
+        await asyncio.sleep(retry.interval)
         try:
             await store.end_turn(turn, reply)
         except StoreError:

@@ -99,6 +99,8 @@ class BusLink:
         self._filling: set[str] = set()  # owners whose archive read runs
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._outbox: deque[tuple[str, bytes]] = deque()
+        # Turn locks to free (session, value), before the next events go out.
+        self._releases: list[tuple[str, str]] = []
         self._queued = asyncio.Event()
         self._idle = asyncio.Event()  # set while nothing waits to be published
         self._idle.set()
@@ -143,13 +145,9 @@ class BusLink:
         # The bus is closed by its owner (server/backends.py), after the engine's stop.
 
     async def _flush(self, within: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within
+        """Until the publisher sent what is queued, lock releases included."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), within)
-        releasing = [t for t in self._tasks if t.get_name().startswith("turn-unlock-")]
-        if releasing:
-            await asyncio.wait(releasing, timeout=max(0.0, deadline - loop.time()))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -177,7 +175,11 @@ class BusLink:
         while True:
             await self._queued.wait()
             self._queued.clear()
-            while self._outbox:
+            while self._outbox or self._releases:
+                # Locks first: the events queued before a release include its turn's end.
+                await self._release_pending()
+                if not self._outbox:
+                    continue
                 # Whatever queued meanwhile goes in one round trip, in order.
                 count = min(len(self._outbox), PUBLISH_BATCH)
                 batch = [self._outbox.popleft() for _ in range(count)]
@@ -324,14 +326,24 @@ class BusLink:
         return holder is not None and holder.replica != self.replica_id
 
     def release(self, session_id: str) -> None:
-        self._spawn(self._release(session_id), f"turn-unlock-{session_id}")
+        """Free the session's lock before the events queued so far are published: the
+        turn's terminal event is queued already, and a client that reads it on another
+        replica and sends its next message at once must find the session free there
+        (as on one process), not `TURN_IN_PROGRESS`."""
+        value = self._locks.forget(session_id)
+        if value is not None:
+            self._releases.append((session_id, value))
+            self._idle.clear()
+            self._queued.set()
 
-    async def _release(self, session_id: str) -> None:
-        try:
-            await self._locks.release(session_id)
-        except Exception:
-            # It lapses by itself within the lease.
-            log.warning("turn lock release failed session=%s", session_id)
+    async def _release_pending(self) -> None:
+        releases, self._releases = self._releases, []
+        for session_id, value in releases:
+            try:
+                await self._locks.release_value(session_id, value)
+            except Exception:
+                # It lapses by itself within the lease.
+                log.warning("turn lock release failed session=%s", session_id)
 
     async def _renew(self) -> None:
         for session_id in await self._locks.renew_all():

@@ -108,9 +108,21 @@ class TurnLocks:
             raise BusUnavailable() from exc
 
     async def release(self, session_id: str) -> None:
-        value = self._held.pop(session_id, None)
+        value = self.forget(session_id)
         if value is not None:
+            await self.release_value(session_id, value)
+
+    def forget(self, session_id: str) -> str | None:
+        """Stop holding the lock here at once (the next `acquire` asks Redis); the value
+        to delete it with, None when not held."""
+        return self._held.pop(session_id, None)
+
+    async def release_value(self, session_id: str, value: str) -> None:
+        """Delete the lock if it still has `value` (a newer grant is left alone)."""
+        try:
             await self._release(keys=[self._key(session_id)], args=[value])
+        except RedisError as exc:
+            raise BusUnavailable() from exc
 
     async def renew_all(self) -> list[str]:
         """Extend every lock held here; the sessions whose lock was lost (it lapsed and

@@ -52,6 +52,7 @@ def _build_bus(settings: Settings) -> tuple[Bus, Callable[[], Awaitable[None]]]:
         max_len=settings.bus_stream_max_len,
         block=settings.bus_read_block,
         topic_ttl=settings.bus_topic_ttl,
+        inbox_ttl=settings.bus_inbox_ttl,
     )
     return redis_bus, redis_bus.close
 

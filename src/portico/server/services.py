@@ -25,6 +25,7 @@ from portico.core.engine import Engine
 from portico.core.lifecycle import Lifecycle, Phase
 from portico.core.reservations import SessionReservations
 from portico.core.tools import ClientToolBroker
+from portico.core.turns import EndRetry
 from portico.domain.memory import MemoryLimits
 from portico.domain.model import new_id
 from portico.errors import IdentityProviderUnavailable, Unauthenticated
@@ -113,6 +114,10 @@ class Services:
                 search_limit=settings.memory_search_limit,
             ),
             link=self.link,
+            end_retry=EndRetry(
+                interval=settings.turn_end_retry_interval,
+                window=settings.turn_end_retry_window,
+            ),
         )
         self.calls = build_calls(
             settings,

@@ -18,6 +18,7 @@ orphan sweep (within 1.5 `replica_lease`) and is answered with an `error`.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
 from portico.domain.model import Turn
@@ -55,6 +56,10 @@ class TurnAnswering(Protocol):
     def end_turn(self, frame: Numbered, turn_id: str) -> None: ...
 
 
+async def _never(session_ids: Iterable[str]) -> bool:
+    return False
+
+
 async def catch_up(
     session: TurnAnswering,
     store: Store,
@@ -62,6 +67,7 @@ async def catch_up(
     since: float,
     ended: tuple[str, ...],
     grace: float = GRACE,
+    runs_elsewhere: Callable[[Iterable[str]], Awaitable[bool]] = _never,
 ) -> None:
     """Answer this numbering's turns that other replicas run or ran and whose terminal
     message the ledger does not hold, each once its archive entry ends. New ones are
@@ -69,7 +75,10 @@ async def catch_up(
     previous holder had just started may show up a little after the claim. Turns
     created before the latest one the ledger ended had ended before it (one turn runs
     at a time) and were answered then: only `ended`'s last 64 are kept, so they are
-    told apart by time, not by id."""
+    told apart by time, not by id. A turn ended in the archive is answered only once no
+    other replica holds the session's turn lock (`runs_elsewhere`): the archive has the
+    end a moment before the replica that ran it frees the session, and a client that
+    gets the answer and sends its next message at once must find the session free."""
     loop = asyncio.get_running_loop()
     stop_looking = loop.time() + grace
     answered = set(ended)
@@ -91,6 +100,9 @@ async def catch_up(
             current = turn if turn.state in _TERMINAL else await store.get_turn(turn_id)
             if current is None or current.state not in _TERMINAL:
                 break  # in order: a later turn is not answered before an earlier one
+            if await runs_elsewhere((session.id,)):
+                waiting[turn_id] = current  # ended: only the lock's release is awaited
+                break
             del waiting[turn_id]
             answered.add(turn_id)
             frame = await terminal_frame(store, current)

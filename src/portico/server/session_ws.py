@@ -605,6 +605,7 @@ class SessionSocket(ServerSocket):
                 self._services.store,
                 since=profile.opened_at,
                 ended=snapshot.ended_turns,
+                runs_elsewhere=self._services.engine.runs_elsewhere,
             )
         )
         return live

@@ -106,6 +106,7 @@ class OmniaSocket(ServerSocket):
         "_core",
         "_memory_facet",
         "_principal",
+        "_submitting",
     )
 
     def __init__(
@@ -150,6 +151,9 @@ class OmniaSocket(ServerSocket):
         # The sessions this connection's turns ran in; an ordered set, made at the first
         # message (an idle connection holds none): _EMPTY until then.
         self._attached: dict[str, None] = _EMPTY
+        # A message handed to the engine whose turn has not started yet: the drain
+        # must wait for it as for a running turn (see `turn_running`).
+        self._submitting = False
         # The minted id is this principal's before its first message (core/reservations.py).
         services.reservations.reserve(self._core.session_id, self._principal)
 
@@ -204,7 +208,11 @@ class OmniaSocket(ServerSocket):
         )
 
     def turn_running(self) -> bool:
-        return any(self._services.engine.is_busy(s) for s in self._attached)
+        # While `engine.submit` awaits the archive and the turn lock, neither the
+        # engine nor `_attached` knows the turn yet; a drain that closed the socket
+        # then would cut a turn that starts a moment later, whose reply the client
+        # never sees (it sends the message again after the move: a second turn).
+        return self._submitting or any(self._services.engine.is_busy(s) for s in self._attached)
 
     def _check_expiry(self) -> None:
         """Close 4401 once the credential's close point passed and no turn runs here."""
@@ -380,7 +388,11 @@ class OmniaSocket(ServerSocket):
             declare=await self._declaration(event),
             memory_facet=self._memory_facet,
         )
-        await self._services.engine.submit(message, self._on_turn_event)
+        self._submitting = True
+        try:
+            await self._services.engine.submit(message, self._on_turn_event)
+        finally:
+            self._submitting = False
         if self._attached is _EMPTY:
             self._attached = {}
         self._attached[event.session_id] = None
