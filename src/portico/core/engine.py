@@ -826,7 +826,7 @@ class Engine:
         start (archived, or taking the session's turn lock): the drain waits for them
         too, or they would stay pending until this replica's next start ends them
         `interrupted`, unanswered."""
-        return len(self._tasks.keys() | self._claiming | self._claimed)
+        return len(self._tasks.keys() | self._claiming | self._archiving.keys())
 
     async def wait_turn_end(self, within: float) -> None:
         """Until one of the running turns ends, or `within` seconds passed."""
