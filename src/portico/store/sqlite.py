@@ -981,6 +981,10 @@ def connect_reader(path: str) -> Archive:
 class BatchWriter(Protocol):
     """Where the store's batches run: its own thread, or a writer process."""
 
+    @property
+    def pid(self) -> int | None:
+        """The writer process's id; None for the thread."""
+
     async def run_batch(self, writes: list[Write]) -> list[Outcome]:
         """Each write's outcome, in order; raises StoreError when it cannot run any."""
 
@@ -999,6 +1003,10 @@ class ThreadWriter:
         self._conn = conn
         self._executor = executor
         self._read_only = read_only
+
+    @property
+    def pid(self) -> int | None:
+        return None
 
     async def _in_thread(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
@@ -1181,6 +1189,11 @@ class SqliteStore:
         except sqlite3.Error:
             await writer.close()
             raise
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's id while open (None: writes run on the store's thread)."""
+        return None if self._writer is None else self._writer.pid
 
     async def health(self, within: float) -> Health:
         """A file beside this process: ready once open and while its writer runs (a

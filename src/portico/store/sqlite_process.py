@@ -37,7 +37,7 @@ import msgspec
 
 import portico
 from portico.errors import DuplicateClientId, StoreError
-from portico.health import Health
+from portico.health import IN_PROCESS, Health
 from portico.store import rows
 from portico.store.base import as_store_error
 from portico.store.sqlite import (
@@ -227,7 +227,8 @@ class ProcessWriter:
         await self._replies
 
     def health(self) -> Health:
-        return Health(False, self._stopped) if self._stopped else Health(True, "writer running")
+        # Ready as the thread writer is ("in process": a file beside this process).
+        return Health(False, self._stopped) if self._stopped else IN_PROCESS
 
 
 def _encode_write(write: Write) -> msgspec.Raw | StoreError:
