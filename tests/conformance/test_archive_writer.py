@@ -5,8 +5,10 @@ archive is down on /readyz (docs/performance.md, "The archive writer (SQLite)").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -19,7 +21,11 @@ WRITER_MODULE = "portico.store.sqlite_process"
 
 
 def scripted(tmp_path: Path) -> ServerProcess:
-    return ServerProcess(tmp_path / "data", args=("--runtime", "scripted", "--script", str(SCRIPT)))
+    return ServerProcess(
+        tmp_path / "data",
+        args=("--runtime", "scripted", "--script", str(SCRIPT)),
+        env={"PORTICO_SQLITE_WRITER": "process"},
+    )
 
 
 def writer_of(server: ServerProcess) -> int:
@@ -59,33 +65,34 @@ async def until_exited(pid: int) -> None:
         os.close(pidfd)
 
 
-async def open_client(http: aiohttp.ClientSession, server: ServerProcess) -> OmniaClient:
-    return OmniaClient(await http.ws_connect(server.ws_url))
+@contextlib.asynccontextmanager
+async def after_a_turn(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> AsyncIterator[tuple[ServerProcess, OmniaClient]]:
+    """A scripted server whose writer has written one turn, and its client."""
+    server = scripted(tmp_path).start()
+    try:
+        client = OmniaClient(await http.ws_connect(server.ws_url))
+        await client.connected()
+        await client.ask("hi")
+        yield server, client
+    finally:
+        server.stop()
 
 
 async def test_a_server_killed_with_sigkill_leaves_no_writer_behind(
     http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    server = scripted(tmp_path).start()
-    try:
-        client = await open_client(http, server)
-        await client.connected()
-        await client.ask("hi")  # the writer has written
+    async with after_a_turn(http, tmp_path) as (server, _):
         writer = writer_of(server)
         server.stop(signal.SIGKILL)
         await until_exited(writer)  # its pipe closed: it exits by itself
-    finally:
-        server.stop()
 
 
 async def test_a_dead_writer_fails_writes_and_readyz_reports_the_archive_down(
     http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    server = scripted(tmp_path).start()
-    try:
-        client = await open_client(http, server)
-        await client.connected()
-        await client.ask("hi")
+    async with after_a_turn(http, tmp_path) as (server, client):
         async with http.get(server.http_url + "/readyz") as ready:
             assert ready.status == 200
         writer = writer_of(server)
@@ -100,5 +107,3 @@ async def test_a_dead_writer_fails_writes_and_readyz_reports_the_archive_down(
         # not hang waiting for the writer).
         *_, last = await client.ask("again")
         assert (last["type"], last["error"]["code"]) == ("error", "INTERNAL_ERROR"), last
-    finally:
-        server.stop()

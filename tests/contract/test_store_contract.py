@@ -20,6 +20,7 @@ import asyncpg
 import msgspec
 import pytest
 
+from portico.config import SqliteWriter
 from portico.domain.memory import MemoryEntry, MemoryKey
 from portico.domain.model import (
     ENTITY_KINDS,
@@ -55,11 +56,11 @@ async def memory_store(tmp_path: Path) -> Store:
 
 
 async def sqlite_store(tmp_path: Path) -> Store:
-    return SqliteStore(tmp_path / "archive.db")  # writes in a writer process
+    return SqliteStore(tmp_path / "archive.db")  # writes on the store's thread
 
 
-async def sqlite_thread_store(tmp_path: Path) -> Store:
-    return SqliteStore(tmp_path / "archive.db", writer="thread")
+async def sqlite_process_store(tmp_path: Path) -> Store:
+    return SqliteStore(tmp_path / "archive.db", writer="process")
 
 
 # Schemas the running test created, dropped once it ends (see `drop_test_schemas`).
@@ -84,7 +85,7 @@ async def drop_test_schemas() -> AsyncIterator[None]:
 BACKENDS = [
     pytest.param(memory_store, id="memory"),
     pytest.param(sqlite_store, id="sqlite"),
-    pytest.param(sqlite_thread_store, id="sqlite-thread"),
+    pytest.param(sqlite_process_store, id="sqlite-process"),
     pytest.param(postgres_store, id="postgres"),
 ]
 
@@ -645,8 +646,12 @@ def test_the_unfinished_turn_predicate_names_every_terminal_state() -> None:
 # -- SQLite only --------------------------------------------------------------------
 
 
-async def open_sqlite(path: Path) -> SqliteStore:
-    store = SqliteStore(path)
+# SQLite-only tests of what both writers must keep alike.
+BOTH_WRITERS = pytest.mark.parametrize("writer", ["thread", "process"])
+
+
+async def open_sqlite(path: Path, writer: SqliteWriter = "thread") -> SqliteStore:
+    store = SqliteStore(path, writer=writer)
     await store.open()
     return store
 
@@ -657,16 +662,17 @@ def user_version(path: Path) -> int:
     return version
 
 
-async def test_sqlite_data_survives_close_and_reopen(tmp_path: Path) -> None:
+@BOTH_WRITERS
+async def test_sqlite_data_survives_close_and_reopen(tmp_path: Path, writer: SqliteWriter) -> None:
     path = tmp_path / "archive.db"
-    first = await open_sqlite(path)
+    first = await open_sqlite(path, writer)
     session = await first.create_session(make_session())
     messages = await append_many(first, "s1", 3)
     turn = make_turn("t1", state=TurnState.COMPLETED)
     await first.create_turn(turn)
     await first.close()
 
-    second = await open_sqlite(path)
+    second = await open_sqlite(path, writer)
     try:
         assert await second.get_session("s1") == session
         assert await second.list_messages("s1") == messages
@@ -709,8 +715,11 @@ async def test_sqlite_schema_version_and_no_remigration(tmp_path: Path) -> None:
     assert user_version(path) == len(MIGRATIONS)
 
 
-async def test_sqlite_failing_write_in_a_batch_fails_alone(tmp_path: Path) -> None:
-    store = await open_sqlite(tmp_path / "archive.db")
+@BOTH_WRITERS
+async def test_sqlite_failing_write_in_a_batch_fails_alone(
+    tmp_path: Path, writer: SqliteWriter
+) -> None:
+    store = await open_sqlite(tmp_path / "archive.db", writer)
     try:
         await store.create_session(make_session())
         # Queued in one loop iteration, so they share one group-commit transaction.
@@ -735,8 +744,11 @@ async def test_sqlite_failing_write_in_a_batch_fails_alone(tmp_path: Path) -> No
         await store.close()
 
 
-async def test_sqlite_write_failing_outside_sqlite_fails_alone(tmp_path: Path) -> None:
-    store = await open_sqlite(tmp_path / "archive.db")
+@BOTH_WRITERS
+async def test_sqlite_write_failing_outside_sqlite_fails_alone(
+    tmp_path: Path, writer: SqliteWriter
+) -> None:
+    store = await open_sqlite(tmp_path / "archive.db", writer)
     try:
         unencodable = msgspec.structs.replace(make_session("bad"), declare={"x": object()})
         results = await asyncio.wait_for(
@@ -759,7 +771,7 @@ async def test_sqlite_write_failing_outside_sqlite_fails_alone(tmp_path: Path) -
 async def test_sqlite_writer_process_that_dies_fails_writes_and_the_archive_is_down(
     tmp_path: Path,
 ) -> None:
-    store = await open_sqlite(tmp_path / "archive.db")
+    store = await open_sqlite(tmp_path / "archive.db", "process")
     try:
         await store.create_session(make_session())
         pid = store.writer_pid
@@ -782,7 +794,7 @@ async def test_sqlite_writer_process_that_dies_fails_writes_and_the_archive_is_d
 
 
 async def test_sqlite_writer_process_exits_when_its_store_closes(tmp_path: Path) -> None:
-    store = await open_sqlite(tmp_path / "archive.db")
+    store = await open_sqlite(tmp_path / "archive.db", "process")
     pid = store.writer_pid
     assert pid is not None
     await store.close()
@@ -1686,27 +1698,29 @@ async def test_sqlite_wal_stays_bounded_under_a_writer_that_never_pauses(tmp_pat
     assert largest < 16 * 1024 * 1024, f"WAL reached {largest} bytes after {n} messages"
 
 
-async def test_sqlite_archive_has_one_store_at_a_time(tmp_path: Path) -> None:
+@BOTH_WRITERS
+async def test_sqlite_archive_has_one_store_at_a_time(tmp_path: Path, writer: SqliteWriter) -> None:
     path = tmp_path / "archive.db"
-    first = await open_sqlite(path)
-    second = SqliteStore(path)
+    first = await open_sqlite(path, writer)
+    second = SqliteStore(path, writer=writer)
     with pytest.raises(StoreError, match="in use by another Portico process"):
         await second.open()
     await first.create_session(make_session())
     await first.close()
     # Closing releases the archive for the next one.
-    reopened = await open_sqlite(path)
+    reopened = await open_sqlite(path, writer)
     try:
         assert await reopened.get_session("s1") is not None
     finally:
         await reopened.close()
 
 
+@BOTH_WRITERS
 async def test_sqlite_reader_beside_the_owner_sees_commits_and_cannot_write(
-    tmp_path: Path,
+    tmp_path: Path, writer: SqliteWriter
 ) -> None:
     path = tmp_path / "archive.db"
-    owner = await open_sqlite(path)
+    owner = await open_sqlite(path, writer)
     reader = SqliteStore(path, read_only=True)
     await reader.open()
     try:

@@ -937,8 +937,9 @@ class _SessionCache:
 
 
 # A writer process keeps its Python (rows, updates, statements) off the event loop's
-# GIL; docs/performance.md has the measurement behind the default (config's too).
-DEFAULT_WRITER: SqliteWriter = "process"
+# GIL, but measured slower than the thread on a shared 2-core machine: the thread is
+# the default (config's too; docs/performance.md has the measurement).
+DEFAULT_WRITER: SqliteWriter = "thread"
 
 
 def connect_writer(path: str, wal_size_limit: int) -> Archive:
