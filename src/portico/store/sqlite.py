@@ -1,6 +1,8 @@
 """SQLite archive, the embedded default.
 
-One connection owned by one thread. Writes are grouped: every write queued
+One writing connection, owned by one thread of the server or, with
+`sqlite_writer: process`, by a writer process (store/sqlite_process.py; each write
+is a `Write` struct, so it can cross as data). Writes are grouped: every write queued
 while the previous batch was committing goes into the next single transaction
 (group commit), so hundreds of concurrent turns cost a handful of fsyncs, not
 one each. Each write runs inside its own SAVEPOINT, so one failing write fails
@@ -62,10 +64,10 @@ HEADS_SIZE = 50_000
 class Heads:
     """The last message offset of each session and update offset of each owner.
 
-    The archive has one writer (this process's store thread; `_lock_archive` keeps
-    other processes out), so it can number the next message and update itself
-    instead of reading MAX() before each insert: two
-    statements fewer per write, and every statement costs the event loop a hand-off
+    The archive has one writer (the store's thread or writer process;
+    `_lock_archive` keeps other processes out), so it can number the next message and
+    update itself instead of reading MAX() before each insert: two statements fewer
+    per write, and every statement costs the event loop a hand-off
     of the GIL. Whatever a rolled-back write may have taught is forgotten (`clear`).
     """
 

@@ -326,7 +326,7 @@ def serve(path: str, wal_size_limit: int, requests: IO[bytes], replies: IO[bytes
     try:
         conn = connect_writer(path, wal_size_limit)
     except sqlite3.Error as exc:
-        send(_encode(f"cannot open the archive at {path}: {exc}"))
+        send(_encode(str(exc)))  # the store says which archive
         return
     send(_encode(""))
     try:
