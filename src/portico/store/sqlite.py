@@ -25,12 +25,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any, ClassVar, Literal, Protocol, TypeVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar
 
 import msgspec
 from msgspec.structs import astuple
 
-from portico.config import SqliteWriter
 from portico.domain.memory import MemoryEntry, MemoryKey
 from portico.domain.model import (
     Entity,
@@ -53,6 +52,9 @@ from portico.store.base import (
     is_orphaned,
     publish,
 )
+
+if TYPE_CHECKING:  # not imported at run time: the writer process starts faster
+    from portico.config import SqliteWriter
 
 log = logging.getLogger("portico.store")
 
