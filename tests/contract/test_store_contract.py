@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,6 +20,7 @@ import asyncpg
 import msgspec
 import pytest
 
+from portico.config import SqliteWriter
 from portico.domain.memory import MemoryEntry, MemoryKey
 from portico.domain.model import (
     ENTITY_KINDS,
@@ -53,7 +56,11 @@ async def memory_store(tmp_path: Path) -> Store:
 
 
 async def sqlite_store(tmp_path: Path) -> Store:
-    return SqliteStore(tmp_path / "archive.db")
+    return SqliteStore(tmp_path / "archive.db")  # writes on the store's thread
+
+
+async def sqlite_process_store(tmp_path: Path) -> Store:
+    return SqliteStore(tmp_path / "archive.db", writer="process")
 
 
 # Schemas the running test created, dropped once it ends (see `drop_test_schemas`).
@@ -78,6 +85,7 @@ async def drop_test_schemas() -> AsyncIterator[None]:
 BACKENDS = [
     pytest.param(memory_store, id="memory"),
     pytest.param(sqlite_store, id="sqlite"),
+    pytest.param(sqlite_process_store, id="sqlite-process"),
     pytest.param(postgres_store, id="postgres"),
 ]
 
@@ -158,6 +166,37 @@ def offsets(messages: list[Message]) -> list[int]:
 
 
 # -- sessions -----------------------------------------------------------------------
+
+
+async def test_writes_of_many_concurrent_callers_keep_their_order_per_session(
+    store: Store,
+) -> None:
+    # Callers on several sessions, each queueing bursts of writes without waiting
+    # between them, so batches mix sessions and callers: a session numbers its messages
+    # without gaps, and each caller's messages in the order it wrote them.
+    sessions, callers, rounds, burst = 4, 5, 3, 3
+    for s in range(sessions):
+        await store.create_session(make_session(f"s{s}"))
+
+    async def caller(session_id: str, c: int) -> list[Message]:
+        written: list[Message] = []
+        for r in range(rounds):
+            queued = [make_message(session_id, n=c * 100 + r * 10 + k) for k in range(burst)]
+            written += await asyncio.gather(*(store.append_message(m) for m in queued))
+        return written
+
+    written = await asyncio.gather(
+        *(caller(f"s{s}", c) for s in range(sessions) for c in range(callers))
+    )
+    for messages in written:
+        assert offsets(messages) == sorted(offsets(messages))
+    for s in range(sessions):
+        stored = await store.list_messages(f"s{s}")
+        assert offsets(stored) == list(range(1, callers * rounds * burst + 1))
+        mine = [m for messages in written for m in messages if m.session_id == f"s{s}"]
+        assert sorted(mine, key=lambda m: m.global_offset) == stored
+    updates = await all_updates(store, "alice")
+    assert [u.offset for u in updates] == list(range(1, len(updates) + 1))
 
 
 async def test_an_open_store_is_ready(store: Store) -> None:
@@ -607,8 +646,12 @@ def test_the_unfinished_turn_predicate_names_every_terminal_state() -> None:
 # -- SQLite only --------------------------------------------------------------------
 
 
-async def open_sqlite(path: Path) -> SqliteStore:
-    store = SqliteStore(path)
+# SQLite-only tests of what both writers must keep alike.
+BOTH_WRITERS = pytest.mark.parametrize("writer", ["thread", "process"])
+
+
+async def open_sqlite(path: Path, writer: SqliteWriter = "thread") -> SqliteStore:
+    store = SqliteStore(path, writer=writer)
     await store.open()
     return store
 
@@ -619,16 +662,17 @@ def user_version(path: Path) -> int:
     return version
 
 
-async def test_sqlite_data_survives_close_and_reopen(tmp_path: Path) -> None:
+@BOTH_WRITERS
+async def test_sqlite_data_survives_close_and_reopen(tmp_path: Path, writer: SqliteWriter) -> None:
     path = tmp_path / "archive.db"
-    first = await open_sqlite(path)
+    first = await open_sqlite(path, writer)
     session = await first.create_session(make_session())
     messages = await append_many(first, "s1", 3)
     turn = make_turn("t1", state=TurnState.COMPLETED)
     await first.create_turn(turn)
     await first.close()
 
-    second = await open_sqlite(path)
+    second = await open_sqlite(path, writer)
     try:
         assert await second.get_session("s1") == session
         assert await second.list_messages("s1") == messages
@@ -671,8 +715,11 @@ async def test_sqlite_schema_version_and_no_remigration(tmp_path: Path) -> None:
     assert user_version(path) == len(MIGRATIONS)
 
 
-async def test_sqlite_failing_write_in_a_batch_fails_alone(tmp_path: Path) -> None:
-    store = await open_sqlite(tmp_path / "archive.db")
+@BOTH_WRITERS
+async def test_sqlite_failing_write_in_a_batch_fails_alone(
+    tmp_path: Path, writer: SqliteWriter
+) -> None:
+    store = await open_sqlite(tmp_path / "archive.db", writer)
     try:
         await store.create_session(make_session())
         # Queued in one loop iteration, so they share one group-commit transaction.
@@ -697,8 +744,11 @@ async def test_sqlite_failing_write_in_a_batch_fails_alone(tmp_path: Path) -> No
         await store.close()
 
 
-async def test_sqlite_write_failing_outside_sqlite_fails_alone(tmp_path: Path) -> None:
-    store = await open_sqlite(tmp_path / "archive.db")
+@BOTH_WRITERS
+async def test_sqlite_write_failing_outside_sqlite_fails_alone(
+    tmp_path: Path, writer: SqliteWriter
+) -> None:
+    store = await open_sqlite(tmp_path / "archive.db", writer)
     try:
         unencodable = msgspec.structs.replace(make_session("bad"), declare={"x": object()})
         results = await asyncio.wait_for(
@@ -716,6 +766,40 @@ async def test_sqlite_write_failing_outside_sqlite_fails_alone(tmp_path: Path) -
         assert await store.create_session(make_session("later")) == make_session("later")
     finally:
         await store.close()
+
+
+async def test_sqlite_writer_process_that_dies_fails_writes_and_the_archive_is_down(
+    tmp_path: Path,
+) -> None:
+    store = await open_sqlite(tmp_path / "archive.db", "process")
+    try:
+        await store.create_session(make_session())
+        pid = store.writer_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        # Woken by the pipe closing, not by a deadline: the guard only keeps a hang short.
+        async with asyncio.timeout(10):
+            with pytest.raises(StoreError, match="writer process exited"):
+                await store.append_message(make_message(n=1))
+            with pytest.raises(StoreError, match="writer process exited"):
+                await store.append_message(make_message(n=2))
+        health = await store.health(1.0)
+        assert not health.ready
+        assert "writer process exited" in health.reason
+        # Reads go on: they never needed the writer.
+        assert await store.get_session("s1") == make_session()
+        assert await store.list_messages("s1") == []
+    finally:
+        await store.close()
+
+
+async def test_sqlite_writer_process_exits_when_its_store_closes(tmp_path: Path) -> None:
+    store = await open_sqlite(tmp_path / "archive.db", "process")
+    pid = store.writer_pid
+    assert pid is not None
+    await store.close()
+    with pytest.raises(ProcessLookupError):  # exited, and reaped by the store
+        os.kill(pid, 0)
 
 
 async def test_sqlite_unopened_store_raises_store_error(tmp_path: Path) -> None:
@@ -1438,13 +1522,17 @@ async def test_sqlite_migrates_a_database_of_the_previous_schema(tmp_path: Path)
         await store.close()
 
 
-def _append_then_fail(conn: sqlite3.Connection, out: list[Update]) -> None:
-    sqlite_backend._append_message(conn, out, make_message(n=50))
-    raise RuntimeError("fails after its update was logged")
+class AppendThenFail(sqlite_backend.Write, frozen=True):
+    """A write only the thread writer can run (the writer process knows its own)."""
+
+    def run(self, conn: sqlite_backend.Archive, out: list[Update]) -> None:
+        sqlite_backend._append_message(conn, out, make_message(n=50))
+        raise RuntimeError("fails after its update was logged")
 
 
 async def test_sqlite_write_failing_after_logging_rolls_its_update_back(tmp_path: Path) -> None:
-    store = await open_sqlite(tmp_path / "archive.db")
+    store = SqliteStore(tmp_path / "archive.db", writer="thread")
+    await store.open()
     received: list[Update] = []
     store.set_update_listener(received.append)
     try:
@@ -1453,7 +1541,7 @@ async def test_sqlite_write_failing_after_logging_rolls_its_update_back(tmp_path
             # Queued in one loop iteration, so they share one group-commit transaction.
             results = await asyncio.gather(
                 store.append_message(make_message(n=1)),
-                store._write(_append_then_fail),
+                store._write(AppendThenFail()),
                 store.append_message(make_message(n=2)),
                 return_exceptions=True,
             )
@@ -1610,27 +1698,29 @@ async def test_sqlite_wal_stays_bounded_under_a_writer_that_never_pauses(tmp_pat
     assert largest < 16 * 1024 * 1024, f"WAL reached {largest} bytes after {n} messages"
 
 
-async def test_sqlite_archive_has_one_store_at_a_time(tmp_path: Path) -> None:
+@BOTH_WRITERS
+async def test_sqlite_archive_has_one_store_at_a_time(tmp_path: Path, writer: SqliteWriter) -> None:
     path = tmp_path / "archive.db"
-    first = await open_sqlite(path)
-    second = SqliteStore(path)
+    first = await open_sqlite(path, writer)
+    second = SqliteStore(path, writer=writer)
     with pytest.raises(StoreError, match="in use by another Portico process"):
         await second.open()
     await first.create_session(make_session())
     await first.close()
     # Closing releases the archive for the next one.
-    reopened = await open_sqlite(path)
+    reopened = await open_sqlite(path, writer)
     try:
         assert await reopened.get_session("s1") is not None
     finally:
         await reopened.close()
 
 
+@BOTH_WRITERS
 async def test_sqlite_reader_beside_the_owner_sees_commits_and_cannot_write(
-    tmp_path: Path,
+    tmp_path: Path, writer: SqliteWriter
 ) -> None:
     path = tmp_path / "archive.db"
-    owner = await open_sqlite(path)
+    owner = await open_sqlite(path, writer)
     reader = SqliteStore(path, read_only=True)
     await reader.open()
     try:

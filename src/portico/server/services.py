@@ -188,7 +188,7 @@ def build_store(settings: Settings) -> Store:
         from portico.store.postgres import PostgresStore
 
         return PostgresStore(settings.database_url, pool_size=settings.database_pool_size)
-    return SqliteStore(Path(settings.data_dir) / ARCHIVE_FILE)
+    return SqliteStore(Path(settings.data_dir) / ARCHIVE_FILE, writer=settings.sqlite_writer)
 
 
 def build_media(

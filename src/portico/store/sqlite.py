@@ -1,6 +1,8 @@
 """SQLite archive, the embedded default.
 
-One connection owned by one thread. Writes are grouped: every write queued
+One writing connection, owned by one thread of the server or, with
+`sqlite_writer: process`, by a writer process (store/sqlite_process.py; each write
+is a `Write` struct, so it can cross as data). Writes are grouped: every write queued
 while the previous batch was committing goes into the next single transaction
 (group commit), so hundreds of concurrent turns cost a handful of fsyncs, not
 one each. Each write runs inside its own SAVEPOINT, so one failing write fails
@@ -23,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any, Literal, TypeVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar
 
 import msgspec
 from msgspec.structs import astuple
@@ -51,6 +53,9 @@ from portico.store.base import (
     publish,
 )
 
+if TYPE_CHECKING:  # not imported at run time: the writer process starts faster
+    from portico.config import SqliteWriter
+
 log = logging.getLogger("portico.store")
 
 T = TypeVar("T")
@@ -61,10 +66,10 @@ HEADS_SIZE = 50_000
 class Heads:
     """The last message offset of each session and update offset of each owner.
 
-    The archive has one writer (this process's store thread; `_lock_archive` keeps
-    other processes out), so it can number the next message and update itself
-    instead of reading MAX() before each insert: two
-    statements fewer per write, and every statement costs the event loop a hand-off
+    The archive has one writer (the store's thread or writer process;
+    `_lock_archive` keeps other processes out), so it can number the next message and
+    update itself instead of reading MAX() before each insert: two statements fewer
+    per write, and every statement costs the event loop a hand-off
     of the GIL. Whatever a rolled-back write may have taught is forgotten (`clear`).
     """
 
@@ -91,11 +96,11 @@ class Archive(sqlite3.Connection):
         self.heads = Heads()
 
 
-# A write runs on the store thread, in its batch's transaction (alone in a savepoint
-# only after a write of the batch failed: `_run_batch`); it appends the updates it
-# logged to the list it is given, which is published only once the batch commits.
+# A write runs on the writer's connection, in its batch's transaction (alone in a
+# savepoint only after a write of the batch failed: `_run_batch`); it appends the
+# updates it logged to the list it is given, which is published only once the batch
+# commits.
 Operation = Callable[[Archive, list[Update]], Any]
-Pending = tuple[Operation, asyncio.Future[Any], list[Update] | None]
 # What a write returned (or the StoreError it failed with) and the updates it logged.
 Outcome = tuple[Any, list[Update]]
 Action = Literal["created", "updated"]
@@ -581,6 +586,223 @@ def _prune_updates(conn: Archive, out: list[Update], older_than: float) -> int:
     return conn.execute(SQL.prune_updates, (older_than,)).rowcount
 
 
+def _create_session(conn: Archive, out: list[Update], session: Session) -> Session:
+    inserted = conn.execute(_INSERT_SESSION_IF_ABSENT, rows.session_row(session)).rowcount
+    stored = _session_from_row(conn.execute(SQL.select_session, (session.id,)).fetchone())
+    if inserted:
+        _log_for_owner(conn, out, stored.owner, *rows.changes(("created", stored)))
+    return stored
+
+
+def _touch_session(conn: Archive, out: list[Update], session_id: str, now: float) -> None:
+    row = conn.execute(SQL.touch_session, (session_id, now)).fetchone()
+    if row is not None:  # touching a missing session changes nothing
+        session = _session_from_row(row)
+        _log_for_owner(conn, out, session.owner, *rows.changes(("updated", session)))
+
+
+def _update_session(conn: Archive, out: list[Update], session: Session) -> Session:
+    row = conn.execute(SQL.replace_session, rows.session_row(session)).fetchone()
+    if row is None:
+        raise StoreError(f"no session {session.id}")
+    stored = _session_from_row(row)
+    _log_for_owner(conn, out, stored.owner, *rows.changes(("updated", stored)))
+    return stored
+
+
+# -- writes as data -------------------------------------------------------------------
+
+
+class Write(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """One write: its name (the tag) and arguments, so it can cross to a writer
+    process as msgpack as well as run on the store's thread. `RESULT` is the type
+    `run` returns, which the store decodes a process's answer as."""
+
+    RESULT: ClassVar[Any] = None
+
+    def run(self, conn: Archive, out: list[Update]) -> Any:
+        raise NotImplementedError
+
+
+class CreateSession(Write, frozen=True):
+    RESULT = Session
+    session: Session
+
+    def run(self, conn: Archive, out: list[Update]) -> Session:
+        return _create_session(conn, out, self.session)
+
+
+class TouchSession(Write, frozen=True):
+    session_id: str
+    now: float
+
+    def run(self, conn: Archive, out: list[Update]) -> None:
+        _touch_session(conn, out, self.session_id, self.now)
+
+
+class UpdateSession(Write, frozen=True):
+    RESULT = Session
+    session: Session
+
+    def run(self, conn: Archive, out: list[Update]) -> Session:
+        return _update_session(conn, out, self.session)
+
+
+class ForkSession(Write, frozen=True):
+    RESULT = list[Message]
+    session: Session
+    messages: tuple[Message, ...]
+
+    def run(self, conn: Archive, out: list[Update]) -> list[Message]:
+        return _fork_session(conn, out, self.session, self.messages)
+
+
+class AppendMessage(Write, frozen=True):
+    RESULT = Message
+    message: Message
+
+    def run(self, conn: Archive, out: list[Update]) -> Message:
+        return _append_message(conn, out, self.message)
+
+
+class UpdateMessage(Write, frozen=True):
+    RESULT = Message
+    message: Message
+
+    def run(self, conn: Archive, out: list[Update]) -> Message:
+        return _update_message(conn, out, self.message)
+
+
+class BeginTurn(Write, frozen=True):
+    RESULT = Message
+    turn: Turn
+    message: Message
+    reply: Message | None
+    unique_client_id: bool
+    started: Turn | None
+
+    def run(self, conn: Archive, out: list[Update]) -> Message:
+        return _begin_turn(
+            conn, out, self.turn, self.message, self.reply, self.unique_client_id, self.started
+        )
+
+
+class CreateTurn(Write, frozen=True):
+    turn: Turn
+
+    def run(self, conn: Archive, out: list[Update]) -> None:
+        _log_turn(_create_turn, conn, out, self.turn)
+
+
+class SaveTurn(Write, frozen=True):
+    turn: Turn
+
+    def run(self, conn: Archive, out: list[Update]) -> None:
+        _log_turn(_save_turn, conn, out, self.turn)
+
+
+class EndTurn(Write, frozen=True):
+    turn: Turn
+    reply: Message | None
+
+    def run(self, conn: Archive, out: list[Update]) -> None:
+        _end_turn(conn, out, self.turn, self.reply)
+
+
+class SaveToolCall(Write, frozen=True):
+    call: ToolCallRecord
+
+    def run(self, conn: Archive, out: list[Update]) -> None:
+        _save_tool_call(conn, out, self.call)
+
+
+class RenewReplica(Write, frozen=True):
+    replica_id: str
+    now: float
+
+    def run(self, conn: Archive, out: list[Update]) -> None:
+        conn.execute(SQL.renew_replica, (self.replica_id, self.now))
+
+
+class InterruptOrphanedTurns(Write, frozen=True):
+    RESULT = int
+    now: float
+    replica_id: str
+    lease: float
+    include_own: bool
+
+    def run(self, conn: Archive, out: list[Update]) -> int:
+        return _interrupt_orphaned_turns(
+            conn, out, self.now, self.replica_id, self.lease, self.include_own
+        )
+
+
+class SaveMemory(Write, frozen=True):
+    RESULT = bool
+    entry: MemoryEntry
+    max_entries: int
+
+    def run(self, conn: Archive, out: list[Update]) -> bool:
+        return _save_memory(conn, out, self.entry, self.max_entries)
+
+
+class ForgetMemory(Write, frozen=True):
+    RESULT = bool
+    key: MemoryKey
+    memory_id: str
+
+    def run(self, conn: Archive, out: list[Update]) -> bool:
+        return conn.execute(SQL.forget_memory, (*astuple(self.key), self.memory_id)).rowcount > 0
+
+
+class AppendTrace(Write, frozen=True):
+    event: TraceEvent
+
+    def run(self, conn: Archive, out: list[Update]) -> None:
+        conn.execute(SQL.insert_trace, rows.trace_row(self.event))
+
+
+class PruneUpdates(Write, frozen=True):
+    RESULT = int
+    older_than: float
+
+    def run(self, conn: Archive, out: list[Update]) -> int:
+        return _prune_updates(conn, out, self.older_than)
+
+
+# Every write a writer process can be asked to run (tagged by class name).
+WRITES: tuple[type[Write], ...] = (
+    CreateSession,
+    TouchSession,
+    UpdateSession,
+    ForkSession,
+    AppendMessage,
+    UpdateMessage,
+    BeginTurn,
+    CreateTurn,
+    SaveTurn,
+    EndTurn,
+    SaveToolCall,
+    RenewReplica,
+    InterruptOrphanedTurns,
+    SaveMemory,
+    ForgetMemory,
+    AppendTrace,
+    PruneUpdates,
+)
+
+
+Pending = tuple[Write, asyncio.Future[Any], list[Update] | None]
+
+
+def commit_batch(conn: Archive, writes: Sequence[Write]) -> list[Outcome]:
+    """Run `writes` as one batch (`_run_batch`); a failing transaction fails them all."""
+    try:
+        return _run_batch(conn, [write.run for write in writes])
+    except sqlite3.Error as exc:
+        return [(as_store_error(exc), [])] * len(writes)
+
+
 def _run_batch(conn: Archive, operations: list[Operation]) -> list[Outcome]:
     """Run every operation in one transaction; one that fails changes nothing.
 
@@ -675,7 +897,7 @@ def _lock_archive(path: str) -> IO[bytes]:
     return lock
 
 
-def _checkpoint(conn: sqlite3.Connection, mode: str) -> int:
+def checkpoint(conn: sqlite3.Connection, mode: str) -> int:
     """Run a checkpoint; returns how many frames the WAL holds."""
     _busy, frames, _copied = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
     return int(frames)
@@ -718,6 +940,97 @@ class _SessionCache:
             self._sessions.popitem(last=False)
 
 
+# A writer process keeps its Python (rows, updates, statements) off the event loop's
+# GIL, but measured slower than the thread on a shared 2-core machine: the thread is
+# the default (config's too; docs/performance.md has the measurement).
+DEFAULT_WRITER: SqliteWriter = "thread"
+
+
+def connect_writer(path: str, wal_size_limit: int) -> Archive:
+    """The archive's one writing connection, schema migrated."""
+    if path != ":memory:":
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, factory=Archive)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode=WAL")
+    # NORMAL under WAL is durable across process crashes; only an OS crash
+    # can lose the last commits, which is the usual trade for chat archives.
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    # Checkpoints (copying the WAL into the database, with fsyncs) run on a thread
+    # of their own: run by the commit that crosses the threshold, they stalled that
+    # commit and every write queued behind it for milliseconds (the p99 of turns).
+    conn.execute("PRAGMA wal_autocheckpoint=0")
+    conn.execute(f"PRAGMA journal_size_limit={wal_size_limit}")
+    # A passive checkpoint reading the WAL may hold a lock for a moment: wait for it.
+    conn.execute(f"PRAGMA busy_timeout={WRITER_BUSY_TIMEOUT_MS}")
+    _migrate(conn)
+    # The archive lock lets no other process in, so no other replica is alive: the
+    # turns left unfinished are a stopped server's, orphans from the start.
+    conn.execute("DELETE FROM replicas")
+    return conn
+
+
+def connect_reader(path: str) -> Archive:
+    """A read-only connection: a reader beside the owner, or the owner's own reads
+    while its writer is a process (WAL lets readers run beside the writer)."""
+    uri = f"{Path(path).absolute().as_uri()}?mode=ro"
+    conn = sqlite3.connect(
+        uri, uri=True, isolation_level=None, check_same_thread=False, factory=Archive
+    )
+    conn.row_factory = sqlite3.Row
+    conn.execute(f"PRAGMA busy_timeout={WRITER_BUSY_TIMEOUT_MS}")
+    return conn
+
+
+class BatchWriter(Protocol):
+    """Where the store's batches run: its own thread, or a writer process."""
+
+    @property
+    def pid(self) -> int | None:
+        """The writer process's id; None for the thread."""
+
+    async def run_batch(self, writes: list[Write]) -> list[Outcome]:
+        """Each write's outcome, in order; raises StoreError when it cannot run any."""
+
+    async def restart_wal(self) -> None:
+        """Restart the WAL from the writing connection, between two batches."""
+
+    async def close(self) -> None: ...
+
+    def health(self) -> Health: ...
+
+
+class ThreadWriter:
+    """Batches on the store's one thread, on the connection its reads use too."""
+
+    def __init__(self, conn: Archive, executor: ThreadPoolExecutor, read_only: bool) -> None:
+        self._conn = conn
+        self._executor = executor
+        self._read_only = read_only
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    async def _in_thread(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    async def run_batch(self, writes: list[Write]) -> list[Outcome]:
+        return await self._in_thread(functools.partial(commit_batch, self._conn, writes))
+
+    async def restart_wal(self) -> None:
+        await self._in_thread(functools.partial(checkpoint, self._conn, "RESTART"))
+
+    async def close(self) -> None:
+        if not self._read_only:
+            # The owner, closing, checkpoints the WAL into the database file.
+            await self._in_thread(functools.partial(checkpoint, self._conn, "TRUNCATE"))
+
+    def health(self) -> Health:
+        return IN_PROCESS
+
+
 class SqliteStore:
     def __init__(
         self,
@@ -727,16 +1040,23 @@ class SqliteStore:
         wal_restart_frames: int = WAL_RESTART_FRAMES,
         wal_size_limit: int = WAL_SIZE_LIMIT,
         read_only: bool = False,
+        writer: SqliteWriter = DEFAULT_WRITER,
     ) -> None:
         """`read_only`: a reader beside the server that owns the archive (it takes no
-        lock, runs no migration or checkpoint; writes fail)."""
+        lock, runs no migration or checkpoint; writes fail). `writer`: where writes run,
+        a process of their own or the store's thread (an in-memory archive and a reader
+        always use the thread: a process cannot share either)."""
         self._path = str(path)
         self._read_only = read_only
         self._wal_size_limit = wal_size_limit
         self._checkpoint_interval = checkpoint_interval
         self._wal_restart_frames = wal_restart_frames
+        in_file = self._path != ":memory:" and not read_only
+        self._writer_kind: SqliteWriter = writer if in_file else "thread"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portico-sqlite")
+        # Reads (and, with the thread writer, writes): the store thread's connection.
         self._conn: Archive | None = None
+        self._writer: BatchWriter | None = None
         self._epoch = ""
         self._pending: list[Pending] = []
         self._committer: asyncio.Task[None] | None = None
@@ -750,39 +1070,8 @@ class SqliteStore:
 
     def _connect(self) -> Archive:
         if self._read_only:
-            return self._connect_read_only()
-        if self._path != ":memory:":
-            Path(self._path).parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(
-            self._path, isolation_level=None, check_same_thread=False, factory=Archive
-        )
-        conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA journal_mode=WAL")
-        # NORMAL under WAL is durable across process crashes; only an OS crash
-        # can lose the last commits, which is the usual trade for chat archives.
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA foreign_keys=ON")
-        # Checkpoints (copying the WAL into the database, with fsyncs) run on a thread
-        # of their own: run by the commit that crosses the threshold, they stalled that
-        # commit and every write queued behind it for milliseconds (the p99 of turns).
-        conn.execute("PRAGMA wal_autocheckpoint=0")
-        conn.execute(f"PRAGMA journal_size_limit={self._wal_size_limit}")
-        # A passive checkpoint reading the WAL may hold a lock for a moment: wait for it.
-        conn.execute(f"PRAGMA busy_timeout={WRITER_BUSY_TIMEOUT_MS}")
-        _migrate(conn)
-        # The archive lock lets no other process in, so no other replica is alive: the
-        # turns left unfinished are a stopped server's, orphans from the start.
-        conn.execute("DELETE FROM replicas")
-        return conn
-
-    def _connect_read_only(self) -> Archive:
-        uri = f"{Path(self._path).absolute().as_uri()}?mode=ro"
-        conn = sqlite3.connect(
-            uri, uri=True, isolation_level=None, check_same_thread=False, factory=Archive
-        )
-        conn.row_factory = sqlite3.Row
-        conn.execute(f"PRAGMA busy_timeout={WRITER_BUSY_TIMEOUT_MS}")
-        return conn
+            return connect_reader(self._path)
+        return connect_writer(self._path, self._wal_size_limit)
 
     def _checkpoint_connection(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
@@ -797,7 +1086,7 @@ class SqliteStore:
                 await asyncio.sleep(self._checkpoint_interval)
                 try:
                     await self._checkpoint_once(conn)
-                except sqlite3.Error:
+                except (sqlite3.Error, StoreError):
                     log.exception("archive checkpoint failed; tried again in a moment")
         finally:
             await loop.run_in_executor(self._checkpointer, conn.close)
@@ -806,13 +1095,13 @@ class SqliteStore:
         """PASSIVE copies what it can without waiting for (or blocking) the writer. But
         a writer that never pauses never lets it restart the WAL, which then grows
         without end (GBs under load, every page lookup slower): once the WAL is long,
-        the writer's own thread runs a RESTART between two batches (no other writer,
+        the writing connection runs a RESTART between two batches (no other writer,
         no reader to wait for), copies the few frames PASSIVE left, and the next write
         starts the WAL from its beginning."""
         loop = asyncio.get_running_loop()
-        frames = await loop.run_in_executor(self._checkpointer, _checkpoint, conn, "PASSIVE")
+        frames = await loop.run_in_executor(self._checkpointer, checkpoint, conn, "PASSIVE")
         if frames > self._wal_restart_frames:
-            await self._in_thread(functools.partial(_checkpoint, self._connection(), "RESTART"))
+            await self._batch_writer().restart_wal()
 
     async def _in_thread(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
@@ -824,12 +1113,14 @@ class SqliteStore:
         except sqlite3.Error as exc:
             raise StoreError("archive read failed") from exc
 
-    async def _write(self, fn: Callable[[Archive, list[Update]], T]) -> T:
+    async def _write(self, write: Write) -> Any:
+        """`write`'s result once its batch committed (and its updates were published).
+        Typed by the caller: the store's methods name what each write returns."""
         self._connection()
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # The collector is read here, in the caller's context: the committer task
         # runs in a context of its own.
-        self._pending.append((fn, future, current_collector()))
+        self._pending.append((write, future, current_collector()))
         if self._committer is None or self._committer.done():
             self._committer = asyncio.create_task(self._commit_pending())
         return await future
@@ -839,15 +1130,19 @@ class SqliteStore:
             raise StoreError("the archive is not open")
         return self._conn
 
+    def _batch_writer(self) -> BatchWriter:
+        if self._writer is None:
+            raise StoreError("the archive is not open")
+        return self._writer
+
     async def _commit_pending(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
-            conn = self._connection()
-            operations = [operation for operation, _, _ in batch]
+            writes = [write for write, _, _ in batch]
             try:
-                outcomes = await self._in_thread(functools.partial(_run_batch, conn, operations))
-            except sqlite3.Error as exc:
-                outcomes = [(as_store_error(exc), [])] * len(batch)
+                outcomes = await self._batch_writer().run_batch(writes)
+            except StoreError as exc:
+                outcomes = [(exc, [])] * len(batch)
             for (_, future, collector), (outcome, updates) in zip(batch, outcomes, strict=True):
                 if updates:
                     # Before the future resolves: the caller reads its collector
@@ -873,8 +1168,8 @@ class SqliteStore:
         if self._path != ":memory:" and not self._read_only:
             self._lock = _lock_archive(self._path)
         try:
-            self._conn = await self._in_thread(self._connect)
-        except sqlite3.Error as exc:
+            self._writer, self._conn = await self._start_writer()
+        except (sqlite3.Error, StoreError) as exc:
             self._unlock()
             raise StoreError(f"cannot open the archive at {self._path}: {exc}") from exc
         self._epoch = await self._read(
@@ -883,9 +1178,34 @@ class SqliteStore:
         if self._path != ":memory:" and not self._read_only:
             self._checkpoints = asyncio.create_task(self._checkpoint_periodically())
 
+    async def _start_writer(self) -> tuple[BatchWriter, Archive]:
+        """The writer, and the connection reads use."""
+        if self._writer_kind == "thread":
+            conn = await self._in_thread(self._connect)
+            return ThreadWriter(conn, self._executor, self._read_only), conn
+        # Imported here: it imports this module (the writer process runs its writes).
+        from portico.store.sqlite_process import ProcessWriter
+
+        writer = await ProcessWriter.start(self._path, self._wal_size_limit)
+        try:
+            # After the writer migrated the schema; its commits are visible to this
+            # connection's next read (WAL), so a caller reads its own writes.
+            return writer, await self._in_thread(functools.partial(connect_reader, self._path))
+        except sqlite3.Error:
+            await writer.close()
+            raise
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's id while open (None: writes run on the store's thread)."""
+        return None if self._writer is None else self._writer.pid
+
     async def health(self, within: float) -> Health:
-        """A file in this process: ready once open (a failing disk fails the writes)."""
-        return IN_PROCESS if self._conn is not None else Health(False, "not open")
+        """A file beside this process: ready once open and while its writer runs (a
+        failing disk fails the writes)."""
+        if self._writer is None:
+            return Health(False, "not open")
+        return self._writer.health()
 
     async def close(self) -> None:
         if self._checkpoints is not None:
@@ -893,11 +1213,11 @@ class SqliteStore:
             await asyncio.gather(self._checkpoints, return_exceptions=True)
         if self._committer is not None:
             await self._committer
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            await writer.close()
         if self._conn is not None:
             conn, self._conn = self._conn, None
-            if not self._read_only:
-                # The owner, closing, checkpoints the WAL into the database file.
-                await self._in_thread(lambda: conn.execute("PRAGMA wal_checkpoint(TRUNCATE)"))
             await self._in_thread(conn.close)
         self._executor.shutdown(wait=True)
         self._checkpointer.shutdown(wait=True)
@@ -911,14 +1231,8 @@ class SqliteStore:
     # -- sessions ---------------------------------------------------------------
 
     async def create_session(self, session: Session) -> Session:
-        def insert_or_get(conn: Archive, out: list[Update]) -> Session:
-            inserted = conn.execute(_INSERT_SESSION_IF_ABSENT, rows.session_row(session)).rowcount
-            stored = _session_from_row(conn.execute(SQL.select_session, (session.id,)).fetchone())
-            if inserted:
-                _log_for_owner(conn, out, stored.owner, *rows.changes(("created", stored)))
-            return stored
-
-        return await self._write(insert_or_get)
+        stored: Session = await self._write(CreateSession(session))
+        return stored
 
     async def get_session(self, session_id: str) -> Session | None:
         cached = self._sessions.get(session_id)
@@ -947,37 +1261,25 @@ class SqliteStore:
         return await self._read(select)
 
     async def touch_session(self, session_id: str, now: float) -> None:
-        def update(conn: Archive, out: list[Update]) -> None:
-            row = conn.execute(SQL.touch_session, (session_id, now)).fetchone()
-            if row is not None:  # touching a missing session changes nothing
-                session = _session_from_row(row)
-                _log_for_owner(conn, out, session.owner, *rows.changes(("updated", session)))
-
-        await self._write(update)
+        await self._write(TouchSession(session_id, now))
 
     async def update_session(self, session: Session) -> Session:
-        def update(conn: Archive, out: list[Update]) -> Session:
-            row = conn.execute(SQL.replace_session, rows.session_row(session)).fetchone()
-            if row is None:
-                raise StoreError(f"no session {session.id}")
-            stored = _session_from_row(row)
-            _log_for_owner(conn, out, stored.owner, *rows.changes(("updated", stored)))
-            return stored
-
-        return await self._write(update)
+        stored: Session = await self._write(UpdateSession(session))
+        return stored
 
     async def fork_session(self, session: Session, messages: Sequence[Message]) -> list[Message]:
-        return await self._write(
-            functools.partial(_fork_session, session=session, messages=tuple(messages))
-        )
+        stored: list[Message] = await self._write(ForkSession(session, tuple(messages)))
+        return stored
 
     # -- messages ---------------------------------------------------------------
 
     async def append_message(self, message: Message) -> Message:
-        return await self._write(functools.partial(_append_message, message=message))
+        stored: Message = await self._write(AppendMessage(message))
+        return stored
 
     async def update_message(self, message: Message) -> Message:
-        return await self._write(functools.partial(_update_message, message=message))
+        stored: Message = await self._write(UpdateMessage(message))
+        return stored
 
     async def get_message(self, message_id: str) -> Message | None:
         def select(conn: Archive) -> Message | None:
@@ -1005,17 +1307,11 @@ class SqliteStore:
         unique_client_id: bool = False,
         started: Turn | None = None,
     ) -> Message:
-        # One write, one thread hop, and all or nothing (each write is a savepoint).
-        return await self._write(
-            functools.partial(
-                _begin_turn,
-                turn=turn,
-                message=message,
-                reply=reply,
-                unique_client_id=unique_client_id,
-                started=started,
-            )
+        # One write, one hop to the writer, and all or nothing (each write is a savepoint).
+        stored: Message = await self._write(
+            BeginTurn(turn, message, reply, unique_client_id, started)
         )
+        return stored
 
     async def list_messages(
         self, session_id: str, *, after_offset: int = 0, limit: int | None = None
@@ -1031,13 +1327,13 @@ class SqliteStore:
     # -- turns ------------------------------------------------------------------
 
     async def create_turn(self, turn: Turn) -> None:
-        await self._write(functools.partial(_log_turn, _create_turn, turn=turn))
+        await self._write(CreateTurn(turn))
 
     async def save_turn(self, turn: Turn) -> None:
-        await self._write(functools.partial(_log_turn, _save_turn, turn=turn))
+        await self._write(SaveTurn(turn))
 
     async def end_turn(self, turn: Turn, reply: Message | None) -> None:
-        await self._write(functools.partial(_end_turn, turn=turn, reply=reply))
+        await self._write(EndTurn(turn, reply))
 
     async def get_turn(self, turn_id: str) -> Turn | None:
         def select(conn: Archive) -> Turn | None:
@@ -1065,7 +1361,7 @@ class SqliteStore:
     # -- tool calls -------------------------------------------------------------
 
     async def save_tool_call(self, call: ToolCallRecord) -> None:
-        await self._write(functools.partial(_save_tool_call, call=call))
+        await self._write(SaveToolCall(call))
 
     async def get_tool_call(self, call_id: str) -> ToolCallRecord | None:
         def select(conn: Archive) -> ToolCallRecord | None:
@@ -1093,30 +1389,21 @@ class SqliteStore:
         return await self._read(select)
 
     async def renew_replica(self, replica_id: str, now: float) -> None:
-        def renew(conn: Archive, out: list[Update]) -> None:
-            conn.execute(SQL.renew_replica, (replica_id, now))
-
-        await self._write(renew)
+        await self._write(RenewReplica(replica_id, now))
 
     async def interrupt_orphaned_turns(
         self, now: float, *, replica_id: str, lease: float, include_own: bool = False
     ) -> int:
-        return await self._write(
-            functools.partial(
-                _interrupt_orphaned_turns,
-                now=now,
-                replica_id=replica_id,
-                lease=lease,
-                include_own=include_own,
-            )
+        interrupted: int = await self._write(
+            InterruptOrphanedTurns(now, replica_id, lease, include_own)
         )
+        return interrupted
 
     # -- agent memory -------------------------------------------------------------
 
     async def save_memory(self, entry: MemoryEntry, *, max_entries: int) -> bool:
-        return await self._write(
-            functools.partial(_save_memory, entry=entry, max_entries=max_entries)
-        )
+        saved: bool = await self._write(SaveMemory(entry, max_entries))
+        return saved
 
     async def search_memory(self, key: MemoryKey, query: str, *, limit: int) -> list[MemoryEntry]:
         def select(conn: Archive) -> list[MemoryEntry]:
@@ -1126,18 +1413,13 @@ class SqliteStore:
         return await self._read(select)
 
     async def forget_memory(self, key: MemoryKey, memory_id: str) -> bool:
-        def delete(conn: Archive, out: list[Update]) -> bool:
-            return conn.execute(SQL.forget_memory, (*astuple(key), memory_id)).rowcount > 0
-
-        return await self._write(delete)
+        forgotten: bool = await self._write(ForgetMemory(key, memory_id))
+        return forgotten
 
     # -- session traces -----------------------------------------------------------
 
     async def append_trace(self, event: TraceEvent) -> None:
-        def insert(conn: Archive, out: list[Update]) -> None:
-            conn.execute(SQL.insert_trace, rows.trace_row(event))
-
-        await self._write(insert)
+        await self._write(AppendTrace(event))
 
     async def list_trace(self, session_id: str, owner: str, *, limit: int) -> list[TraceEvent]:
         def select(conn: Archive) -> list[TraceEvent]:
@@ -1163,4 +1445,5 @@ class SqliteStore:
         return await self._read(select)
 
     async def prune_updates(self, older_than: float) -> int:
-        return await self._write(functools.partial(_prune_updates, older_than=older_than))
+        pruned: int = await self._write(PruneUpdates(older_than))
+        return pruned
