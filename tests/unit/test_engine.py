@@ -900,22 +900,12 @@ class FifoGatedStore(MemoryStore):
         self.gates: list[asyncio.Event] = []
         self.holding = True
 
-    async def begin_turn(
-        self,
-        turn: Turn,
-        message: Message,
-        *,
-        reply: Message | None = None,
-        unique_client_id: bool = False,
-        started: Turn | None = None,
-    ) -> Message:
+    async def begin_turn(self, turn: Turn, message: Message, **options: Any) -> Message:
         if self.holding:
             gate = asyncio.Event()
             self.gates.append(gate)
             await gate.wait()
-        return await super().begin_turn(
-            turn, message, reply=reply, unique_client_id=unique_client_id, started=started
-        )
+        return await super().begin_turn(turn, message, **options)
 
     async def let_through(self) -> None:
         gate = self.gates.pop(0)
