@@ -1,6 +1,6 @@
 """Replicas bench (issue 16): three replicas behind HAProxy against one, on this machine.
 
-Three parts, each bounded in time and count, printed in one run:
+Four parts, each bounded in time and count, printed in one run:
 
 1. **stream**: the `stream` workload of bench/loadgen.py (`/ws`, N clients, a
    `stream50` turn after another) for `--seconds`, first against one replica directly,
@@ -10,13 +10,22 @@ Three parts, each bounded in time and count, printed in one run:
 2. **first chunk**: bench/bus_relay.py's rounds on two of the replicas: a `/ws` client on
    each, one session, B runs the turn; the first chunk's p50/p99 on B (same replica)
    and on A (other replica), and their difference (target <= +1 ms at p99).
-3. **resume**: another replica's `claim` + `load` of a `/v1/session` with `--buffered`
+3. **session_resume**: a real `/v1/session` resume on another replica: bench/loadgen.py's
+   `session_resume` workload with `--resume-url`. Per round a client on replica A sends a
+   message whose reply is `--buffered` numbered messages (`long1000`), drops without
+   reading or acknowledging, waits for the turn's end (A's turn counter), then reconnects
+   to replica B with `hello` (session id, `last_seq` 0): reconnect -> `ready` and
+   reconnect -> the last backlog message, p50/p99 over `--resume-rounds` rounds (one
+   unmeasured first), no round starting after `--resume-seconds`.
+4. **resume**: another replica's `claim` + `load` of a `/v1/session` with `--buffered`
    unacknowledged 200-byte messages in Redis, `--rounds` times (target p99 <= 50 ms).
    The port's two calls only: no socket, no resend (those are the `session_resume`
    workload of bench/run.py, on one process).
 
     python bench/replicas.py [--clients 50] [--seconds 3] [--rounds 200] [--buffered 1000]
-                             [--part stream --part first_chunk --part resume]
+                             [--resume-rounds 50] [--resume-seconds 180]
+                             [--part stream --part first_chunk --part session_resume
+                              --part resume]
 """
 
 from __future__ import annotations
@@ -36,7 +45,10 @@ import aiohttp
 import asyncpg
 from bus_relay import DATABASE_URL, free_port, quantile, start, wait_ready
 from bus_relay import measure as first_chunk_rounds
-from harness import PORTICO_BENCH_ENV, Loadgen, stop_process
+from harness import PORTICO_BENCH_ENV, PORTICO_RESUME_ENV, Loadgen, stop_process
+from loadgen import Recorded
+from loadgen import parse_args as parse_loadgen_args
+from loadgen import resume_samples as socket_resume_samples
 from redis.asyncio import Redis
 
 from portico.sessionstate.base import BufferLimits
@@ -44,6 +56,7 @@ from portico.sessionstate.redis import RedisSessionStates
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 REPLICAS = 3
+PARTS = ("stream", "first_chunk", "session_resume", "resume")
 HAPROXY_CONFIG = """\
 global
     maxconn 4096
@@ -109,6 +122,57 @@ def print_resume(per_send: float, samples: list[float], buffered: int, size: int
     )
 
 
+# -- 3. session_resume: a real resume on another replica ------------------------------
+
+
+RECORD_POLL = 0.01  # seconds between reads of the dropped session's state in Redis
+
+
+def backlog_recorded(prefix: str, backlog: int) -> Recorded:
+    """On `session_state=redis` a detached session's numbered messages are recorded one
+    script round trip each, after the engine ended the turn (the records queue): the
+    resume waits until the last one is in Redis, so it finds all `backlog` of them."""
+
+    async def recorded(session_id: str, within: float) -> bool:
+        redis = Redis.from_url(REDIS_URL)
+        deadline = time.perf_counter() + within
+        try:
+            while time.perf_counter() < deadline:
+                next_seq = await redis.hget(f"{prefix}session:{session_id}", "next_seq")
+                if next_seq is not None and int(next_seq) > backlog:
+                    return True
+                await asyncio.sleep(RECORD_POLL)
+            return False
+        finally:
+            await redis.aclose()
+
+    return recorded
+
+
+async def session_resume_rounds(
+    ports: list[int], prefix: str, options: argparse.Namespace
+) -> dict[str, Any]:
+    """loadgen's session_resume samples: the turn on ports[0], the resume on ports[1]."""
+    turn, resume = (f"ws://127.0.0.1:{port}/v1/session" for port in ports)
+    _, sampling = parse_loadgen_args(
+        ["session_resume", "--url", turn, "--scenario", f"long{options.buffered}",
+         "--backlog", str(options.buffered), "--samples", str(options.resume_rounds),
+         "--warm", "1"]
+    )  # fmt: skip
+    recorded = backlog_recorded(prefix, options.buffered)
+    return await socket_resume_samples(sampling, resume, recorded, options.resume_seconds)
+
+
+def print_session_resume(result: dict[str, Any]) -> None:
+    print(
+        f"/v1/session resume on another replica, {result['backlog']} buffered: reconnect -> "
+        f"ready p50 {result['ready_p50_ms']:.2f} ms, p99 {result['ready_p99_ms']:.2f} ms; "
+        f"reconnect -> last message p50 {result['done_p50_ms']:.2f} ms, p99 "
+        f"{result['done_p99_ms']:.2f} ms ({result['samples']} rounds, errors "
+        f"{result['errors']}; target p99 <= 50 ms)"
+    )
+
+
 # -- 1. and 2.: replicas on PostgreSQL and Redis ----------------------------------------
 
 
@@ -155,7 +219,7 @@ async def with_replicas(options: argparse.Namespace, parts: set[str]) -> None:
     conn = await asyncpg.connect(DATABASE_URL)
     await conn.execute(f"CREATE SCHEMA {schema}")
     prefix = f"portico-bench:{uuid.uuid4().hex[:12]}:"
-    extra = {**PORTICO_BENCH_ENV, "PORTICO_SESSION_STATE": "redis"}
+    extra = {**PORTICO_BENCH_ENV, **PORTICO_RESUME_ENV, "PORTICO_SESSION_STATE": "redis"}
     processes: list[subprocess.Popen[bytes]] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -202,6 +266,9 @@ async def with_replicas(options: argparse.Namespace, parts: set[str]) -> None:
                     f"p99 {quantile(extra_ms, 0.99):.2f} ms ({options.rounds} rounds; "
                     "target p99 <= +1 ms)"
                 )
+            if "session_resume" in parts:
+                result = await session_resume_rounds(ports[:2], prefix, options)
+                print_session_resume(result)
     finally:
         for process in processes:
             stop_process(process)  # type: ignore[arg-type]
@@ -215,8 +282,8 @@ async def with_replicas(options: argparse.Namespace, parts: set[str]) -> None:
 
 
 async def main(options: argparse.Namespace) -> None:
-    parts = set(options.part or ("stream", "first_chunk", "resume"))
-    if parts & {"stream", "first_chunk"}:
+    parts = set(options.part or PARTS)
+    if parts & {"stream", "first_chunk", "session_resume"}:
         await with_replicas(options, parts)
     if "resume" in parts:
         per_send, samples = await resume_samples(options.rounds, options.buffered, options.size)
@@ -231,5 +298,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--buffered", type=int, default=1000)
     parser.add_argument("--size", type=int, default=200)
-    parser.add_argument("--part", action="append", choices=["stream", "first_chunk", "resume"])
+    parser.add_argument("--resume-rounds", type=int, default=50)
+    parser.add_argument("--resume-seconds", type=float, default=180.0)
+    parser.add_argument("--part", action="append", choices=PARTS)
     asyncio.run(main(parser.parse_args()))
