@@ -26,8 +26,10 @@ from pathlib import Path
 
 import aiohttp
 import asyncpg
+from redis.asyncio import Redis
 
 DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/test"
+REDIS_URL = "redis://127.0.0.1:6379/0"
 SCRIPT = Path(__file__).resolve().parent / "script.yaml"
 START_TIMEOUT = 30.0
 
@@ -114,6 +116,13 @@ async def measure(rounds: int, ports: list[int]) -> dict[str, list[float]]:
     return samples
 
 
+async def delete_prefixed(redis: Redis, prefix: str) -> None:
+    """The bench's keys, from the shared Redis (never flushed)."""
+    keys = [key async for key in redis.scan_iter(match=prefix + "*")]
+    if keys:
+        await redis.delete(*keys)
+
+
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -136,6 +145,9 @@ async def main(rounds: int) -> None:
             process.wait(timeout=20)
         await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
         await conn.close()
+        redis = Redis.from_url(REDIS_URL)
+        await delete_prefixed(redis, prefix)  # the replicas' streams and turn fences
+        await redis.aclose()
     for label, key in (
         ("first chunk, client on the turn's replica", "first_b"),
         ("first chunk, client on the other replica", "first_a"),

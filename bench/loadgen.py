@@ -981,6 +981,8 @@ async def session_stream(options: Options) -> dict[str, Any]:
 # read or acknowledged), wait until the server has ended the turn (so every message waits
 # in its resend buffer), then on a fresh socket `hello` with the session id and
 # `last_seq` 0, and time: reconnect start -> `ready`, and -> the backlog's `done`.
+# bench/replicas.py runs the same samples in its process with the resume on another
+# replica (`resume_url`), after that replica can read the whole backlog (`recorded`).
 
 TURN_POLL = 0.01  # seconds between reads of the server's turn counter
 TURNS_FAMILY = b"# TYPE portico_turns_total counter"
@@ -1124,9 +1126,21 @@ async def finish(peer: ResumePeer, seq: int) -> None:
             peer.conn.abort()
 
 
+# Waits until the dropped session's backlog is where the resume reads it (the session
+# id, at most `within` seconds); True if it got there.
+Recorded = Callable[[str, float], Awaitable[bool]]
+
+
 async def resume_sample(
-    dialer: Dialer, url: str, counter: TurnCounter, options: Options
+    dialer: Dialer,
+    url: str,
+    counter: TurnCounter,
+    options: Options,
+    resume_url: str | None = None,
+    recorded: Recorded | None = None,
 ) -> dict[str, float]:
+    """One sample; `counter` reads the server at `url`, which runs the turn; the resume
+    connects to `resume_url` (None: `url`), after `recorded` (None: the turn's end)."""
     # 1. A session with one long turn in flight and nobody connected.
     first = ResumePeer(hello_frame(), acking=False)
     await open_peer(dialer, url, first)
@@ -1139,11 +1153,13 @@ async def resume_sample(
     # 2. The turn ends while the session is detached: its messages wait in the buffer.
     bound, fixed = turn_wait_bound(options.backlog), fixed_turn_wait(options.backlog)
     counted = await counter.wait_above(before, bound, fixed)
+    if recorded is not None:
+        counted = await recorded(first.session_id, bound) and counted
     waited = time.perf_counter() - dropped
     # 3. Resume from seq 0 on a fresh socket: everything is resent.
     peer = ResumePeer(hello_frame(first.session_id, last_seq=0))
     start = time.perf_counter()
-    await open_peer(dialer, url, peer)
+    await open_peer(dialer, resume_url or url, peer)
     kind = await peer.done
     sample = {
         "ready_s": peer.ready_at - start,
@@ -1161,15 +1177,31 @@ async def resume_sample(
 @workload("session_resume")
 async def session_resume(options: Options) -> dict[str, Any]:
     """`--samples` resumes (after `--warm` unmeasured ones), one session at a time."""
+    return await resume_samples(options)
+
+
+async def resume_samples(
+    options: Options,
+    resume_url: str | None = None,
+    recorded: Recorded | None = None,
+    within: float = math.inf,
+) -> dict[str, Any]:
+    """session_resume's samples and figures; `resume_url`, `recorded`: resume_sample's;
+    no sample starts after `within` seconds."""
     dialer = make_dialer(options.client)
     counter = TurnCounter(options.url)
     samples: list[dict[str, float]] = []
     errors = 0
+    stop_at = time.perf_counter() + within
     try:
         for index in range(options.warm + options.samples):
+            if time.perf_counter() > stop_at:
+                break
             try:
                 async with asyncio.timeout(sample_bound(options.backlog)):
-                    sample = await resume_sample(dialer, options.url, counter, options)
+                    sample = await resume_sample(
+                        dialer, options.url, counter, options, resume_url, recorded
+                    )
             except (TimeoutError, ConnectionError, OSError) as exc:
                 emit("sample_failed", index=index, reason=repr(exc)[:300])
                 errors += 1

@@ -1,6 +1,6 @@
 """Replicas bench (issue 16): three replicas behind HAProxy against one, on this machine.
 
-Three parts, each bounded in time and count, printed in one run:
+Five parts, each bounded in time and count, printed in one run:
 
 1. **stream**: the `stream` workload of bench/loadgen.py (`/ws`, N clients, a
    `stream50` turn after another) for `--seconds`, first against one replica directly,
@@ -10,19 +10,32 @@ Three parts, each bounded in time and count, printed in one run:
 2. **first chunk**: bench/bus_relay.py's rounds on two of the replicas: a `/ws` client on
    each, one session, B runs the turn; the first chunk's p50/p99 on B (same replica)
    and on A (other replica), and their difference (target <= +1 ms at p99).
-3. **resume**: another replica's `claim` + `load` of a `/v1/session` with `--buffered`
+3. **session_resume**: a real `/v1/session` resume on another replica: bench/loadgen.py's
+   `session_resume` workload with `--resume-url`. Per round a client on replica A sends a
+   message whose reply is `--buffered` numbered messages (`long1000`), drops without
+   reading or acknowledging, waits for the turn's end (A's turn counter), then reconnects
+   to replica B with `hello` (session id, `last_seq` 0): reconnect -> `ready` and
+   reconnect -> the last backlog message, p50/p99 over `--resume-rounds` rounds (one
+   unmeasured first), no round starting after `--resume-seconds`.
+4. **resume**: another replica's `claim` + `load` of a `/v1/session` with `--buffered`
    unacknowledged 200-byte messages in Redis, `--rounds` times (target p99 <= 50 ms).
-   The port's two calls only: no socket, no resend (those are the `session_resume`
-   workload of bench/run.py, on one process).
+   The port's two calls only: no socket, no resend (those are part 3).
+5. **bus_floor**: the first chunk's floor across replicas: an entry published in one
+   process and read in another, `--rounds` times, one at a time, with a bare redis-py
+   `XADD` -> blocking `XREAD`, and with the Redis bus itself (`publish_batch` to a
+   session and an owner topic, as a turn's event, -> `subscribe`).
 
     python bench/replicas.py [--clients 50] [--seconds 3] [--rounds 200] [--buffered 1000]
-                             [--part stream --part first_chunk --part resume]
+                             [--resume-rounds 50] [--resume-seconds 180]
+                             [--part stream --part first_chunk --part session_resume
+                              --part resume --part bus_floor]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import shutil
 import statistics
 import subprocess
@@ -34,16 +47,28 @@ from typing import Any
 
 import aiohttp
 import asyncpg
-from bus_relay import DATABASE_URL, free_port, quantile, start, wait_ready
+from bus_relay import (
+    DATABASE_URL,
+    REDIS_URL,
+    delete_prefixed,
+    free_port,
+    quantile,
+    start,
+    wait_ready,
+)
 from bus_relay import measure as first_chunk_rounds
-from harness import PORTICO_BENCH_ENV, Loadgen, stop_process
+from harness import PORTICO_BENCH_ENV, PORTICO_RESUME_ENV, Loadgen, stop_process
+from loadgen import Recorded
+from loadgen import parse_args as parse_loadgen_args
+from loadgen import resume_samples as socket_resume_samples
 from redis.asyncio import Redis
 
+from portico.bus.redis_bus import RedisBus
 from portico.sessionstate.base import BufferLimits
 from portico.sessionstate.redis import RedisSessionStates
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 REPLICAS = 3
+PARTS = ("stream", "first_chunk", "session_resume", "resume", "bus_floor")
 HAPROXY_CONFIG = """\
 global
     maxconn 4096
@@ -65,7 +90,7 @@ backend replicas
 """
 
 
-# -- 3. resume: claim + load on another replica ----------------------------------------
+# -- 4. resume: claim + load on another replica ----------------------------------------
 
 
 async def resume_samples(rounds: int, buffered: int, size: int) -> tuple[float, list[float]]:
@@ -92,9 +117,7 @@ async def resume_samples(rounds: int, buffered: int, size: int) -> tuple[float, 
             assert len(snapshot.unacknowledged) == buffered
         return per_send, samples
     finally:
-        keys = [key async for key in a_client.scan_iter(match=prefix + "*")]
-        if keys:
-            await a_client.delete(*keys)
+        await delete_prefixed(a_client, prefix)
         await a_client.aclose()
         await b_client.aclose()
 
@@ -107,6 +130,143 @@ def print_resume(per_send: float, samples: list[float], buffered: int, size: int
         f"p50 {statistics.median(ms):.2f} ms, p99 {quantile(ms, 0.99):.2f} ms "
         f"({len(ms)} rounds; target p99 <= 50 ms)"
     )
+
+
+# -- 3. session_resume: a real resume on another replica ------------------------------
+
+
+RECORD_POLL = 0.01  # seconds between reads of the dropped session's state in Redis
+
+
+def backlog_recorded(prefix: str, backlog: int) -> Recorded:
+    """On `session_state=redis` a detached session's numbered messages are recorded one
+    script round trip each, after the engine ended the turn (the records queue): the
+    resume waits until the last one is in Redis, so it finds all `backlog` of them."""
+
+    async def recorded(session_id: str, within: float) -> bool:
+        redis = Redis.from_url(REDIS_URL)
+        deadline = time.perf_counter() + within
+        try:
+            while time.perf_counter() < deadline:
+                next_seq = await redis.hget(f"{prefix}session:{session_id}", "next_seq")
+                if next_seq is not None and int(next_seq) > backlog:
+                    return True
+                await asyncio.sleep(RECORD_POLL)
+            return False
+        finally:
+            await redis.aclose()
+
+    return recorded
+
+
+async def session_resume_rounds(
+    ports: list[int], prefix: str, options: argparse.Namespace
+) -> dict[str, Any]:
+    """loadgen's session_resume samples: the turn on ports[0], the resume on ports[1]."""
+    turn, resume = (f"ws://127.0.0.1:{port}/v1/session" for port in ports)
+    _, sampling = parse_loadgen_args(
+        ["session_resume", "--url", turn, "--scenario", f"long{options.buffered}",
+         "--backlog", str(options.buffered), "--samples", str(options.resume_rounds),
+         "--warm", "1"]
+    )  # fmt: skip
+    recorded = backlog_recorded(prefix, options.buffered)
+    return await socket_resume_samples(sampling, resume, recorded, options.resume_seconds)
+
+
+def print_session_resume(result: dict[str, Any]) -> None:
+    print(
+        f"/v1/session resume on another replica, {result['backlog']} buffered: reconnect -> "
+        f"ready p50 {result['ready_p50_ms']:.2f} ms, p99 {result['ready_p99_ms']:.2f} ms; "
+        f"reconnect -> last message p50 {result['done_p50_ms']:.2f} ms, p99 "
+        f"{result['done_p99_ms']:.2f} ms ({result['samples']} rounds, errors "
+        f"{result['errors']}; target p99 <= 50 ms)"
+    )
+
+
+# -- 5. bus_floor: one entry from a process to another, through Redis --------------------
+
+FLOOR_GAP = 0.01  # seconds between two publishes: one entry in flight at a time
+FLOOR_TIMEOUT = 60.0  # seconds the reading process may take in all
+
+
+def stamp() -> bytes:
+    """The send time (perf_counter: CLOCK_MONOTONIC, one clock for every process here),
+    padded to a chunk event's size."""
+    return f"{time.perf_counter():.9f}".encode().ljust(200)
+
+
+async def read_floor(key: str, count: int, bare: bool, ready: Any) -> list[float]:
+    """Wake-up delays (ms) of `count` entries, from the stream's start."""
+    samples: list[float] = []
+    if bare:
+        redis = Redis.from_url(REDIS_URL)
+        last = "0-0"
+        ready.set()
+        while len(samples) < count:
+            for _, entries in await redis.xread({key: last}, block=1000) or ():
+                now = time.perf_counter()
+                for entry_id, fields in entries:
+                    last = entry_id
+                    samples.append((now - float(fields[b"p"])) * 1000)
+        await redis.aclose()
+        return samples
+    bus = RedisBus(REDIS_URL, prefix=key)
+    ready.set()
+    async for entry in bus.subscribe("session", after="0-0"):
+        samples.append((time.perf_counter() - float(entry.payload)) * 1000)
+        if len(samples) == count:
+            break
+    await bus.close()
+    return samples
+
+
+def floor_reader(key: str, count: int, bare: bool, ready: Any, out: Any) -> None:
+    import uvloop  # the servers' loop
+
+    out.put(uvloop.run(read_floor(key, count, bare, ready)))
+
+
+async def write_floor(key: str, count: int, bare: bool) -> None:
+    redis, bus = Redis.from_url(REDIS_URL), RedisBus(REDIS_URL, prefix=key)
+    try:
+        for _ in range(count):
+            await asyncio.sleep(FLOOR_GAP)
+            if bare:
+                await redis.xadd(key, {b"p": stamp()}, maxlen=10_000, approximate=True)
+            else:
+                payload = stamp()
+                await bus.publish_batch([("session", payload), ("owner", payload)])
+    finally:
+        await delete_prefixed(redis, key)
+        await redis.aclose()
+        await bus.close()
+
+
+async def floor_samples(count: int, bare: bool) -> list[float]:
+    spawn = multiprocessing.get_context("spawn")
+    ready, out = spawn.Event(), spawn.Queue()
+    key = f"portico-bench:{uuid.uuid4().hex[:12]}:"
+    reader = spawn.Process(target=floor_reader, args=(key, count, bare, ready, out))
+    reader.start()
+    try:
+        if not await asyncio.to_thread(ready.wait, FLOOR_TIMEOUT):
+            raise RuntimeError("the floor's reader did not start")
+        await write_floor(key, count, bare)
+        samples: list[float] = await asyncio.to_thread(out.get, True, FLOOR_TIMEOUT)
+        return samples
+    finally:
+        reader.join(FLOOR_TIMEOUT)
+        if reader.is_alive():
+            reader.kill()
+
+
+async def print_floor(rounds: int) -> None:
+    for label, bare in (("bare redis-py XADD -> XREAD", True), ("RedisBus", False)):
+        ms = await floor_samples(rounds, bare)
+        print(
+            f"bus floor, {label}, another process woken: p50 {statistics.median(ms):.3f} ms, "
+            f"p99 {quantile(ms, 0.99):.3f} ms ({rounds} entries)"
+        )
 
 
 # -- 1. and 2.: replicas on PostgreSQL and Redis ----------------------------------------
@@ -155,7 +315,7 @@ async def with_replicas(options: argparse.Namespace, parts: set[str]) -> None:
     conn = await asyncpg.connect(DATABASE_URL)
     await conn.execute(f"CREATE SCHEMA {schema}")
     prefix = f"portico-bench:{uuid.uuid4().hex[:12]}:"
-    extra = {**PORTICO_BENCH_ENV, "PORTICO_SESSION_STATE": "redis"}
+    extra = {**PORTICO_BENCH_ENV, **PORTICO_RESUME_ENV, "PORTICO_SESSION_STATE": "redis"}
     processes: list[subprocess.Popen[bytes]] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -202,25 +362,28 @@ async def with_replicas(options: argparse.Namespace, parts: set[str]) -> None:
                     f"p99 {quantile(extra_ms, 0.99):.2f} ms ({options.rounds} rounds; "
                     "target p99 <= +1 ms)"
                 )
+            if "session_resume" in parts:
+                result = await session_resume_rounds(ports[:2], prefix, options)
+                print_session_resume(result)
     finally:
         for process in processes:
             stop_process(process)  # type: ignore[arg-type]
         await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
         await conn.close()
         redis = Redis.from_url(REDIS_URL)
-        keys = [key async for key in redis.scan_iter(match=prefix + "*")]
-        if keys:
-            await redis.delete(*keys)
+        await delete_prefixed(redis, prefix)
         await redis.aclose()
 
 
 async def main(options: argparse.Namespace) -> None:
-    parts = set(options.part or ("stream", "first_chunk", "resume"))
-    if parts & {"stream", "first_chunk"}:
+    parts = set(options.part or PARTS)
+    if parts & {"stream", "first_chunk", "session_resume"}:
         await with_replicas(options, parts)
     if "resume" in parts:
         per_send, samples = await resume_samples(options.rounds, options.buffered, options.size)
         print_resume(per_send, samples, options.buffered, options.size)
+    if "bus_floor" in parts:
+        await print_floor(options.rounds)
 
 
 if __name__ == "__main__":
@@ -231,5 +394,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--buffered", type=int, default=1000)
     parser.add_argument("--size", type=int, default=200)
-    parser.add_argument("--part", action="append", choices=["stream", "first_chunk", "resume"])
+    parser.add_argument("--resume-rounds", type=int, default=50)
+    parser.add_argument("--resume-seconds", type=float, default=180.0)
+    parser.add_argument("--part", action="append", choices=PARTS)
     asyncio.run(main(parser.parse_args()))
