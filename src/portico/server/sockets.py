@@ -389,9 +389,17 @@ class ServerSocket(ABC):
     async def _write_each(self) -> None:
         """Compressed frames go through aiohttp's writer, one awaited send each."""
         written = 0
-        while (frame := self.core.next_frame()) is not None and not self._ws.closed:
-            await self._ws.send_frame(frame, frame_type(frame))
-            written += 1
+        try:
+            while (frame := self.core.next_frame()) is not None and not self._ws.closed:
+                await self._ws.send_frame(frame, frame_type(frame))
+                written += 1
+        except ConnectionResetError:
+            # The peer hung up mid-send (aiohttp's compressed send awaits, and the
+            # transport closed meanwhile): a plain hang-up, which the read loop ends;
+            # raised out of this task it would be logged as a traceback nobody awaited.
+            self._writing = False
+            self._waiter = None
+            return
         self._frames.outbound += written
         self._waiter = None
         self._after_write()
