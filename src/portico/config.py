@@ -238,6 +238,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # (a stop, a tool result); past it the client gets SERVICE_UNAVAILABLE.
     bus_control_timeout: Seconds = 5.0
     bus_topic_ttl: Seconds = 86_400.0  # a turn-output stream's life after its last entry
+    # A session's turn-lock token counter outlives the session's last turn this long; at
+    # least 2 x replica_lease + turn_end_retry_window (no writer of the turn is left).
+    turn_fence_ttl: Seconds = 86_400.0
     # A replica's control inbox outlives the replica this long: the replica renews it
     # every third of this while it reads it (so at least 3 x bus_read_block).
     bus_inbox_ttl: Seconds = 300.0
@@ -472,6 +475,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         if self.bus_inbox_ttl < 3 * self.bus_read_block:
             # Renewed between reads: a shorter one could lapse under a living replica.
             raise ConfigError("bus_inbox_ttl must be at least 3 x bus_read_block")
+        fenced_writes = 2 * self.replica_lease + self.turn_end_retry_window
+        if self.bus == "redis" and self.turn_fence_ttl < fenced_writes:
+            # Shorter, the counter could restart while the last holder may still write.
+            raise ConfigError(
+                "turn_fence_ttl must be at least 2 x replica_lease + turn_end_retry_window"
+            )
         for name, value in (("bus", self.bus), ("session_state", self.session_state)):
             if value != "redis":
                 continue

@@ -17,7 +17,12 @@ from hypothesis import strategies as st
 
 import support.fuzzing  # noqa: F401  (Hypothesis settings, see the module)
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
-from portico.sessionstate.base import ENDED_TURNS_KEPT, BufferLimits, SessionStates
+from portico.sessionstate.base import (
+    ENDED_TURNS_KEPT,
+    BufferLimits,
+    SessionHeader,
+    SessionStates,
+)
 from portico.sessionstate.memory import InProcessSessionStates
 from portico.sessionstate.redis import EXPIRY_GRACE_MS, RedisSessionStates
 from support.redis import redis_client, run_prefix
@@ -155,6 +160,27 @@ async def test_the_window_deadline_is_kept_and_cleared(states: SessionStates) ->
     snap = await states.load(SID)
     assert snap is not None
     assert snap.window_deadline is None
+
+
+async def test_the_header_has_the_sessions_fields_and_none_of_its_buffer(
+    states: SessionStates,
+) -> None:
+    """What a resume checks ownership with before it claims (docs/replicas.md)."""
+    assert await states.header("ses_nobody") is None
+    epoch = await states.create(SID, capabilities=b'{"owner":"alice"}')
+    for seq in (1, 2, 3):
+        await states.record_sent(SID, epoch, seq, b"m%d" % seq)
+    deadline = time.time() + 1234.5
+    await states.set_window(SID, epoch, deadline)
+    assert await states.header(SID) == SessionHeader(
+        epoch=epoch, capabilities=b'{"owner":"alice"}', window_deadline=deadline
+    )
+    claimed = await states.claim(SID)
+    assert await states.header(SID) == SessionHeader(
+        epoch=claimed, capabilities=b'{"owner":"alice"}', window_deadline=None
+    )
+    await states.remove(SID)
+    assert await states.header(SID) is None
 
 
 async def test_a_removed_session_is_gone(states: SessionStates) -> None:

@@ -19,11 +19,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from portico.bus.memory_bus import InProcessBus
-from portico.config import AgentSettings
+from portico.config import AgentSettings, load_settings
 from portico.core.engine import Engine, UserMessage
 from portico.core.events import TERMINAL_EVENTS, TurnChunk, TurnCompleted, TurnEvent, TurnToolCall
 from portico.core.tools import ClientReply, ClientToolBroker
 from portico.errors import InvalidMessage, TurnInProgress, TurnReplicaGone
+from portico.replication.build import build_link
 from portico.replication.link import BusLink
 from portico.replication.turnlock import TurnLocks
 from portico.runtime.base import Chunk, Done, ToolCall, TurnInput, TurnStream
@@ -33,6 +34,7 @@ from support.slowtcp import SlowRelay
 REDIS_URL = "redis://127.0.0.1:6379/0"
 WAIT = 5.0
 LEASE = 3.0
+FENCE_TTL = 600.0
 
 
 class Gate:
@@ -129,7 +131,9 @@ async def make_replicas(
     for name in ("rep-a", "rep-b"):
         tools = ClientToolBroker(store=store, ack_timeout=5, answer_timeout=10, clock=time.time)
         client = (lock_clients or {}).get(name, redis)
-        locks = TurnLocks(client, prefix=redis.test_prefix, replica_id=name, lease=LEASE)
+        locks = TurnLocks(
+            client, prefix=redis.test_prefix, replica_id=name, lease=LEASE, fence_ttl=FENCE_TTL
+        )
         link = BusLink(bus, locks, store, replica_id=name, lease=LEASE, control_timeout=1.0)
         link.bind_tools(tools)
         tools.relay = link
@@ -385,8 +389,8 @@ async def test_a_replica_shutting_down_sends_its_turns_terminal_events_before_it
 async def test_the_turn_lock_names_its_holder_with_an_increasing_token_and_lapses(
     redis: Any,
 ) -> None:
-    a = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-a", lease=0.3)
-    b = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-b", lease=0.3)
+    a = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-a", lease=0.3, fence_ttl=60)
+    b = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-b", lease=0.3, fence_ttl=60)
     assert await a.acquire("s9") is True
     assert await b.acquire("s9") is False
     first = await b.holder("s9")
@@ -427,3 +431,80 @@ async def test_a_turn_on_the_other_replica_is_seen_as_running_elsewhere(
         assert not await a.engine.runs_a_turn_elsewhere_for("alice")
     finally:
         await stop_all([a, b])
+
+
+async def until_gone(redis: Any, key: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while await redis.exists(key):
+        assert time.monotonic() < deadline, f"{key} still in Redis after {WAIT}s"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_sessions_fence_counter_lives_while_its_lock_is_held_and_expires_when_idle(
+    redis: Any, gate: Gate
+) -> None:
+    """`turn_fence_ttl` (docs/replicas.md): the counter is kept by every grant, renewal
+    and release, so only an idle session's counter leaves Redis."""
+    settings = load_settings(
+        env={
+            "PORTICO_BUS": "redis",
+            "PORTICO_REDIS_KEY_PREFIX": redis.test_prefix,
+            "PORTICO_REPLICA_LEASE": "0.3",
+            "PORTICO_TURN_END_RETRY_WINDOW": "0.1",
+            "PORTICO_TURN_FENCE_TTL": "0.7",
+        }
+    )
+    settings.check_startable()
+    store = MemoryStore()
+    link = build_link(settings, store, "rep-a", InProcessBus())
+    assert link is not None
+    engine = Engine(
+        store=store,
+        runtimes={"default": gate},
+        agents={"default": AgentSettings()},
+        context_ttl=600,
+        replica_id="rep-a",
+        link=link,
+        replica_lease=settings.replica_lease,
+    )
+    await engine.start()
+    fence_key = f"{redis.test_prefix}turnfence:{{sess-fence}}"
+    try:
+        running = Recorder()
+        await engine.submit(message("sess-fence"), running)
+        await asyncio.wait_for(gate.started.wait(), WAIT)
+        first = await link._locks.holder("sess-fence")
+        assert first is not None
+        # Held three expiries long: the renewals (every lease / 3) keep the counter.
+        for _ in range(3):
+            await asyncio.sleep(settings.turn_fence_ttl)
+            assert await redis.exists(fence_key), "the counter expired under its holder"
+        assert await link._locks.holder("sess-fence") == first
+        gate.release.set()
+        await running.terminal()
+        await link._flush(WAIT)  # the lock's release is a background write
+        await until_gone(redis, fence_key)
+        # A grant after the counter restarted is still above every earlier token.
+        assert await link.claim("sess-fence")
+        again = await link._locks.holder("sess-fence")
+        assert again is not None
+        assert again.fence > first.fence
+        link.release("sess-fence")
+        await link._flush(WAIT)
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_lapsed_lock_is_not_taken_back_under_a_token_older_than_a_later_grant(
+    redis: Any,
+) -> None:
+    """A renewal finding its lock gone takes it again only if no grant came since:
+    otherwise the session's token would go backwards."""
+    a = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-a", lease=0.3, fence_ttl=60)
+    b = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-b", lease=0.3, fence_ttl=60)
+    assert await a.acquire("s10") is True
+    await asyncio.sleep(0.5)  # not renewed: the lease lapses, as when rep-a pauses
+    assert await b.acquire("s10") is True
+    await b.release("s10")
+    assert await a.renew_all() == ["s10"]
+    assert await b.holder("s10") is None

@@ -74,6 +74,7 @@ SETTINGS_TABLE: list[tuple[str, object, str, object]] = [
     ("PORTICO_DATABASE_POOL_SIZE", 10, "3", 3),
     ("PORTICO_REPLICA_ID", "", "portico-0", "portico-0"),
     ("PORTICO_REPLICA_LEASE", 30, "4.5", 4.5),
+    ("PORTICO_TURN_FENCE_TTL", 86400, "600", 600),
 ]
 
 
@@ -462,6 +463,18 @@ def test_an_inbox_that_could_lapse_between_its_replicas_reads_is_refused() -> No
     with pytest.raises(ConfigError, match="bus_inbox_ttl must be at least 3 x bus_read_block"):
         load({"PORTICO_BUS_INBOX_TTL": "2", "PORTICO_BUS_READ_BLOCK": "1"}).check_startable()
     load({"PORTICO_BUS_INBOX_TTL": "3", "PORTICO_BUS_READ_BLOCK": "1"}).check_startable()
+
+
+def test_a_turn_fence_counter_that_could_expire_under_a_writer_is_refused() -> None:
+    env = {
+        "PORTICO_BUS": "redis",
+        "PORTICO_REPLICA_LEASE": "1",
+        "PORTICO_TURN_END_RETRY_WINDOW": "2",
+        "PORTICO_TURN_FENCE_TTL": "3.5",
+    }
+    with pytest.raises(ConfigError, match="turn_fence_ttl must be at least 2 x replica_lease"):
+        load(env).check_startable()
+    load({**env, "PORTICO_TURN_FENCE_TTL": "4"}).check_startable()
 
 
 def test_allow_unauthenticated_permits_an_open_bind() -> None:

@@ -22,7 +22,11 @@ def build_link(settings: Settings, store: Store, replica_id: str, bus: Bus) -> B
     # Lock calls must answer or fail fast: a new turn waits on them.
     redis: Any = aioredis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
     locks = TurnLocks(
-        redis, prefix=settings.redis_key_prefix, replica_id=replica_id, lease=settings.replica_lease
+        redis,
+        prefix=settings.redis_key_prefix,
+        replica_id=replica_id,
+        lease=settings.replica_lease,
+        fence_ttl=settings.turn_fence_ttl,
     )
     return BusLink(
         bus,

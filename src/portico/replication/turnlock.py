@@ -6,7 +6,9 @@ turn runs and deletes it at the turn's end, both only if the value is still its 
 (a script: compare and act in one step). A replica that dies stops renewing: after
 `lease` seconds the session is free again, and the orphan sweep ends the dead
 replica's turn `interrupted` (docs/storage.md). Each grant draws a fencing token
-(`INCR`), increasing per session, carried in the value for writers that check it.
+(above the session's last one and at least Redis's clock in ms), carried in the value
+for writers that check it. The token's counter expires `fence_ttl` after the session's
+last grant, renewal or release (docs/replicas.md, "One turn per session").
 """
 
 from __future__ import annotations
@@ -17,15 +19,32 @@ from redis.exceptions import RedisError
 
 from portico.errors import BusUnavailable
 
-# Renew; a lock that lapsed while nobody took it (Redis restarted, a long pause) is
-# taken again under the same value.
+# The fencing token: above the session's last one and at least Redis's clock in ms, so
+# a counter that restarts (its key expired after `fence_ttl` idle, or a Redis restart
+# without persistence lost it) still starts above every token granted before.
+# KEYS[2] the counter; ARGV[3] its expiry (ms). Leaves the token in `token`.
+_NEXT_TOKEN = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local token = string.format('%d', math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now))
+redis.call('SET', KEYS[2], token, 'PX', ARGV[3])
+"""
+# Renew, and keep the session's counter alive with it. A lock that lapsed while nobody
+# took it (Redis restarted, a long pause) is taken again under the same value, only if
+# no grant came since (the counter still has this token, or is gone with Redis's data):
+# after another grant this token is stale and must stay behind.
+# ARGV: the value, the lease (ms), the counter's expiry (ms), the value's token.
 _RENEW = """
 local held = redis.call('GET', KEYS[1])
 if held == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 if not held then
+  local last = redis.call('GET', KEYS[2])
+  if last and last ~= ARGV[4] then return 0 end
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
   return 1
 end
 return 0
@@ -34,17 +53,25 @@ return 0
 # release failed while Redis was away, or this replica restarted under its stable id):
 # the caller runs no turn in the session, so the lock is its own to take.
 # One round trip: the check, the fencing token and the grant.
-_ACQUIRE = """
+_ACQUIRE = (
+    """
 local held = redis.call('GET', KEYS[1])
-if (not held) or string.sub(held, 1, string.len(ARGV[1])) == ARGV[1] then
-  local value = ARGV[1] .. redis.call('INCR', KEYS[2])
-  redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
-  return value
+if held and string.sub(held, 1, string.len(ARGV[1])) ~= ARGV[1] then
+  return false
 end
-return false
 """
+    + _NEXT_TOKEN
+    + """
+local value = ARGV[1] .. token
+redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+return value
+"""
+)
+# The counter outlives the turn's end by its expiry (a turn's end may still be written
+# after the release, turn_end_retry_window).
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[2], ARGV[2])
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -65,11 +92,16 @@ def parse_holder(value: bytes | str | None) -> Holder | None:
 
 
 class TurnLocks:
-    def __init__(self, redis: Any, *, prefix: str, replica_id: str, lease: float) -> None:
+    def __init__(
+        self, redis: Any, *, prefix: str, replica_id: str, lease: float, fence_ttl: float
+    ) -> None:
+        """`fence_ttl`: how long a session's token counter outlives its last grant,
+        renewal or release (the `turn_fence_ttl` setting)."""
         self._redis = redis
         self._prefix = prefix
         self._replica = replica_id
         self._lease_ms = max(1, int(lease * 1000))
+        self._fence_ttl_ms = max(1, int(fence_ttl * 1000))
         self._held: dict[str, str] = {}  # session id -> the value this replica set
         self._renew = redis.register_script(_RENEW)
         self._release = redis.register_script(_RELEASE)
@@ -82,6 +114,9 @@ class TurnLocks:
     def _fence_key(self, session_id: str) -> str:
         return f"{self._prefix}turnfence:{{{session_id}}}"
 
+    def _keys(self, session_id: str) -> list[str]:
+        return [self._key(session_id), self._fence_key(session_id)]
+
     def holds(self, session_id: str) -> bool:
         return session_id in self._held
 
@@ -91,8 +126,8 @@ class TurnLocks:
             return True
         try:
             value = await self._acquire(
-                keys=[self._key(session_id), self._fence_key(session_id)],
-                args=[f"{self._replica}|", self._lease_ms],
+                keys=self._keys(session_id),
+                args=[f"{self._replica}|", self._lease_ms, self._fence_ttl_ms],
             )
         except RedisError as exc:
             raise BusUnavailable() from exc
@@ -120,7 +155,7 @@ class TurnLocks:
     async def release_value(self, session_id: str, value: str) -> None:
         """Delete the lock if it still has `value` (a newer grant is left alone)."""
         try:
-            await self._release(keys=[self._key(session_id)], args=[value])
+            await self._release(keys=self._keys(session_id), args=[value, self._fence_ttl_ms])
         except RedisError as exc:
             raise BusUnavailable() from exc
 
@@ -129,7 +164,11 @@ class TurnLocks:
         another replica took it: this replica paused longer than the lease)."""
         lost: list[str] = []
         for session_id, value in list(self._held.items()):
-            kept = await self._renew(keys=[self._key(session_id)], args=[value, self._lease_ms])
+            token = value.rpartition("|")[2]
+            kept = await self._renew(
+                keys=self._keys(session_id),
+                args=[value, self._lease_ms, self._fence_ttl_ms, token],
+            )
             if not kept:
                 lost.append(session_id)
         return lost

@@ -584,11 +584,12 @@ class SessionSocket(ServerSocket):
         """Take over a session this process does not hold (it was opened or last
         resumed on another replica, or this one restarted): from the port alone."""
         states = self._services.session_states
-        snapshot = await states.load(session_id)
-        profile = None if snapshot is None else decode_profile(snapshot.capabilities)
-        if snapshot is None or profile is None or not self._mine(profile.owner, profile.binding):
+        # Ownership needs the session's fields only: its buffer is read once, below.
+        header = await states.header(session_id)
+        profile = None if header is None else decode_profile(header.capabilities)
+        if header is None or profile is None or not self._mine(profile.owner, profile.binding):
             raise ResumeFailed()
-        if snapshot.window_deadline is not None and snapshot.window_deadline <= time.time():
+        if header.window_deadline is not None and header.window_deadline <= time.time():
             raise ResumeFailed()
         if not self._services.engine.has_agent(profile.agent):
             raise ResumeFailed()

@@ -38,6 +38,14 @@ class SessionSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     ended_turns: tuple[str, ...] = ()
 
 
+class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
+    """A session's fields without its buffers: what deciding who may take it needs."""
+
+    epoch: int
+    capabilities: bytes = b""
+    window_deadline: float | None = None
+
+
 ENDED_TURNS_KEPT = 64
 
 
@@ -57,6 +65,11 @@ class SessionStates(Protocol):
         ...
 
     async def load(self, session_id: str) -> SessionSnapshot | None: ...
+
+    async def header(self, session_id: str) -> SessionHeader | None:
+        """The session's epoch, capabilities and window, none of its buffered messages:
+        a resume checks ownership with it before it claims (one `load` after)."""
+        ...
 
     async def record_sent(
         self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""

@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
 from portico.health import IN_PROCESS, Health
-from portico.sessionstate.base import ENDED_TURNS_KEPT, BufferLimits, SessionSnapshot
+from portico.sessionstate.base import (
+    ENDED_TURNS_KEPT,
+    BufferLimits,
+    SessionHeader,
+    SessionSnapshot,
+)
 
 
 @dataclass(slots=True)
@@ -54,6 +59,16 @@ class InProcessSessionStates:
             capabilities=ledger.capabilities,
             window_deadline=ledger.window_deadline,
             ended_turns=tuple(reversed(ledger.ended_turns)),
+        )
+
+    async def header(self, session_id: str) -> SessionHeader | None:
+        ledger = self._ledgers.get(session_id)
+        if ledger is None:
+            return None
+        return SessionHeader(
+            epoch=ledger.epoch,
+            capabilities=ledger.capabilities,
+            window_deadline=ledger.window_deadline,
         )
 
     async def record_sent(

@@ -16,7 +16,12 @@ from redis.asyncio import Redis
 
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
 from portico.health import Health, probe
-from portico.sessionstate.base import ENDED_TURNS_KEPT, BufferLimits, SessionSnapshot
+from portico.sessionstate.base import (
+    ENDED_TURNS_KEPT,
+    BufferLimits,
+    SessionHeader,
+    SessionSnapshot,
+)
 
 _MISSING, _MOVED, _OVERFLOW, _OUT_OF_ORDER = -1, -2, -3, -4
 # A session nobody resumed is forgotten by Redis itself this long after its window's
@@ -177,6 +182,20 @@ class RedisSessionStates:
             capabilities=fields[b"capabilities"],
             window_deadline=None if window is None else float(window),
             ended_turns=tuple(turn.decode() for turn in turns),
+        )
+
+    async def header(self, session_id: str) -> SessionHeader | None:
+        fields = await self._redis.hmget(
+            self._keys(session_id)[0], "epoch", "capabilities", "window"
+        )
+        epoch, capabilities, window = fields
+        if epoch is None:
+            return None
+        return SessionHeader(
+            epoch=int(epoch),
+            # Bytes: the client does not decode responses.
+            capabilities=capabilities if isinstance(capabilities, bytes) else b"",
+            window_deadline=None if window is None else float(window),
         )
 
     async def record_sent(
