@@ -347,6 +347,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     # /v1/session (issue: resumable sessions).
     resume_window: Seconds = 30.0
+    # session_state=redis: a session's keys outlive its window's deadline this long, and
+    # a held session's outlive its holder's last renewal resume_window + this (the
+    # holder renews every third of it): a replica killed holding one leaves nothing for good.
+    session_expiry_grace: Seconds = 60.0
     session_idle_timeout: Seconds = 45.0
     heartbeat_interval: Seconds = 15.0
     resend_buffer_messages: Count = 1000

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from redis.asyncio import Redis
 
 import support.fuzzing  # noqa: F401  (Hypothesis settings, see the module)
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
@@ -25,7 +26,7 @@ from portico.sessionstate.base import (
 )
 from portico.sessionstate.memory import InProcessSessionStates
 from portico.sessionstate.redis import EXPIRY_GRACE_MS, RedisSessionStates
-from support.redis import redis_client, run_prefix
+from support.redis import REDIS_URL, redis_client, run_prefix
 
 LIMITS = BufferLimits(max_messages=4, max_bytes=64)
 SID = "ses_contract"
@@ -38,7 +39,9 @@ async def states(request: pytest.FixtureRequest) -> AsyncIterator[SessionStates]
         return
     prefix = run_prefix()
     async with redis_client(prefix) as client:
-        yield RedisSessionStates(client, LIMITS, prefix=prefix)
+        states = RedisSessionStates(client, LIMITS, prefix=prefix)
+        yield states
+        await states.close()  # its renewal task
 
 
 @pytest.fixture
@@ -292,13 +295,52 @@ async def test_redis_forgets_a_session_whose_window_passed_long_ago() -> None:
         # Every key of the session expires with it, those written in the window too.
         for key in await client.keys(prefix + "*"):
             assert await client.pttl(key) > 0, key
-        await states.claim(SID)  # resumed: kept again, without a deadline
+        await states.claim(SID)  # resumed: held again, no deadline, the holder's expiry
         for key in await client.keys(prefix + "*"):
-            assert await client.pttl(key) == -1, key
+            assert 0 < await client.pttl(key) <= (30 + EXPIRY_GRACE_MS / 1000) * 1000, key
         epoch = (await states.load(SID)).epoch  # type: ignore[union-attr]
         await states.set_window(SID, epoch, time.time() - 2 * EXPIRY_GRACE_MS / 1000)
         assert await states.load(SID) is None
         assert await client.keys(prefix + "*") == []
+
+
+async def test_a_held_session_lives_with_its_holder_and_leaves_after_a_dead_one() -> None:
+    """A replica killed while it holds a session never writes the window: its keys expire
+    `resume_window + session_expiry_grace` after its last renewal. A living holder's idle
+    session is renewed, and a resume elsewhere before the expiry keeps the session."""
+    prefix = run_prefix()
+    short = {"prefix": prefix, "resume_window": 0.2, "expiry_grace": 0.3}
+    async with redis_client(prefix) as client:
+        living = RedisSessionStates(client, LIMITS, **short)  # type: ignore[arg-type]
+        # The dead replica's own connection: closing it stops its renewals, as a kill.
+        dead = RedisSessionStates(Redis.from_url(REDIS_URL), LIMITS, **short)  # type: ignore[arg-type]
+        try:
+            await living.create("ses_idle", capabilities=b"")  # first: the oldest write
+            for sid in ("ses_dead", "ses_moved"):
+                epoch = await dead.create(sid, capabilities=b"")
+                await dead.record_sent(sid, epoch, 1, b"m1", ends_turn="t1")
+            await dead.close()  # no window written, no renewal
+            await living.claim("ses_moved")  # the client resumed on the living replica
+            await until_gone(client, [f"{prefix}session:ses_dead{s}" for s in KEY_SUFFIXES])
+            # Idle since before the dead session's last write: only renewals kept it.
+            assert await client.pttl(f"{prefix}session:ses_idle") > 0
+            moved = await living.load("ses_moved")
+            assert moved is not None
+            assert moved.unacknowledged == ((1, b"m1"),)
+            for suffix in KEY_SUFFIXES:
+                assert await client.pttl(f"{prefix}session:ses_moved{suffix}") > 0, suffix
+        finally:
+            await living.close()
+
+
+KEY_SUFFIXES = ("", ":unacked", ":turns")
+
+
+async def until_gone(client: Redis, keys: list[str]) -> None:
+    deadline = time.monotonic() + 10
+    while await client.exists(*keys):
+        assert time.monotonic() < deadline, f"{keys} still in Redis after 10 s"
+        await asyncio.sleep(0.05)
 
 
 # -- the two backends agree on any sequence of operations ------------------------------

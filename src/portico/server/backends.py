@@ -85,4 +85,10 @@ def _build_session_states(settings: Settings) -> SessionStates:
     from portico.sessionstate.redis import RedisSessionStates
 
     client = Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
-    return RedisSessionStates(client, limits, prefix=settings.redis_key_prefix)
+    return RedisSessionStates(
+        client,
+        limits,
+        prefix=settings.redis_key_prefix,
+        resume_window=settings.resume_window,
+        expiry_grace=settings.session_expiry_grace,
+    )

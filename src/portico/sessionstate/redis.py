@@ -5,15 +5,27 @@ list holding the unacknowledged messages and one the latest ended turns. The fir
 list holds exactly server seqs `peer_acked + 1 .. next_seq - 1`, so it needs no seq
 per entry. Every write is one Lua
 script: the epoch check (fencing), the bound check and the change are atomic.
+
+No key lives for good. A session without a connection expires `expiry_grace` after
+its window's deadline; one a connection holds expires `resume_window + expiry_grace`
+after its holder's last write or renewal (every write of the holder sets it again,
+and a task renews the idle ones every third of the grace). So a session whose
+replica died while holding it is forgotten as if its connection had closed at the
+holder's last renewal, and its client keeps at least a full resume window to resume
+elsewhere.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+import time
 from typing import Any
 
 from redis.asyncio import Redis
 
+from portico.core.periodic import every
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
 from portico.health import Health, probe
 from portico.sessionstate.base import (
@@ -26,8 +38,18 @@ from portico.sessionstate.base import (
 _MISSING, _MOVED, _OVERFLOW, _OUT_OF_ORDER = -1, -2, -3, -4
 # A session nobody resumed is forgotten by Redis itself this long after its window's
 # deadline (the replica whose timer would remove it may be dead); until then, and
-# after, a resume gets the same RESUME_FAILED.
+# after, a resume gets the same RESUME_FAILED. The `session_expiry_grace` default.
 EXPIRY_GRACE_MS = 60_000
+RESUME_WINDOW = 30.0  # the `resume_window` setting's default
+
+# Sets the held session's expiry (`ttl` ms from now) unless no connection holds it
+# (a window is set: the window's expiry stands).
+_HOLD = """
+local function hold(ttl)
+  if redis.call('HEXISTS', KEYS[1], 'window') == 1 then return end
+  for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ttl) end
+end
+"""
 
 # KEYS[1] the hash, KEYS[2] the buffer list; ARGV[1] the caller's epoch.
 _FENCE = """
@@ -37,23 +59,26 @@ if tonumber(e) ~= tonumber(ARGV[1]) then return -2 end
 """
 
 # A ledger created over an older one carries its epoch on: the old holders stay fenced.
+# ARGV: capabilities, the held expiry (ms)
 _CREATE = """
 local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0') + 1
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 redis.call('HSET', KEYS[1], 'epoch', epoch, 'next_seq', 1, 'handled', 0, 'peer_acked', 0,
            'bytes', 0, 'capabilities', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return epoch
 """
 
+# ARGV: the held expiry (ms)
 _CLAIM = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 redis.call('HDEL', KEYS[1], 'window')
-for i = 1, 3 do redis.call('PERSIST', KEYS[i]) end
+for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
 return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 """
 
 # ARGV: epoch, seq, data, max_messages, max_bytes, ended turn ('' for none), turns kept,
-# expiry grace (ms)
+# expiry grace (ms), held expiry (ms)
 _SENT = (
     _FENCE
     + """
@@ -76,14 +101,17 @@ if window then
   local expiry = math.floor(tonumber(window) * 1000) + tonumber(ARGV[8])
   redis.call('PEXPIREAT', KEYS[2], expiry)
   if ARGV[6] ~= '' then redis.call('PEXPIREAT', KEYS[3], expiry) end
+else
+  for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[9]) end
 end
 return 1
 """
 )
 
-# ARGV: epoch, seq
+# ARGV: epoch, seq, held expiry (ms)
 _ACK = (
-    _FENCE
+    _HOLD
+    + _FENCE
     + """
 local seq = tonumber(ARGV[2])
 if seq >= tonumber(redis.call('HGET', KEYS[1], 'next_seq')) then return -4 end
@@ -96,20 +124,24 @@ end
 redis.call('LTRIM', KEYS[2], seq - acked, -1)
 redis.call('HSET', KEYS[1], 'peer_acked', seq)
 redis.call('HINCRBY', KEYS[1], 'bytes', -freed)
+hold(ARGV[3])
 return 1
 """
 )
 
-# ARGV: epoch, seq, and optionally the capabilities replaced in the same step
+# ARGV: epoch, seq, held expiry (ms), and optionally the capabilities replaced in the
+# same step
 _HANDLED = (
-    _FENCE
+    _HOLD
+    + _FENCE
     + """
 local seq = tonumber(ARGV[2])
 local handled = tonumber(redis.call('HGET', KEYS[1], 'handled'))
 if seq <= handled then return 0 end
 if seq ~= handled + 1 then return -4 end
 redis.call('HSET', KEYS[1], 'handled', seq)
-if ARGV[3] then redis.call('HSET', KEYS[1], 'capabilities', ARGV[3]) end
+if ARGV[4] then redis.call('HSET', KEYS[1], 'capabilities', ARGV[4]) end
+hold(ARGV[3])
 return 1
 """
 )
@@ -123,13 +155,14 @@ return 1
 """
 )
 
-# ARGV: epoch, deadline ('' for none), expiry (unix ms: the deadline and the grace)
+# ARGV: epoch, deadline ('' for none), expiry (unix ms: the deadline and the grace; with
+# no deadline, the held expiry in ms)
 _WINDOW = (
     _FENCE
     + """
 if ARGV[2] == '' then
   redis.call('HDEL', KEYS[1], 'window')
-  for i = 1, 3 do redis.call('PERSIST', KEYS[i]) end
+  for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
 else
   redis.call('HSET', KEYS[1], 'window', ARGV[2])
   for i = 1, 3 do redis.call('PEXPIREAT', KEYS[i], ARGV[3]) end
@@ -138,12 +171,38 @@ return 1
 """
 )
 
+# ARGV: epoch, held expiry (ms). 1: renewed; 0: a window is set (no connection holds it).
+_RENEW = (
+    _HOLD
+    + _FENCE
+    + """
+if redis.call('HEXISTS', KEYS[1], 'window') == 1 then return 0 end
+hold(ARGV[2])
+return 1
+"""
+)
+
 
 class RedisSessionStates:
-    def __init__(self, redis: Redis, limits: BufferLimits, *, prefix: str = "portico:") -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        limits: BufferLimits,
+        *,
+        prefix: str = "portico:",
+        resume_window: float = RESUME_WINDOW,
+        expiry_grace: float = EXPIRY_GRACE_MS / 1000,
+    ) -> None:
         self._redis = redis
         self._limits = limits
         self._prefix = prefix
+        self._grace_ms = max(1, math.ceil(expiry_grace * 1000))
+        # A held session outlives its holder's last renewal as a closed one outlives
+        # its close: a resume window, then the grace.
+        self._held_ttl_ms = max(1, math.ceil((resume_window + expiry_grace) * 1000))
+        # A third of the grace: a session is renewed at most two of these after its
+        # last write, so its client keeps more than the resume window after a holder dies.
+        self._renew_every = expiry_grace / 3
         self._create = redis.register_script(_CREATE)
         self._claim = redis.register_script(_CLAIM)
         self._sent = redis.register_script(_SENT)
@@ -151,16 +210,25 @@ class RedisSessionStates:
         self._handled = redis.register_script(_HANDLED)
         self._window = redis.register_script(_WINDOW)
         self._remove = redis.register_script(_REMOVE)
+        self._renew = redis.register_script(_RENEW)
+        # session -> (epoch held here, monotonic time its expiry was last set)
+        self._held: dict[str, tuple[int, float]] = {}
+        self._renewal: asyncio.Task[None] | None = None
 
     def _keys(self, session_id: str) -> list[str]:
         key = f"{self._prefix}session:{session_id}"
         return [key, key + ":unacked", key + ":turns"]
 
     async def create(self, session_id: str, *, capabilities: bytes) -> int:
-        return int(await self._create(keys=self._keys(session_id), args=[capabilities]))
+        keys = self._keys(session_id)
+        epoch = int(await self._create(keys=keys, args=[capabilities, self._held_ttl_ms]))
+        self._hold(session_id, epoch)
+        return epoch
 
     async def claim(self, session_id: str) -> int:
-        return _checked(await self._claim(keys=self._keys(session_id)))
+        epoch = _checked(await self._claim(keys=self._keys(session_id), args=[self._held_ttl_ms]))
+        self._hold(session_id, epoch)
+        return epoch
 
     async def load(self, session_id: str) -> SessionSnapshot | None:
         keys = self._keys(session_id)
@@ -210,28 +278,34 @@ class RedisSessionStates:
             limits.max_bytes,
             ends_turn,
             ENDED_TURNS_KEPT,
-            EXPIRY_GRACE_MS,
+            self._grace_ms,
+            self._held_ttl_ms,
         ]
-        _checked(await self._sent(keys=self._keys(session_id), args=args))
+        await self._held_write(session_id, epoch, self._sent, args)
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
-        _checked(await self._ack(keys=self._keys(session_id), args=[epoch, seq]))
+        await self._held_write(session_id, epoch, self._ack, [epoch, seq, self._held_ttl_ms])
 
     async def record_handled(
         self, session_id: str, epoch: int, seq: int, *, capabilities: bytes | None = None
     ) -> bool:
-        args: list[bytes | int | str] = [epoch, seq]
+        args: list[bytes | int | str] = [epoch, seq, self._held_ttl_ms]
         if capabilities is not None:
             args.append(capabilities)
-        return _checked(await self._handled(keys=self._keys(session_id), args=args)) == 1
+        return await self._held_write(session_id, epoch, self._handled, args) == 1
 
     async def set_window(self, session_id: str, epoch: int, deadline: float | None) -> None:
-        args: list[bytes | int | str] = [epoch, "", 0]
+        args: list[bytes | int | str] = [epoch, "", self._held_ttl_ms]
         if deadline is not None:
-            args = [epoch, repr(deadline), math.floor(deadline * 1000) + EXPIRY_GRACE_MS]
-        _checked(await self._window(keys=self._keys(session_id), args=args))
+            args = [epoch, repr(deadline), math.floor(deadline * 1000) + self._grace_ms]
+        await self._held_write(session_id, epoch, self._window, args)
+        if deadline is None:
+            self._hold(session_id, epoch)
+        else:
+            self._let_go(session_id, epoch)  # the window's expiry stands: no renewal
 
     async def remove(self, session_id: str, epoch: int | None = None) -> None:
+        self._let_go(session_id, epoch)
         if epoch is None:
             await self._redis.delete(*self._keys(session_id))
             return
@@ -240,10 +314,65 @@ class RedisSessionStates:
             _checked(code)
 
     async def close(self) -> None:
+        # The held sessions keep their expiry: another replica may resume them.
+        if self._renewal is not None:
+            self._renewal.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewal
         await self._redis.aclose()
 
     async def health(self, within: float) -> Health:
         return await probe(self._redis.ping(), within)
+
+    # -- the held sessions' expiry ------------------------------------------------------------
+
+    async def _held_write(self, session_id: str, epoch: int, script: Any, args: list[Any]) -> int:
+        """Run a fenced write that also sets a held session's expiry; note the renewal,
+        or let go of a session another epoch took."""
+        try:
+            code = _checked(await script(keys=self._keys(session_id), args=args))
+        except (ResumeFailed, SessionMoved):
+            self._let_go(session_id, epoch)
+            raise
+        if self._held.get(session_id, (0, 0.0))[0] == epoch:
+            self._held[session_id] = (epoch, time.monotonic())
+        return code
+
+    def _hold(self, session_id: str, epoch: int) -> None:
+        self._held[session_id] = (epoch, time.monotonic())
+        if self._renewal is None:
+            self._renewal = asyncio.get_running_loop().create_task(
+                every(self._renew_every, "session state renewal", self._renew_idle, at_once=False),
+                name="session-state-renewal",
+            )
+
+    def _let_go(self, session_id: str, epoch: int | None) -> None:
+        held = self._held.get(session_id)
+        if held is not None and (epoch is None or held[0] == epoch):
+            del self._held[session_id]
+
+    async def _renew_idle(self) -> None:
+        """Renew the held sessions no write renewed for a third of the grace, in one
+        pipeline; one a newer epoch or a window took is let go."""
+        due_before = time.monotonic() - self._renew_every
+        due = [(sid, epoch) for sid, (epoch, at) in self._held.items() if at <= due_before]
+        if not due:
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for session_id, epoch in due:
+                await self._renew(
+                    keys=self._keys(session_id), args=[epoch, self._held_ttl_ms], client=pipe
+                )
+            results = await pipe.execute(raise_on_error=False)
+        now = time.monotonic()
+        for (session_id, epoch), result in zip(due, results, strict=True):
+            if isinstance(result, Exception):
+                continue  # the next round tries again
+            if int(result) == 1:
+                if self._held.get(session_id, (0, 0.0))[0] == epoch:
+                    self._held[session_id] = (epoch, now)
+            else:
+                self._let_go(session_id, epoch)
 
 
 def _checked(result: Any) -> int:
