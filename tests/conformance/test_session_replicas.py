@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
-from support.redis import session_state
+from support.redis import redis_client, session_keys, session_state, until_gone
 from support.replicas import REPLICAS, Replicas, require_haproxy
 from support.server import SCRIPT, ServerProcess
 from support.session import SessionProbe
@@ -172,6 +172,35 @@ async def test_a_client_message_a_dropped_replica_never_handled_is_taken_once_on
             ("user", "two"),
             ("assistant", HELLO),
         ]
+        await on_b.ws.close()
+
+
+async def test_a_session_held_by_a_killed_replica_leaves_redis_and_a_living_ones_stays(
+    http: aiohttp.ClientSession, tmp_path: Path, state_env: dict[str, str]
+) -> None:
+    """A replica killed while it holds a connection never writes the window: the
+    session's keys still leave Redis once its renewals stop (`session_expiry_grace`,
+    short here). B's session, idle since before A's last write, is renewed and stays."""
+    short = {**state_env, "PORTICO_SESSION_EXPIRY_GRACE": "0.3"}
+    prefix = state_env["PORTICO_REDIS_KEY_PREFIX"]
+    async with (
+        replica_pair(tmp_path, short, window=0.2) as pair,
+        redis_client(prefix) as redis,
+        asyncio.timeout(4 * WITHIN),
+    ):
+        on_b = await SessionProbe.connect(http, Pair.url(pair.b))
+        idle = (await on_b.hello())["session_id"]
+        on_a = await SessionProbe.connect(http, Pair.url(pair.a))
+        doomed = (await on_a.hello())["session_id"]
+        await on_a.message("one")
+        await on_a.turn()
+        pair.a.stop(signal.SIGKILL)  # no goodbye, no window written
+
+        await until_gone(redis, session_keys(prefix, doomed))
+        assert await redis.pttl(session_keys(prefix, idle)[0]) > 0
+        await on_b.message("still here")  # and the living session works on
+        (*_, done) = await on_b.turn()
+        assert done["content"] == HELLO
         await on_b.ws.close()
 
 

@@ -26,7 +26,7 @@ from portico.sessionstate.base import (
 )
 from portico.sessionstate.memory import InProcessSessionStates
 from portico.sessionstate.redis import EXPIRY_GRACE_MS, RedisSessionStates
-from support.redis import REDIS_URL, redis_client, run_prefix
+from support.redis import REDIS_URL, redis_client, run_prefix, session_keys, until_gone
 
 LIMITS = BufferLimits(max_messages=4, max_bytes=64)
 SID = "ses_contract"
@@ -321,26 +321,16 @@ async def test_a_held_session_lives_with_its_holder_and_leaves_after_a_dead_one(
                 await dead.record_sent(sid, epoch, 1, b"m1", ends_turn="t1")
             await dead.close()  # no window written, no renewal
             await living.claim("ses_moved")  # the client resumed on the living replica
-            await until_gone(client, [f"{prefix}session:ses_dead{s}" for s in KEY_SUFFIXES])
+            await until_gone(client, session_keys(prefix, "ses_dead"))
             # Idle since before the dead session's last write: only renewals kept it.
             assert await client.pttl(f"{prefix}session:ses_idle") > 0
             moved = await living.load("ses_moved")
             assert moved is not None
             assert moved.unacknowledged == ((1, b"m1"),)
-            for suffix in KEY_SUFFIXES:
-                assert await client.pttl(f"{prefix}session:ses_moved{suffix}") > 0, suffix
+            for key in session_keys(prefix, "ses_moved"):
+                assert await client.pttl(key) > 0, key
         finally:
             await living.close()
-
-
-KEY_SUFFIXES = ("", ":unacked", ":turns")
-
-
-async def until_gone(client: Redis, keys: list[str]) -> None:
-    deadline = time.monotonic() + 10
-    while await client.exists(*keys):
-        assert time.monotonic() < deadline, f"{keys} still in Redis after 10 s"
-        await asyncio.sleep(0.05)
 
 
 # -- the two backends agree on any sequence of operations ------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -14,6 +16,22 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 def run_prefix() -> str:
     """A key prefix no other test (or helper sharing this Redis) uses."""
     return f"portico-test:{uuid.uuid4().hex[:12]}:"
+
+
+# A `/v1/session` session's keys: `{prefix}session:<id>` and these after it.
+KEY_SUFFIXES = ("", ":unacked", ":turns")
+
+
+async def until_gone(client: Redis, keys: list[str], within: float = 10.0) -> None:
+    """Until none of `keys` is in Redis (an expiry ran); fails after `within` seconds."""
+    deadline = time.monotonic() + within
+    while await client.exists(*keys):
+        assert time.monotonic() < deadline, f"{keys} still in Redis after {within} s"
+        await asyncio.sleep(0.05)
+
+
+def session_keys(prefix: str, session_id: str) -> list[str]:
+    return [f"{prefix}session:{session_id}{suffix}" for suffix in KEY_SUFFIXES]
 
 
 @asynccontextmanager

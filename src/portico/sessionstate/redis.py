@@ -220,14 +220,15 @@ class RedisSessionStates:
         return [key, key + ":unacked", key + ":turns"]
 
     async def create(self, session_id: str, *, capabilities: bytes) -> int:
-        keys = self._keys(session_id)
+        keys, since = self._keys(session_id), time.monotonic()
         epoch = int(await self._create(keys=keys, args=[capabilities, self._held_ttl_ms]))
-        self._hold(session_id, epoch)
+        self._hold(session_id, epoch, since)
         return epoch
 
     async def claim(self, session_id: str) -> int:
+        since = time.monotonic()
         epoch = _checked(await self._claim(keys=self._keys(session_id), args=[self._held_ttl_ms]))
-        self._hold(session_id, epoch)
+        self._hold(session_id, epoch, since)
         return epoch
 
     async def load(self, session_id: str) -> SessionSnapshot | None:
@@ -298,9 +299,10 @@ class RedisSessionStates:
         args: list[bytes | int | str] = [epoch, "", self._held_ttl_ms]
         if deadline is not None:
             args = [epoch, repr(deadline), math.floor(deadline * 1000) + self._grace_ms]
+        since = time.monotonic()
         await self._held_write(session_id, epoch, self._window, args)
         if deadline is None:
-            self._hold(session_id, epoch)
+            self._hold(session_id, epoch, since)
         else:
             self._let_go(session_id, epoch)  # the window's expiry stands: no renewal
 
@@ -329,17 +331,18 @@ class RedisSessionStates:
     async def _held_write(self, session_id: str, epoch: int, script: Any, args: list[Any]) -> int:
         """Run a fenced write that also sets a held session's expiry; note the renewal,
         or let go of a session another epoch took."""
+        since = time.monotonic()  # the expiry counts from the script, not its answer
         try:
             code = _checked(await script(keys=self._keys(session_id), args=args))
         except (ResumeFailed, SessionMoved):
             self._let_go(session_id, epoch)
             raise
         if self._held.get(session_id, (0, 0.0))[0] == epoch:
-            self._held[session_id] = (epoch, time.monotonic())
+            self._held[session_id] = (epoch, since)
         return code
 
-    def _hold(self, session_id: str, epoch: int) -> None:
-        self._held[session_id] = (epoch, time.monotonic())
+    def _hold(self, session_id: str, epoch: int, since: float) -> None:
+        self._held[session_id] = (epoch, since)
         if self._renewal is None:
             self._renewal = asyncio.get_running_loop().create_task(
                 every(self._renew_every, "session state renewal", self._renew_idle, at_once=False),
@@ -354,8 +357,8 @@ class RedisSessionStates:
     async def _renew_idle(self) -> None:
         """Renew the held sessions no write renewed for a third of the grace, in one
         pipeline; one a newer epoch or a window took is let go."""
-        due_before = time.monotonic() - self._renew_every
-        due = [(sid, epoch) for sid, (epoch, at) in self._held.items() if at <= due_before]
+        now = time.monotonic()
+        due = [(sid, e) for sid, (e, at) in self._held.items() if at <= now - self._renew_every]
         if not due:
             return
         async with self._redis.pipeline(transaction=False) as pipe:
@@ -364,7 +367,6 @@ class RedisSessionStates:
                     keys=self._keys(session_id), args=[epoch, self._held_ttl_ms], client=pipe
                 )
             results = await pipe.execute(raise_on_error=False)
-        now = time.monotonic()
         for (session_id, epoch), result in zip(due, results, strict=True):
             if isinstance(result, Exception):
                 continue  # the next round tries again
