@@ -1,9 +1,10 @@
 """The server's /v1/session work per 50-chunk turn, in process, without sockets.
 
-    PYTHONPATH=<a checkout>/src python bench/session_frames.py [RUNS]
+    PYTHONPATH=<a checkout>/src python bench/session_frames.py [RUNS [TURNS]]
 
-Two figures, each the fastest run of 200 turns (the minimum holds still on a shared
-machine, where throughput does not):
+Two figures, each the fastest of RUNS runs (60) of TURNS turns (200); the minimum holds
+still on a shared machine, where throughput does not (there, many short runs catch a
+quiet moment more often than a few long ones):
 
 - `ledger`: numbering, the in-process session-state port and the resend buffer, and
   the 4 acks a bench client sends per turn (every 16 messages and at `done`) applied
@@ -36,7 +37,7 @@ from portico.server.session_ws import LIVE_SESSIONS, LiveSession, SessionSocket
 from portico.sessionstate.base import BufferLimits
 from portico.sessionstate.memory import InProcessSessionStates
 
-TURNS = 200
+TURNS = int(sys.argv[2]) if len(sys.argv) > 2 else 200
 
 
 class _Transport:
