@@ -4,13 +4,13 @@ message (docs/performance.md, "`/v1/session` per frame")."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
 
-from support.redis import SESSION_STATES, session_state
-from support.server import SCRIPT, ServerProcess
+from support.redis import SESSION_STATES, scripted_server
+from support.server import ServerProcess
 from support.session import SessionProbe
 
 # Far longer than any test runs: an ack seen before it comes with the server's output.
@@ -21,20 +21,9 @@ ACK_DELAY = "3600"
 def server(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[ServerProcess]:
-    with session_state(request.param) as env:
-        process = ServerProcess(
-            tmp_path_factory.mktemp("portico-session-acks"),
-            args=("--runtime", "scripted", "--script", str(SCRIPT)),
-            env={"PORTICO_ACK_DELAY": ACK_DELAY, **env},
-        ).start()
+    data_dir = tmp_path_factory.mktemp("portico-session-acks")
+    with scripted_server(data_dir, request.param, {"PORTICO_ACK_DELAY": ACK_DELAY}) as process:
         yield process
-        process.stop()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def test_a_message_is_acknowledged_with_the_first_message_of_its_turn(
