@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 
 from redis.asyncio import Redis
+
+from support.server import SCRIPT, ServerProcess
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -83,3 +86,19 @@ def session_state(kind: str) -> Iterator[dict[str, str]]:
     finally:
         if kind == "redis":
             drop_keys(prefix)
+
+
+@contextmanager
+def scripted_server(data_dir: Path, kind: str, env: Mapping[str, str]) -> Iterator[ServerProcess]:
+    """A server on the scripted runtime with session state `kind` and `env` besides,
+    stopped (and its Redis keys dropped) afterwards."""
+    with session_state(kind) as state_env:
+        process = ServerProcess(
+            data_dir,
+            args=("--runtime", "scripted", "--script", str(SCRIPT)),
+            env={**env, **state_env},
+        ).start()
+        try:
+            yield process
+        finally:
+            process.stop()

@@ -362,6 +362,18 @@ class TestAckCadence:
         assert out(conn) == [{"type": "ack", "seq": 1}]
         assert conn.next_deadline() == pytest.approx(1.0 + TIMING.idle_timeout)
 
+    def test_an_owed_ack_goes_out_right_behind_the_next_numbered_message(self) -> None:
+        conn, _ = open_server()
+        conn.receive_text(message(1), 1.0)
+        conn.send(f.Chunk(seq=0, turn_id="t-1", content="c"))
+        assert out(conn) == [
+            {"type": "chunk", "seq": 1, "turn_id": "t-1", "content": "c"},
+            {"type": "ack", "seq": 1},
+        ]
+        assert conn.next_deadline() == pytest.approx(1.0 + TIMING.idle_timeout)
+        conn.send(f.Chunk(seq=0, turn_id="t-1", content="d"))
+        assert [frame["type"] for frame in out(conn)] == ["chunk"]  # nothing owed: no ack
+
     def test_later_messages_do_not_push_the_ack_deadline_back(self) -> None:
         conn, _ = open_server()
         conn.receive_text(message(1), 1.0)

@@ -468,8 +468,14 @@ class ServerSocket(ABC):
 
     def _timer_fired(self) -> None:
         self._timer = None
-        if not self._closed and self._timer_task is None:
-            self._timer_task = asyncio.create_task(self._run_timer())
+        if self._closed or self._timer_task is not None:
+            return
+        if self.core.next_deadline() > self._loop.time():
+            # What it was armed for went without it (on /v1/session, an ack sent with
+            # the turn's first chunk, once a turn): arm for what is next, no task.
+            self._schedule_timer()
+            return
+        self._timer_task = asyncio.create_task(self._run_timer())
 
     async def _run_timer(self) -> None:
         try:

@@ -160,9 +160,17 @@ class SessionConnection:
         self._write(f.encode(frame))
 
     def write_numbered(self, data: bytes) -> None:
-        """A numbered message the channel just encoded; live only once the handshake is done."""
+        """A numbered message the channel just encoded; live only once the handshake is done.
+
+        An ack this side owes goes out right behind it, in the same write: earlier
+        than its deadline (the spec asks for *within* `ack_delay`), with no timer and no
+        write of its own (a turn's first chunk carries the ack of the message that
+        started it). Behind, not before: an answer to a message still precedes its ack.
+        """
         if self.state is State.OPEN:
             self._write(data)
+            if self._ack_deadline is not None:
+                self._send_ack()
 
     def write_binary(self, data: bytes) -> bool:
         """A binary (media) frame; False when it was dropped instead of queued.
@@ -273,6 +281,10 @@ class SessionConnection:
             self.fail(ProtocolViolation(f"malformed frame: {exc}"))
             return []
         try:
+            if type(frame) is f.Ack and self.state is State.OPEN:
+                # Most frames a client sends while a turn streams: straight to the
+                # channel, past the handshake's checks and the match.
+                return self._acknowledge(frame.seq)
             return self._dispatch(frame, now)
         except BufferOverflow as exc:
             self.fail(exc)
@@ -295,9 +307,7 @@ class SessionConnection:
             return self._on_ready(frame, now)
         match frame:
             case f.Ack(seq=seq):
-                assert self.channel is not None
-                self.channel.acknowledge(seq)
-                return [Acknowledged(seq)] if self._ledger else []
+                return self._acknowledge(seq)
             case f.Ping():
                 self._write_frame(f.Pong())
                 return []
@@ -311,6 +321,11 @@ class SessionConnection:
                 # A connection-level error from the server precedes its close.
                 return [Received(error)] if self.role is Role.CLIENT else []
         return self._numbered(frame, now)
+
+    def _acknowledge(self, seq: int) -> list[Event]:
+        assert self.channel is not None
+        self.channel.acknowledge(seq)
+        return [Acknowledged(seq)] if self._ledger else []
 
     def _on_ready(self, frame: f.ClientFrame | f.ServerFrame, now: float) -> list[Event]:
         if isinstance(frame, f.Error) and frame.seq is None:
@@ -376,14 +391,16 @@ class SessionConnection:
     def next_deadline(self) -> float:
         if self.state is State.CLOSED:
             return math.inf  # nothing is due on a closed connection
-        deadlines = [self._last_received + self._silence_limit()]
-        if self._ack_deadline is not None:
-            deadlines.append(self._ack_deadline)
+        # Asked after every frame received: comparisons, no list.
+        deadline = self._last_received + self._silence_limit()
+        ack = self._ack_deadline
+        if ack is not None and ack < deadline:
+            deadline = ack
         if self.role is Role.CLIENT and self.state is State.OPEN:
-            deadlines.append(self._next_ping)
+            deadline = min(deadline, self._next_ping)
         if self.credential is not None:
-            deadlines.append(self.credential.next_deadline())
-        return min(deadlines)
+            deadline = min(deadline, self.credential.next_deadline())
+        return deadline
 
     def receive_control(self, now: float) -> None:
         """A WebSocket-level ping or pong: any frame counts as liveness."""
