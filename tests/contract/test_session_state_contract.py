@@ -313,7 +313,8 @@ async def test_a_held_session_lives_with_its_holder_and_leaves_after_a_dead_one(
     async with redis_client(prefix) as client:
         living = RedisSessionStates(client, LIMITS, **short)  # type: ignore[arg-type]
         # The dead replica's own connection: closing it stops its renewals, as a kill.
-        dead = RedisSessionStates(Redis.from_url(REDIS_URL), LIMITS, **short)  # type: ignore[arg-type]
+        dead_client = Redis.from_url(REDIS_URL, socket_timeout=5, socket_connect_timeout=5)
+        dead = RedisSessionStates(dead_client, LIMITS, **short)  # type: ignore[arg-type]
         try:
             await living.create("ses_idle", capabilities=b"")  # first: the oldest write
             for sid in ("ses_dead", "ses_moved"):

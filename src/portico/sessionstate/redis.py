@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from typing import Any
@@ -34,6 +35,9 @@ from portico.sessionstate.base import (
     SessionHeader,
     SessionSnapshot,
 )
+
+log = logging.getLogger("portico.sessionstate")
+CLOSE_TIMEOUT = 5.0  # seconds: closing the port waits no longer for Redis
 
 _MISSING, _MOVED, _OVERFLOW, _OUT_OF_ORDER = -1, -2, -3, -4
 # A session nobody resumed is forgotten by Redis itself this long after its window's
@@ -316,12 +320,17 @@ class RedisSessionStates:
             _checked(code)
 
     async def close(self) -> None:
-        # The held sessions keep their expiry: another replica may resume them.
+        # The held sessions keep their expiry: another replica may resume them. Both
+        # waits are bounded: a renewal cancelled mid-pipeline can leave redis-py's
+        # connection stuck, and a shutdown must not hang on it.
         if self._renewal is not None:
             self._renewal.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewal
-        await self._redis.aclose()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._renewal), CLOSE_TIMEOUT)
+        try:
+            await asyncio.wait_for(self._redis.aclose(), CLOSE_TIMEOUT)
+        except TimeoutError:
+            log.warning("session state: closing the Redis client took over %.0f s", CLOSE_TIMEOUT)
 
     async def health(self, within: float) -> Health:
         return await probe(self._redis.ping(), within)
