@@ -333,10 +333,20 @@ class ServerSocket(ABC):
 
     async def _stop_background(self) -> None:
         self._disarm()
-        tasks = [t for t in (self._waiter, self._timer_task) if t is not None]
+        waiter = self._waiter
+        if waiter is not None and self._peer_gone():
+            # A compressed send runs in a task aiohttp shields from cancellation:
+            # cancelling the waiter would leave that send's failure on the dead transport
+            # unretrieved (logged as a traceback). On a closing transport it fails at
+            # once and the waiter ends quietly, so let it, within the close timeout.
+            await asyncio.wait({waiter}, timeout=self._services.settings.close_timeout)
+        tasks = [t for t in (waiter, self._timer_task) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _peer_gone(self) -> bool:
+        return self._transport is None or self._transport.is_closing()
 
     def wake(self) -> None:
         """Frames are queued in the core: flush them once the current step is done."""
