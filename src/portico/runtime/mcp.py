@@ -156,6 +156,10 @@ class McpServer:
             if not connection.opened.done():  # failed or cancelled while starting
                 error = ToolError(f"MCP server {self.name!r} is unavailable")
                 connection.opened.set_exception(error)
+                # Marked retrieved: its waiters may all have given up at their deadline
+                # (`_open`), and asyncio would log a nobody-awaited failure as a traceback.
+                # A later waiter still gets it raised.
+                connection.opened.exception()
             if self._connection is connection:
                 self._connection = None
 
