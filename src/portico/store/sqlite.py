@@ -1049,12 +1049,13 @@ class InlineWriter(ThreadWriter):
     transaction. What may take long stays off the loop, on the store's thread with
     this connection: the WAL restart and the TRUNCATE at close (a checkpoint copies
     pages and syncs), and any batch holding a write whose time grows with the archive
-    (`Write.OFF_LOOP`). No batch runs on the loop meanwhile (`_on_thread`). Reads go
-    to the store's thread on a connection of their own, so a long read never holds
-    this one.
+    (`Write.OFF_LOOP`). They run on a thread of the writer's own, not queued behind the
+    store's reads, and no batch runs on the loop meanwhile (`_on_thread`). Reads run
+    on the store's thread on a connection of their own: a long read holds neither.
     """
 
-    def __init__(self, conn: Archive, executor: ThreadPoolExecutor) -> None:
+    def __init__(self, conn: Archive) -> None:
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portico-writer")
         super().__init__(conn, executor, read_only=False)
         self._on_thread = asyncio.Lock()
 
@@ -1072,6 +1073,7 @@ class InlineWriter(ThreadWriter):
     async def close(self) -> None:
         await super().close()
         await self._in_thread(self._conn.close)
+        self._executor.shutdown(wait=True)
 
 
 class SqliteStore:
@@ -1236,7 +1238,7 @@ class SqliteStore:
             except sqlite3.Error:
                 await self._in_thread(writing.close)
                 raise
-            return InlineWriter(writing, self._executor), reading
+            return InlineWriter(writing), reading
         # Imported here: it imports this module (the writer process runs its writes).
         from portico.store.sqlite_process import ProcessWriter
 
