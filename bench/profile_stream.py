@@ -25,18 +25,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import harness
 import stores
 from common import raise_fd_limit
-from harness import (
-    BENCH,
-    PORTICO_ENV_HELP,
-    SERVER_KINDS,
-    CpuSnapshot,
-    Loadgen,
-    Server,
-    add_portico_env,
-    cpu_percentages,
-)
+from harness import BENCH, SERVER_KINDS, CpuSnapshot, Loadgen, Server, cpu_percentages
 
 MAIN_THREAD = "MainThread"
 # The area a function belongs to, by the first pattern its "function (file)" matches.
@@ -220,10 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="session_stream: the same load on Portico's /v1/session",
     )
     parser.add_argument("--raw", type=Path, help="also keep py-spy's collapsed stacks here")
-    parser.add_argument("--portico-env", action="append", default=[], help=PORTICO_ENV_HELP)
+    parser.add_argument("--portico-env", action="append", default=[], help=harness.PORTICO_ENV_HELP)
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "profile.md")
     args = parser.parse_args(argv)
-    add_portico_env(args.portico_env)
+    harness.add_portico_env(args.portico_env)
     if args.workload == "session_stream" and args.server != "portico":
         parser.error("only Portico serves /v1/session")
     raise_fd_limit()

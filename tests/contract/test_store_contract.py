@@ -8,6 +8,7 @@ schema per store, dropped after the test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -662,6 +663,15 @@ async def open_sqlite(path: Path, writer: SqliteWriter = "thread") -> SqliteStor
     store = SqliteStore(path, writer=writer)
     await store.open()
     return store
+
+
+@contextlib.asynccontextmanager
+async def opened_sqlite(path: Path, writer: SqliteWriter) -> AsyncIterator[SqliteStore]:
+    store = await open_sqlite(path, writer)
+    try:
+        yield store
+    finally:
+        await store.close()
 
 
 def user_version(path: Path) -> int:
@@ -1581,24 +1591,20 @@ class LongWhereRun(WhereRun, frozen=True):
 async def test_sqlite_inline_writer_commits_on_the_loop_and_long_writes_off_it(
     tmp_path: Path,
 ) -> None:
-    store = await open_sqlite(tmp_path / "archive.db", "inline")
-    try:
+    async with opened_sqlite(tmp_path / "archive.db", "inline") as store:
         loop_thread = threading.get_ident()
         assert await store._write(WhereRun()) == loop_thread
-        # A batch holding a write that may take long runs on the store's thread, whole.
+        # A batch holding a write that may take long runs on the writer's thread, whole.
         plain, long = await asyncio.gather(store._write(WhereRun()), store._write(LongWhereRun()))
         assert plain == long != loop_thread
         assert await store._write(WhereRun()) == loop_thread
-    finally:
-        await store.close()
 
 
 @IN_PROCESS_WRITERS
 async def test_sqlite_writes_queued_in_one_loop_pass_share_one_transaction(
     tmp_path: Path, writer: SqliteWriter
 ) -> None:
-    store = await open_sqlite(tmp_path / "archive.db", writer)
-    try:
+    async with opened_sqlite(tmp_path / "archive.db", writer) as store:
         await store.create_session(make_session())
         batch_writer = store._batch_writer()
         assert isinstance(batch_writer, sqlite_backend.ThreadWriter)
@@ -1608,30 +1614,26 @@ async def test_sqlite_writes_queued_in_one_loop_pass_share_one_transaction(
         batch_writer._conn.set_trace_callback(None)
         assert offsets(list(stored)) == [1, 2, 3, 4, 5]
         assert statements.count("BEGIN IMMEDIATE") == statements.count("COMMIT") == 1
-    finally:
-        await store.close()
 
 
 async def test_sqlite_inline_writes_go_on_while_the_store_thread_reads(tmp_path: Path) -> None:
     """Reads (however long) run on the store's thread, on a connection of their own:
     the inline writer commits on the loop without waiting for them."""
-    store = await open_sqlite(tmp_path / "archive.db", "inline")
     release = threading.Event()
-    try:
+    async with opened_sqlite(tmp_path / "archive.db", "inline") as store:
         await store.create_session(make_session())
         loop = asyncio.get_running_loop()
         busy = loop.run_in_executor(store._executor, release.wait)  # a read in progress
-        read = asyncio.ensure_future(store.list_messages("s1"))
-        async with asyncio.timeout(10):  # a guard against a hang, not a deadline
-            assert offsets([await store.append_message(make_message(n=1))]) == [1]
-        assert not read.done()
-        release.set()
+        try:
+            read = asyncio.ensure_future(store.list_messages("s1"))
+            async with asyncio.timeout(10):  # a guard against a hang, not a deadline
+                assert offsets([await store.append_message(make_message(n=1))]) == [1]
+            assert not read.done()
+        finally:
+            release.set()
         await busy
         # The read queued behind sees what was committed before it ran.
         assert offsets(await read) == [1]
-    finally:
-        release.set()
-        await store.close()
 
 
 async def test_begin_turn_can_refuse_a_client_id_the_owner_already_used(store: Store) -> None:
