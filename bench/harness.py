@@ -34,6 +34,22 @@ PORTICO_BENCH_ENV = {
     "PORTICO_MAX_UNAUTHENTICATED_CONNECTIONS": "50000",
 }
 SERVER_KINDS = ("portico", "aiohttp", "picows")
+PORTICO_ENV_HELP = (
+    "a Portico setting for every Portico this run starts, KEY=VALUE (repeatable), e.g. "
+    "PORTICO_SQLITE_WRITER=inline for an A/B; the environment's own PORTICO_* never pass"
+)
+
+
+def add_portico_env(pairs: Sequence[str]) -> None:
+    """Adds `KEY=VALUE` Portico settings (`--portico-env`) to PORTICO_BENCH_ENV: every
+    Portico server started after this gets them, and reports print them with the rest."""
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.startswith("PORTICO_"):
+            raise SystemExit(f"--portico-env takes PORTICO_NAME=VALUE, not {pair!r}")
+        PORTICO_BENCH_ENV[key] = value
+
+
 # The session_resume server (bench/run.py) also holds whole `longN` replies for clients
 # that are away: a resend buffer and a resume window large enough for the biggest backlog.
 PORTICO_RESUME_ENV = {

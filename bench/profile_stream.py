@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import harness
 import stores
 from common import raise_fd_limit
 from harness import BENCH, SERVER_KINDS, CpuSnapshot, Loadgen, Server, cpu_percentages
@@ -211,8 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="session_stream: the same load on Portico's /v1/session",
     )
     parser.add_argument("--raw", type=Path, help="also keep py-spy's collapsed stacks here")
+    parser.add_argument("--portico-env", action="append", default=[], help=harness.PORTICO_ENV_HELP)
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "profile.md")
     args = parser.parse_args(argv)
+    harness.add_portico_env(args.portico_env)
     if args.workload == "session_stream" and args.server != "portico":
         parser.error("only Portico serves /v1/session")
     raise_fd_limit()

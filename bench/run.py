@@ -53,12 +53,14 @@ from common import FILL_SCENARIO, FILL_WINDOW, PAGE_SIZE, raise_fd_limit
 from harness import (
     BENCH,
     PORTICO_BENCH_ENV,
+    PORTICO_ENV_HELP,
     PORTICO_RESUME_ENV,
     SCRIPT,
     SERVER_KINDS,
     CpuSnapshot,
     Loadgen,
     Server,
+    add_portico_env,
     cpu_percentages,
     picows_available,
     portico_rpc_env,
@@ -1352,8 +1354,10 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
     parser.add_argument("--voice-seconds", type=float, help="voice: window, seconds")
     parser.add_argument("--kinds", help="servers, comma-separated (default portico,aiohttp,picows)")
     parser.add_argument("--log-level", help="Portico's log level (default: its own, INFO)")
+    parser.add_argument("--portico-env", action="append", default=[], help=PORTICO_ENV_HELP)
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "latest.md")
     args = parser.parse_args(argv)
+    add_portico_env(args.portico_env)
     plan = QUICK if args.quick else Plan()
     if args.seconds is not None:
         plan = replace(plan, seconds=args.seconds, latency_seconds=args.seconds)

@@ -37,7 +37,7 @@ RuntimeName = Literal["demo", "echo", "scripted", "openai", "openai-realtime", "
 # Duplex (voice) runtimes: spec/realtime-audio.md, docs/voice.md.
 DuplexRuntimeName = Literal["scripted", "grpc", "openai-realtime", "embedded"]
 StoreName = Literal["sqlite", "memory", "postgres"]
-SqliteWriter = Literal["process", "thread"]
+SqliteWriter = Literal["inline", "process", "thread"]
 # What chat-completions endpoints accept as a function name.
 ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 # A memory facet (spec/identity.md): the same rule as domain/memory.py FACET_PATTERN.
@@ -207,9 +207,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Archive backend: `sqlite` (file in data_dir), `memory` (lost on exit) or
     # `postgres` (database_url; several replicas may share it).
     store: StoreName = "sqlite"
-    # Where the SQLite archive's writes run: `thread` (a thread of the server) or
-    # `process` (a writer process of its own, off the event loop's GIL). The thread
-    # measured faster on a shared 2-core machine (docs/performance.md).
+    # Where the SQLite archive's writes run: `thread` (a thread of the server),
+    # `inline` (on the event loop's thread: no hand-off; checkpoints and writes that
+    # grow with the archive stay on a thread) or `process` (a writer process of its
+    # own, off the event loop's GIL). docs/performance.md has the measurements.
     sqlite_writer: SqliteWriter = "thread"
     database_url: str = ""  # postgresql://user:password@host:5432/database
     database_pool_size: Count = 10  # connections each process opens to database_url

@@ -8,10 +8,12 @@ schema per store, dropped after the test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sqlite3
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -56,7 +58,11 @@ async def memory_store(tmp_path: Path) -> Store:
 
 
 async def sqlite_store(tmp_path: Path) -> Store:
-    return SqliteStore(tmp_path / "archive.db")  # writes on the store's thread
+    return SqliteStore(tmp_path / "archive.db", writer="thread")
+
+
+async def sqlite_inline_store(tmp_path: Path) -> Store:
+    return SqliteStore(tmp_path / "archive.db", writer="inline")
 
 
 async def sqlite_process_store(tmp_path: Path) -> Store:
@@ -85,6 +91,7 @@ async def drop_test_schemas() -> AsyncIterator[None]:
 BACKENDS = [
     pytest.param(memory_store, id="memory"),
     pytest.param(sqlite_store, id="sqlite"),
+    pytest.param(sqlite_inline_store, id="sqlite-inline"),
     pytest.param(sqlite_process_store, id="sqlite-process"),
     pytest.param(postgres_store, id="postgres"),
 ]
@@ -646,8 +653,10 @@ def test_the_unfinished_turn_predicate_names_every_terminal_state() -> None:
 # -- SQLite only --------------------------------------------------------------------
 
 
-# SQLite-only tests of what both writers must keep alike.
-BOTH_WRITERS = pytest.mark.parametrize("writer", ["thread", "process"])
+# SQLite-only tests of what every writer must keep alike.
+EVERY_WRITER = pytest.mark.parametrize("writer", ["thread", "inline", "process"])
+# The writers of this process, which can run a write a test defines.
+IN_PROCESS_WRITERS = pytest.mark.parametrize("writer", ["thread", "inline"])
 
 
 async def open_sqlite(path: Path, writer: SqliteWriter = "thread") -> SqliteStore:
@@ -656,13 +665,22 @@ async def open_sqlite(path: Path, writer: SqliteWriter = "thread") -> SqliteStor
     return store
 
 
+@contextlib.asynccontextmanager
+async def opened_sqlite(path: Path, writer: SqliteWriter) -> AsyncIterator[SqliteStore]:
+    store = await open_sqlite(path, writer)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
 def user_version(path: Path) -> int:
     with sqlite3.connect(path) as conn:
         version: int = conn.execute("PRAGMA user_version").fetchone()[0]
     return version
 
 
-@BOTH_WRITERS
+@EVERY_WRITER
 async def test_sqlite_data_survives_close_and_reopen(tmp_path: Path, writer: SqliteWriter) -> None:
     path = tmp_path / "archive.db"
     first = await open_sqlite(path, writer)
@@ -715,7 +733,7 @@ async def test_sqlite_schema_version_and_no_remigration(tmp_path: Path) -> None:
     assert user_version(path) == len(MIGRATIONS)
 
 
-@BOTH_WRITERS
+@EVERY_WRITER
 async def test_sqlite_failing_write_in_a_batch_fails_alone(
     tmp_path: Path, writer: SqliteWriter
 ) -> None:
@@ -744,7 +762,7 @@ async def test_sqlite_failing_write_in_a_batch_fails_alone(
         await store.close()
 
 
-@BOTH_WRITERS
+@EVERY_WRITER
 async def test_sqlite_write_failing_outside_sqlite_fails_alone(
     tmp_path: Path, writer: SqliteWriter
 ) -> None:
@@ -1523,15 +1541,18 @@ async def test_sqlite_migrates_a_database_of_the_previous_schema(tmp_path: Path)
 
 
 class AppendThenFail(sqlite_backend.Write, frozen=True):
-    """A write only the thread writer can run (the writer process knows its own)."""
+    """A write only this process's writers can run (the writer process knows its own)."""
 
     def run(self, conn: sqlite_backend.Archive, out: list[Update]) -> None:
         sqlite_backend._append_message(conn, out, make_message(n=50))
         raise RuntimeError("fails after its update was logged")
 
 
-async def test_sqlite_write_failing_after_logging_rolls_its_update_back(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "archive.db", writer="thread")
+@IN_PROCESS_WRITERS
+async def test_sqlite_write_failing_after_logging_rolls_its_update_back(
+    tmp_path: Path, writer: SqliteWriter
+) -> None:
+    store = SqliteStore(tmp_path / "archive.db", writer=writer)
     await store.open()
     received: list[Update] = []
     store.set_update_listener(received.append)
@@ -1552,6 +1573,67 @@ async def test_sqlite_write_failing_after_logging_rolls_its_update_back(tmp_path
         assert offsets(await store.list_messages("s1")) == [1, 2]
     finally:
         await store.close()
+
+
+class WhereRun(sqlite_backend.Write, frozen=True):
+    """Returns the thread the writer ran it on."""
+
+    RESULT = int
+
+    def run(self, conn: sqlite_backend.Archive, out: list[Update]) -> int:
+        return threading.get_ident()
+
+
+class LongWhereRun(WhereRun, frozen=True):
+    OFF_LOOP = True
+
+
+async def test_sqlite_inline_writer_commits_on_the_loop_and_long_writes_off_it(
+    tmp_path: Path,
+) -> None:
+    async with opened_sqlite(tmp_path / "archive.db", "inline") as store:
+        loop_thread = threading.get_ident()
+        assert await store._write(WhereRun()) == loop_thread
+        # A batch holding a write that may take long runs on the writer's thread, whole.
+        plain, long = await asyncio.gather(store._write(WhereRun()), store._write(LongWhereRun()))
+        assert plain == long != loop_thread
+        assert await store._write(WhereRun()) == loop_thread
+
+
+@IN_PROCESS_WRITERS
+async def test_sqlite_writes_queued_in_one_loop_pass_share_one_transaction(
+    tmp_path: Path, writer: SqliteWriter
+) -> None:
+    async with opened_sqlite(tmp_path / "archive.db", writer) as store:
+        await store.create_session(make_session())
+        batch_writer = store._batch_writer()
+        assert isinstance(batch_writer, sqlite_backend.ThreadWriter)
+        statements: list[str] = []
+        batch_writer._conn.set_trace_callback(statements.append)
+        stored = await asyncio.gather(*(store.append_message(make_message(n=n)) for n in range(5)))
+        batch_writer._conn.set_trace_callback(None)
+        assert offsets(list(stored)) == [1, 2, 3, 4, 5]
+        assert statements.count("BEGIN IMMEDIATE") == statements.count("COMMIT") == 1
+
+
+async def test_sqlite_inline_writes_go_on_while_the_store_thread_reads(tmp_path: Path) -> None:
+    """Reads (however long) run on the store's thread, on a connection of their own:
+    the inline writer commits on the loop without waiting for them."""
+    release = threading.Event()
+    async with opened_sqlite(tmp_path / "archive.db", "inline") as store:
+        await store.create_session(make_session())
+        loop = asyncio.get_running_loop()
+        busy = loop.run_in_executor(store._executor, release.wait)  # a read in progress
+        try:
+            read = asyncio.ensure_future(store.list_messages("s1"))
+            async with asyncio.timeout(10):  # a guard against a hang, not a deadline
+                assert offsets([await store.append_message(make_message(n=1))]) == [1]
+            assert not read.done()
+        finally:
+            release.set()
+        await busy
+        # The read queued behind sees what was committed before it ran.
+        assert offsets(await read) == [1]
 
 
 async def test_begin_turn_can_refuse_a_client_id_the_owner_already_used(store: Store) -> None:
@@ -1672,12 +1754,19 @@ async def test_a_write_failing_after_its_first_append_takes_no_offset(store: Sto
     assert [update.offset for update in await all_updates(store, "alice")] == [1, 2, 3]
 
 
-async def test_sqlite_wal_stays_bounded_under_a_writer_that_never_pauses(tmp_path: Path) -> None:
+@IN_PROCESS_WRITERS
+async def test_sqlite_wal_stays_bounded_under_a_writer_that_never_pauses(
+    tmp_path: Path, writer: SqliteWriter
+) -> None:
     # A passive checkpoint never restarts the WAL while writes keep coming: it grew to
     # GBs under load. Past `wal_restart_frames` the checkpointer restarts it.
     path = tmp_path / "archive.db"
     store = SqliteStore(
-        path, checkpoint_interval=0.02, wal_restart_frames=64, wal_size_limit=1024 * 1024
+        path,
+        checkpoint_interval=0.02,
+        wal_restart_frames=64,
+        wal_size_limit=1024 * 1024,
+        writer=writer,
     )
     await store.open()
     try:
@@ -1698,7 +1787,7 @@ async def test_sqlite_wal_stays_bounded_under_a_writer_that_never_pauses(tmp_pat
     assert largest < 16 * 1024 * 1024, f"WAL reached {largest} bytes after {n} messages"
 
 
-@BOTH_WRITERS
+@EVERY_WRITER
 async def test_sqlite_archive_has_one_store_at_a_time(tmp_path: Path, writer: SqliteWriter) -> None:
     path = tmp_path / "archive.db"
     first = await open_sqlite(path, writer)
@@ -1715,7 +1804,7 @@ async def test_sqlite_archive_has_one_store_at_a_time(tmp_path: Path, writer: Sq
         await reopened.close()
 
 
-@BOTH_WRITERS
+@EVERY_WRITER
 async def test_sqlite_reader_beside_the_owner_sees_commits_and_cannot_write(
     tmp_path: Path, writer: SqliteWriter
 ) -> None:

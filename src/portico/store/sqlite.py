@@ -1,8 +1,9 @@
 """SQLite archive, the embedded default.
 
-One writing connection, owned by one thread of the server or, with
-`sqlite_writer: process`, by a writer process (store/sqlite_process.py; each write
-is a `Write` struct, so it can cross as data). Writes are grouped: every write queued
+One writing connection, owned by one thread of the server, or with
+`sqlite_writer: inline` used on the event loop's own thread (`InlineWriter`), or with
+`sqlite_writer: process` owned by a writer process (store/sqlite_process.py; each
+write is a `Write` struct, so it can cross as data). Writes are grouped: every write queued
 while the previous batch was committing goes into the next single transaction
 (group commit), so hundreds of concurrent turns cost a handful of fsyncs, not
 one each. Each write runs inside its own SAVEPOINT, so one failing write fails
@@ -619,6 +620,9 @@ class Write(msgspec.Struct, frozen=True, tag=True, array_like=True):
     `run` returns, which the store decodes a process's answer as."""
 
     RESULT: ClassVar[Any] = None
+    # A write whose time grows with the archive (a scan, a copy, a bulk delete): the
+    # inline writer runs a batch holding one on the store's thread, not on the loop.
+    OFF_LOOP: ClassVar[bool] = False
 
     def run(self, conn: Archive, out: list[Update]) -> Any:
         raise NotImplementedError
@@ -650,6 +654,7 @@ class UpdateSession(Write, frozen=True):
 
 class ForkSession(Write, frozen=True):
     RESULT = list[Message]
+    OFF_LOOP = True
     session: Session
     messages: tuple[Message, ...]
 
@@ -726,6 +731,7 @@ class RenewReplica(Write, frozen=True):
 
 class InterruptOrphanedTurns(Write, frozen=True):
     RESULT = int
+    OFF_LOOP = True
     now: float
     replica_id: str
     lease: float
@@ -764,6 +770,7 @@ class AppendTrace(Write, frozen=True):
 
 class PruneUpdates(Write, frozen=True):
     RESULT = int
+    OFF_LOOP = True
     older_than: float
 
     def run(self, conn: Archive, out: list[Update]) -> int:
@@ -1031,6 +1038,44 @@ class ThreadWriter:
         return IN_PROCESS
 
 
+class InlineWriter(ThreadWriter):
+    """Batches on the event loop's own thread, on a writing connection of their own.
+
+    A batch of the usual writes is a few statements and a COMMIT without fsync (WAL,
+    `synchronous=NORMAL`): tens of microseconds, less than the hand-off to a thread
+    and back (the submit, the thread's wake-up, its wait for the GIL while the loop
+    runs Python, `call_soon_threadsafe` home). Group commit is unchanged: the store's
+    committer runs once per loop pass, so every write queued before it shares its
+    transaction. What may take long stays off the loop, on the store's thread with
+    this connection: the WAL restart and the TRUNCATE at close (a checkpoint copies
+    pages and syncs), and any batch holding a write whose time grows with the archive
+    (`Write.OFF_LOOP`). They run on a thread of the writer's own, not queued behind the
+    store's reads, and no batch runs on the loop meanwhile (`_on_thread`). Reads run
+    on the store's thread on a connection of their own: a long read holds neither.
+    """
+
+    def __init__(self, conn: Archive) -> None:
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portico-writer")
+        super().__init__(conn, executor, read_only=False)
+        self._on_thread = asyncio.Lock()
+
+    async def _in_thread(self, fn: Callable[[], T]) -> T:
+        async with self._on_thread:
+            return await super()._in_thread(fn)
+
+    async def run_batch(self, writes: list[Write]) -> list[Outcome]:
+        if any(write.OFF_LOOP for write in writes):
+            return await super().run_batch(writes)
+        # Uncontended, the lock is taken without a yield: the batch runs now.
+        async with self._on_thread:
+            return commit_batch(self._conn, writes)
+
+    async def close(self) -> None:
+        await super().close()
+        await self._in_thread(self._conn.close)
+        self._executor.shutdown(wait=True)
+
+
 class SqliteStore:
     def __init__(
         self,
@@ -1044,8 +1089,9 @@ class SqliteStore:
     ) -> None:
         """`read_only`: a reader beside the server that owns the archive (it takes no
         lock, runs no migration or checkpoint; writes fail). `writer`: where writes run,
-        a process of their own or the store's thread (an in-memory archive and a reader
-        always use the thread: a process cannot share either)."""
+        the store's thread, the event loop's thread or a process of their own (an
+        in-memory archive and a reader always use the store's thread: neither can be
+        shared with a second connection)."""
         self._path = str(path)
         self._read_only = read_only
         self._wal_size_limit = wal_size_limit
@@ -1055,6 +1101,7 @@ class SqliteStore:
         self._writer_kind: SqliteWriter = writer if in_file else "thread"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portico-sqlite")
         # Reads (and, with the thread writer, writes): the store thread's connection.
+        # The inline and process writers write on a connection of their own.
         self._conn: Archive | None = None
         self._writer: BatchWriter | None = None
         self._epoch = ""
@@ -1183,6 +1230,15 @@ class SqliteStore:
         if self._writer_kind == "thread":
             conn = await self._in_thread(self._connect)
             return ThreadWriter(conn, self._executor, self._read_only), conn
+        if self._writer_kind == "inline":
+            # Opened (and migrated) on the store's thread; used on the loop after.
+            writing = await self._in_thread(self._connect)
+            try:
+                reading = await self._in_thread(functools.partial(connect_reader, self._path))
+            except sqlite3.Error:
+                await self._in_thread(writing.close)
+                raise
+            return InlineWriter(writing), reading
         # Imported here: it imports this module (the writer process runs its writes).
         from portico.store.sqlite_process import ProcessWriter
 
@@ -1197,7 +1253,7 @@ class SqliteStore:
 
     @property
     def writer_pid(self) -> int | None:
-        """The writer process's id while open (None: writes run on the store's thread)."""
+        """The writer process's id while open (None: writes run in this process)."""
         return None if self._writer is None else self._writer.pid
 
     async def health(self, within: float) -> Health:
