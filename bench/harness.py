@@ -43,6 +43,27 @@ PORTICO_RESUME_ENV = {
 }
 
 
+# The voice workload's Portico (bench/run.py `voice`, bench/profile_stream.py): the
+# default agent takes calls and echoes their audio (bench/voice_echo.yaml).
+VOICE_CONFIG = """\
+agents:
+  default:
+    runtime: scripted
+    script: {script}
+    duplex_runtime: scripted
+    duplex_script: {echo}
+max_audio_sessions: 100000
+realtime_grace_window: 1
+"""
+
+
+def voice_config(workdir: Path) -> Path:
+    """Write the voice workload's Portico config in `workdir`; returns its path."""
+    config = workdir / "voice.yaml"
+    config.write_text(VOICE_CONFIG.format(script=SCRIPT, echo=BENCH / "voice_echo.yaml"))
+    return config
+
+
 def portico_rpc_env(users: int) -> dict[str, str]:
     """The RPC server (bench/run.py): API keys for `users` bench users (bench_token).
 
