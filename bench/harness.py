@@ -20,6 +20,7 @@ BENCH = Path(__file__).resolve().parent
 SCRIPT = BENCH / "script.yaml"
 START_TIMEOUT = 30.0  # seconds for a server to print its ready line
 STOP_TIMEOUT = 10.0
+LOADGEN = BENCH / "loadgen.py"  # what a Loadgen runs (bench/voice_ab.py swaps in an old one)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # Portico's per-connection limits (50 msg/s, burst 100), its 10,000-connection cap and
@@ -275,7 +276,7 @@ class Loadgen:
     """One load-generator process; its JSON lines arrive on stdout."""
 
     def __init__(self, workload: str, url: str, args: Sequence[str]) -> None:
-        command = [sys.executable, str(BENCH / "loadgen.py"), workload, "--url", url, *args]
+        command = [sys.executable, str(LOADGEN), workload, "--url", url, *args]
         self.process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
