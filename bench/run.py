@@ -913,7 +913,8 @@ def voice_tables(results: Results, plan: Plan) -> list[str]:
         "",
         "Each caller is a `/ws?binary=true` voice call sending a 20 ms frame of 16 kHz mono "
         "PCM16 (OMNI binary frames, the first naming the format) every 20 ms in real time, "
-        "the callers' sends spread evenly over the period. Portico's agent is the scripted "
+        "the callers' sends spread evenly over the period (the load generator woken for "
+        "them by a timer, not spinning: its CPU is its work). Portico's agent is the scripted "
         "duplex runtime with `echo: true` (bench/voice_echo.yaml): every caller frame comes "
         "back as agent audio; the bare servers send the binary message back as it came. "
         "Echo: client send → the frame's echo back (matched by a sequence number in the "
