@@ -717,10 +717,10 @@ def voice_frame(sequence: int) -> bytes:
 def echoed_sequence(data: bytes) -> int:
     """The caller-side sequence number at the start of an echoed frame's payload.
 
-    Reads the header's MetadataLen, not the whole frame: the server's frames are its own
-    (Portico's, decoded by tests/; a bare server's, the caller's own bytes), and a full
-    decode per echo (the metadata's JSON, a BinaryFrame) was a third of the client's work
-    per frame. A frame that is not OMNI raises, as a failed decode did."""
+    Reads the header's MetadataLen, not the whole frame: checking the server's frames is
+    the tests' work (Portico's; a bare server's are the caller's own bytes), and a full
+    decode per echo (the metadata's JSON, a BinaryFrame) was a third of the client's
+    Python per frame. A frame that is not OMNI raises, as a failed decode did."""
     if data[:4] != b"OMNI":
         raise ValueError("an echo that is not an OMNI frame")
     metadata_len = _OMNI_SEQUENCE.unpack_from(data, _OMNI_METADATA_LEN_AT)[0]
@@ -840,14 +840,13 @@ class TimerPacer:
     TFD_CLOEXEC = os.O_CLOEXEC
     TFD_TIMER_ABSTIME = 1
 
-    def __init__(self, libc: Any, fd: int, peers: Sequence[VoicePeer], start: float) -> None:
-        self._libc = libc
+    def __init__(self, fd: int, peers: Sequence[VoicePeer], start: float, until: float) -> None:
         self._fd = fd
         self._peers = peers
         self._start = start
         self._step = VOICE_FRAME_S / len(peers)
         self._index = 0
-        self._until = start
+        self._until = until
         self._done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @classmethod
@@ -863,8 +862,7 @@ class TimerPacer:
             return None
         if fd < 0:
             return None
-        pacer = cls(libc, fd, peers, start)
-        pacer._until = until
+        pacer = cls(fd, peers, start, until)
         tick = max(pacer._step, PACER_MIN_TICK)
         spec = _Itimerspec(_timespec(tick), _timespec(start))
         if libc.timerfd_settime(fd, cls.TFD_TIMER_ABSTIME, ctypes.byref(spec), None) != 0:
