@@ -20,6 +20,7 @@ BENCH = Path(__file__).resolve().parent
 SCRIPT = BENCH / "script.yaml"
 START_TIMEOUT = 30.0  # seconds for a server to print its ready line
 STOP_TIMEOUT = 10.0
+LOADGEN = BENCH / "loadgen.py"  # what a Loadgen runs (bench/voice_ab.py swaps in an old one)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # Portico's per-connection limits (50 msg/s, burst 100), its 10,000-connection cap and
@@ -57,6 +58,27 @@ PORTICO_RESUME_ENV = {
     "PORTICO_RESEND_BUFFER_BYTES": str(64 * 1024 * 1024),
     "PORTICO_RESUME_WINDOW": "600",
 }
+
+
+# The voice workload's Portico (bench/run.py `voice`, bench/profile_stream.py): the
+# default agent takes calls and echoes their audio (bench/voice_echo.yaml).
+VOICE_CONFIG = """\
+agents:
+  default:
+    runtime: scripted
+    script: {script}
+    duplex_runtime: scripted
+    duplex_script: {echo}
+max_audio_sessions: 100000
+realtime_grace_window: 1
+"""
+
+
+def voice_config(workdir: Path) -> Path:
+    """Write the voice workload's Portico config in `workdir`; returns its path."""
+    config = workdir / "voice.yaml"
+    config.write_text(VOICE_CONFIG.format(script=SCRIPT, echo=BENCH / "voice_echo.yaml"))
+    return config
 
 
 def portico_rpc_env(users: int) -> dict[str, str]:
@@ -270,7 +292,7 @@ class Loadgen:
     """One load-generator process; its JSON lines arrive on stdout."""
 
     def __init__(self, workload: str, url: str, args: Sequence[str]) -> None:
-        command = [sys.executable, str(BENCH / "loadgen.py"), workload, "--url", url, *args]
+        command = [sys.executable, str(LOADGEN), workload, "--url", url, *args]
         self.process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,

@@ -2,11 +2,14 @@
 
     python bench/profile_stream.py [--seconds 8] [--clients 100] [--store sqlite] [--out FILE]
     python bench/profile_stream.py --workload session_stream   # the same on /v1/session
+    python bench/profile_stream.py --workload voice --clients 250  # voice calls on /ws
 
 Starts Portico as bench/run.py does, runs the `stream` workload against it, samples the
 server with `py-spy record` (pip install py-spy; needs ptrace rights, e.g. root) and prints
 markdown tables: samples per thread, the event loop thread's top functions by own and by
 cumulative time, and its time by area (aiohttp writes, the engine, the archive, ...).
+`voice`: `--clients` real-time callers (bench/run.py's voice workload: Portico's scripted
+duplex echo, bench/voice_echo.yaml), sampled once every call has started and warmed up.
 """
 
 from __future__ import annotations
@@ -28,9 +31,18 @@ from pathlib import Path
 import harness
 import stores
 from common import raise_fd_limit
-from harness import BENCH, SERVER_KINDS, CpuSnapshot, Loadgen, Server, cpu_percentages
+from harness import (
+    BENCH,
+    SERVER_KINDS,
+    CpuSnapshot,
+    Loadgen,
+    Server,
+    cpu_percentages,
+    voice_config,
+)
 
 MAIN_THREAD = "MainThread"
+CONNECT_BOUND = 120.0  # seconds for the voice callers to connect and start their calls
 # The area a function belongs to, by the first pattern its "function (file)" matches.
 AREAS: tuple[tuple[str, str], ...] = (
     ("asyncio/runners.py", "event loop internals (uvloop C code under Runner.run)"),
@@ -39,7 +51,13 @@ AREAS: tuple[tuple[str, str], ...] = (
     ("portico/store/", "archive (the store)"),
     ("portico/core/turns.py", "turn runner"),
     ("portico/core/engine.py", "engine"),
+    ("portico/runtime/duplex/", "duplex runtime (scripted echo)"),
     ("portico/runtime/", "scripted runtime"),
+    ("portico/calls/", "calls (LiveCall, CallService)"),
+    ("portico/protocols/omnia/binary.py", "OMNI binary codec"),
+    ("portico/protocols/omnia/voice.py", "Omnia voice core"),
+    ("portico/server/duplex.py", "/ws duplex adapter"),
+    ("portico/server/sockets.py", "socket loops (sockets.py)"),
     ("portico/protocols/session/", "session core (frames, channel, acks)"),
     ("portico/protocols/", "Omnia core (frames, encode, queue)"),
     ("portico/server/websocket.py", "/ws adapter (read and write loops)"),
@@ -158,12 +176,20 @@ def profile_stream(args: argparse.Namespace, workdir: Path) -> tuple[Profile, li
         schema = f"profile_{uuid.uuid4().hex[:12]}"
         asyncio.run(stores.execute(args.database_url, f"CREATE SCHEMA {schema}"))
         env["PORTICO_DATABASE_URL"] = stores.with_search_path(args.database_url, schema)
-    server = Server(args.server, workdir, store=args.store, env=env).start()
+    config = None
+    if args.workload == "voice" and args.server == "portico":
+        config = voice_config(workdir)
+    server = Server(args.server, workdir, store=args.store, env=env, config=config).start()
     try:
         window = ["--warmup", "1", "--seconds", str(args.seconds + 2)]
         url = server.session_url if args.workload == "session_stream" else server.url
+        if args.workload == "voice":
+            url += "?binary=true"
         gen = Loadgen(args.workload, url, ["--clients", str(args.clients), *window])
         try:
+            if args.workload == "voice":
+                gen.next_event(CONNECT_BOUND)  # every call started (`ready`)
+                gen.tell()  # the callers start sending
             time.sleep(1.5)  # connected and warmed up before sampling starts
             before = CpuSnapshot.take(server.pid, [gen.pid])
             raw = workdir / "py-spy.txt"
@@ -179,14 +205,21 @@ def profile_stream(args: argparse.Namespace, workdir: Path) -> tuple[Profile, li
         server.stop()
         if args.store == "postgres":
             asyncio.run(stores.execute(args.database_url, f"DROP SCHEMA {schema} CASCADE"))
+    if args.workload == "voice":
+        throughput = (
+            f"{result['sent'] / args.seconds:,.0f} caller frames/s sent in the window, echo "
+            f"p50 {result['echo_p50_ms']:.2f} ms p99 {result['echo_p99_ms']:.2f} ms"
+        )
+    else:
+        throughput = f"{result['frames_per_s']:,.0f} frames/s, {result['turns_per_s']:,.0f} turns/s"
     header = [
         f"# `{args.workload}` profile of {args.server} (py-spy)",
         "",
         f"`python bench/profile_stream.py {' '.join(sys.argv[1:])}`: {args.clients} clients, "
-        f"scenario `stream50`, store {args.store}, py-spy at {args.rate} Hz for {args.seconds:g} s "
+        f"{'voice calls' if args.workload == 'voice' else 'scenario `stream50`'}, store "
+        f"{args.store}, py-spy at {args.rate} Hz for {args.seconds:g} s "
         "(blocking mode; only samples of running threads).",
-        f"Throughput while sampled: {result['frames_per_s']:,.0f} frames/s, "
-        f"{result['turns_per_s']:,.0f} turns/s; server CPU {cpu['server_cpu']:.0f}% of a core "
+        f"Throughput while sampled: {throughput}; server CPU {cpu['server_cpu']:.0f}% of a core "
         f"(all threads), client {cpu['client_cpu']:.0f}%, other processes {cpu['other_cpu']:.0f}%.",
     ]
     return profile, header
@@ -207,9 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25, help="rows per table")
     parser.add_argument(
         "--workload",
-        choices=["stream", "session_stream"],
+        choices=["stream", "session_stream", "voice"],
         default="stream",
-        help="session_stream: the same load on Portico's /v1/session",
+        help="session_stream: the same load on Portico's /v1/session; voice: voice calls",
     )
     parser.add_argument("--raw", type=Path, help="also keep py-spy's collapsed stacks here")
     parser.add_argument("--portico-env", action="append", default=[], help=harness.PORTICO_ENV_HELP)

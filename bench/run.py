@@ -25,8 +25,9 @@ back to back with `/ws` latency at the same rate on the same server in each repe
 Idle memory at `--idle` counts on every server, and `--idle-max` (50,000) idle connections
 on one Portico (measured at the hard RLIMIT_NOFILE when that is lower). Voice calls
 (`--voice`): real-time 20 ms PCM callers over `/ws`, echoed by the scripted duplex runtime
-beside the bare servers' echo, then Portico's callers and the bare aiohttp echo's
-stepped up alternately to a 20 ms p99 (the largest N each holds, in the same run).
+beside the bare servers' echo, then Portico's callers, the bare aiohttp echo's and the
+bare picows echo's (the machine's floor) stepped up alternately to a 20 ms p99 (the largest
+N each holds, in the same run), with the load generators' CPU at each step.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ from harness import (
     PORTICO_BENCH_ENV,
     PORTICO_ENV_HELP,
     PORTICO_RESUME_ENV,
-    SCRIPT,
     SERVER_KINDS,
     CpuSnapshot,
     Loadgen,
@@ -66,6 +66,7 @@ from harness import (
     portico_rpc_env,
     rss_kib,
     stop_all,
+    voice_config,
 )
 
 FD_RESERVE = 200  # descriptors a server keeps for its own files, listener and archive
@@ -117,10 +118,11 @@ class Plan:
     rpc_pages: int = 1000
     rpc_page_warm: int = 5
     # voice (issue 15): `voice_callers` callers on every server in each repeat (the relay
-    # latency beside the bare echo), then Portico and the bare aiohttp echo, alternately,
-    # at each of `voice_steps` callers, each until its echo p99 passes `voice_p99_ms` (or
-    # frames are lost, or errors come): the bare server's own ceiling on this machine,
-    # measured beside Portico's, is what Portico's is judged against.
+    # latency beside the bare echo), then Portico, the bare aiohttp echo and the bare
+    # picows echo, alternately, at each of `voice_steps` callers, each until its echo p99
+    # passes `voice_p99_ms` (or frames are lost, or errors come): the bare servers' own
+    # ceilings on this machine, measured beside Portico's, are what Portico's is judged
+    # against (aiohttp: the same stack; picows: the fastest Python server, the floor).
     voice_callers: int = 100
     voice_steps: tuple[int, ...] = (100, 250, 500, 750, 1000, 1500, 2000)
     voice_warmup: float = 1.0
@@ -505,25 +507,12 @@ def run_idle_max(plan: Plan, workdir: Path, results: Results) -> None:
         server.stop()
 
 
-VOICE_CONFIG = """\
-# The voice workload's Portico: the default agent takes calls and echoes their audio.
-agents:
-  default:
-    runtime: scripted
-    script: {script}
-    duplex_runtime: scripted
-    duplex_script: {echo}
-max_audio_sessions: 100000
-realtime_grace_window: 1
-"""
 VOICE_FRAME_S = 0.020  # a caller's frame period (bench/loadgen.py)
 VOICE_DRAIN_SLACK = 40.0  # seconds past the window for the drain, hangups and closes
 
 
 def voice_server(plan: Plan, workdir: Path) -> Server:
-    config = workdir / "voice.yaml"
-    config.write_text(VOICE_CONFIG.format(script=SCRIPT, echo=BENCH / "voice_echo.yaml"))
-    return Server("portico", workdir, plan.log_level, config=config)
+    return Server("portico", workdir, plan.log_level, config=voice_config(workdir))
 
 
 def measure_voice(server: Server, plan: Plan, callers: int) -> Sample:
@@ -560,6 +549,9 @@ def measure_voice(server: Server, plan: Plan, callers: int) -> Sample:
         "start_p99_ms": max(r["start_p99_ms"] for r in found),
         "frames_per_s": sent / plan.voice_seconds,
         "cpu_per_call": usage["server_cpu"] / callers,
+        "client_cpu_per_call": usage["client_cpu"] / callers,
+        "loadgens": float(len(gens)),
+        "load_1m": os.getloadavg()[0],
         # Server CPU per frame relayed (in and its echo out): what a frame costs even
         # when the server gets less CPU than the callers' rate needs (a busy machine).
         "cpu_us_per_frame": usage["server_cpu"]
@@ -583,17 +575,18 @@ def log_voice(what: str, sample: Sample) -> None:
         f"ms p99 {sample['echo_p99_ms']:.2f} ms, lost {sample['lost']:.0f} of "
         f"{sample['sent']:.0f}, errors {sample['errors']:.0f}, server CPU "
         f"{sample['server_cpu']:.0f}% ({sample['cpu_us_per_frame']:.1f} µs a frame), "
-        f"client CPU {sample['client_cpu']:.0f}%, "
-        f"send lag p99 {sample['lag_p99_ms']:.1f} ms"
+        f"client CPU {sample['client_cpu']:.0f}% ({sample['loadgens']:.0f} proc), "
+        f"send lag p99 {sample['lag_p99_ms']:.1f} ms, load {sample['load_1m']:.1f}"
     )
 
 
-VOICE_STEPPED = ("portico", "aiohttp")  # the servers whose callers are stepped up
+# The servers whose callers are stepped up (those of `--kinds`): picows is the floor.
+VOICE_STEPPED = ("portico", "aiohttp", "picows")
 
 
 def run_voice(plan: Plan, workdir: Path, results: Results) -> None:
     """Relay latency beside the bare echo servers, then Portico's callers and the bare
-    aiohttp echo's stepped up."""
+    echoes' stepped up."""
     servers = {"portico": voice_server(plan, workdir)}
     servers.update({k: Server(k, workdir) for k in plan.kinds if k != "portico"})
     clock = time.monotonic()
@@ -615,7 +608,7 @@ def run_voice(plan: Plan, workdir: Path, results: Results) -> None:
 
 def step_voice(plan: Plan, servers: dict[str, Server], results: Results) -> None:
     """Each server at each step in turn (alternating, so a busy spell of the machine
-    falls on both), until its first step that does not hold: bounded by the steps."""
+    falls on all), until its first step that does not hold: bounded by the steps."""
     climbing = list(servers)
     for callers in plan.voice_steps:
         for kind in list(climbing):
@@ -853,7 +846,11 @@ def voice_targets(results: Results, plan: Plan) -> list[str]:
     # The bare echo's own ceiling in the same run says what this machine allows: when
     # even it holds fewer than 1,000, the absolute target cannot be judged here, and
     # Portico's ceiling is judged against the bare one's.
-    machine = "" if bare_largest is None else f"; the bare aiohttp echo held {bare_largest:,.0f}"
+    machine = "".join(
+        f"; the bare {kind} echo held {value:,.0f}"
+        for kind in ("aiohttp", "picows")
+        if (value := voice_largest(results, plan, kind)) is not None
+    )
     against_bare = "voice callers held, Portico ÷ the bare aiohttp echo (same run, same steps) ≥ 1"
     if largest is not None and bare_largest == 0:
         compared = (
@@ -892,9 +889,11 @@ VOICE_COLUMNS = (
     ("cpu_per_call", "server CPU per call, % of a core"),
     ("cpu_us_per_frame", "server CPU per frame relayed, µs"),
     ("client_cpu", "client CPU, %"),
+    ("client_cpu_per_call", "client CPU per call, % of a core"),
     ("other_cpu", "other processes' CPU, %"),
     ("lag_p99_ms", "client send lag p99, ms"),
     ("start_p99_ms", "call start p99 (first frame → `session_config`), ms"),
+    ("load_1m", "load average (1 min) at the end"),
 )
 
 
@@ -916,7 +915,8 @@ def voice_tables(results: Results, plan: Plan) -> list[str]:
         "",
         "Each caller is a `/ws?binary=true` voice call sending a 20 ms frame of 16 kHz mono "
         "PCM16 (OMNI binary frames, the first naming the format) every 20 ms in real time, "
-        "the callers' sends spread evenly over the period. Portico's agent is the scripted "
+        "the callers' sends spread evenly over the period (the load generator woken for "
+        "them by a timer, not spinning: its CPU is its work). Portico's agent is the scripted "
         "duplex runtime with `echo: true` (bench/voice_echo.yaml): every caller frame comes "
         "back as agent audio; the bare servers send the binary message back as it came. "
         "Echo: client send → the frame's echo back (matched by a sequence number in the "
@@ -949,9 +949,12 @@ def voice_tables(results: Results, plan: Plan) -> list[str]:
         lines.append("")
     if steps:
         lines += [
-            "Portico and the bare aiohttp echo, callers stepped up (the two alternately at "
+            "Portico and the bare echoes, callers stepped up (the servers alternately at "
             f"each step), each until its echo p99 reaches {plan.voice_p99_ms:g} ms, a frame in "
-            "a thousand is lost or an error comes:",
+            "a thousand is lost or an error comes. The bare picows echo is the machine's "
+            "floor: where it fails, the load generators (their CPU beside it; they share "
+            "the machine's cores with the server) or the machine are the limit, not the "
+            "server's code:",
             "",
             "| Callers | server | frames/s sent | "
             + " | ".join(label for _, label in VOICE_COLUMNS)
@@ -970,10 +973,12 @@ def voice_tables(results: Results, plan: Plan) -> list[str]:
                 + " | ".join(cells)
                 + f" | {held} |"
             )
-        largest = voice_largest(results, plan)
-        bare_largest = voice_largest(results, plan, "aiohttp")
-        bare_held = "" if bare_largest is None else f", the bare aiohttp echo {bare_largest:,.0f}"
-        lines += ["", f"Largest step held: Portico {largest or 0:,.0f} callers{bare_held}."]
+        held = [
+            f"{'Portico' if kind == 'portico' else f'the bare {kind} echo'} {value:,.0f}"
+            for kind in VOICE_STEPPED
+            if (value := voice_largest(results, plan, kind)) is not None
+        ]
+        lines += ["", f"Largest step held (callers): {', '.join(held)}."]
         per_frame = median_of(results, "voice", "cpu_us_per_frame", "portico")
         if per_frame:
             # A call relays 50 frames a second each way; the CPU per frame says how many
@@ -1348,7 +1353,7 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
     parser.add_argument(
         "--voice",
         help="voice: CALLERS[:STEP,STEP...], the callers on every server beside the bare "
-        "echo, then the steps of Portico and the bare aiohttp echo (default "
+        "echo, then the steps of Portico and the bare echoes (default "
         "100:100,250,500,750,1000,1500,2000); 0 skips",
     )
     parser.add_argument("--voice-seconds", type=float, help="voice: window, seconds")

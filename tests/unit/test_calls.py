@@ -8,6 +8,8 @@ import struct
 from collections.abc import AsyncIterator
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from portico.calls.directory import InProcessCallDirectory
 from portico.calls.parking import InProcessParkingLot
@@ -91,6 +93,35 @@ def test_a_greeting_is_a_reply_alone_and_a_call_ending_mid_turn_cancels_it() -> 
     assert rules.finish() == [
         VoiceTurnRecord(user_text="bye", reply_text="", state=TurnState.CANCELLED)
     ]
+
+
+# What a runtime may say, and the client's barge-in ("interrupt"), in any order.
+rule_inputs = st.lists(
+    st.sampled_from(
+        [HELLO, AudioOut(data=b"x"), AgentText("a"), Transcript("t"),
+         Transcript("p", final=False), SpokenTurnDone(), Interruption(), "interrupt"]
+    ),
+    max_size=30,
+)  # fmt: skip
+
+
+@given(rule_inputs)
+def test_the_agent_audio_shortcut_agrees_with_feeding_it(inputs: list[object]) -> None:
+    # LiveCall._take forwards agent audio of a started call with `audio_out` instead of
+    # `feed` (per frame, no Step): the same audio forwarded, the same turns archived.
+    fed, short = CallRules(), CallRules()
+    for item in inputs:
+        if item == "interrupt":
+            assert fed.interrupt() == short.interrupt()
+        elif type(item) is AudioOut and short.hello is not None and not short.ended:
+            step = fed.feed(item)
+            assert step.forward == ([item] if short.audio_out() else [])
+            assert step.records == []
+            assert not step.ended
+        else:
+            assert isinstance(item, DuplexEvent)
+            assert fed.feed(item) == short.feed(item)
+    assert fed.finish() == short.finish()
 
 
 def test_hello_comes_first_once_and_speaking_before_it_fails_the_call() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import struct
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -321,6 +322,31 @@ def test_encode_refuses_what_the_header_cannot_carry(frame: BinaryFrame) -> None
 def test_unknown_metadata_keys_are_ignored() -> None:
     frame = decode_frame(raw_frame(metadata=b'{"codec": "opus", "future": [1, 2]}'))
     assert frame.metadata == BinaryMetadata(codec="opus")
+
+
+@pytest.mark.parametrize(
+    "metadata", [b"{}", b"{ }", b"{}\n", b"{]", b"[]", b"}{", b'{"":0}'], ids=repr
+)
+def test_metadata_decodes_alike_with_or_without_the_empty_shortcut(metadata: bytes) -> None:
+    # A stream's later frames carry `{}`, decoded without the JSON decoder (per frame of
+    # a voice call): only exactly `{}` may take that path.
+    try:
+        expected: object = msgspec.json.decode(metadata, type=BinaryMetadata)
+    except msgspec.DecodeError:
+        expected = "invalid metadata"
+    try:
+        got: object = decode_frame(raw_frame(metadata=metadata, payload=b"pcm")).metadata
+    except BinaryFrameError as exc:
+        got = exc.message
+    assert got == expected
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_any_bytes_like_frame_decodes_to_a_bytes_payload(kind: type) -> None:
+    frame = BinaryFrame(sequence=7, media_id="mic", payload=b"\x01\x02" * 320)
+    decoded = decode_frame(kind(encode_frame(frame)))
+    assert decoded == frame
+    assert type(decoded.payload) is bytes
 
 
 # -- splitting a payload into frames ------------------------------------------------

@@ -93,6 +93,15 @@ class CallRules:
                 return self._fail(event)
         return Step([event], [], False)
 
+    def audio_out(self) -> bool:
+        """`feed(AudioOut)` of a started call that has not ended, without its Step: True
+        when the audio is forwarded (the turn is speaking), False while muted (dropped).
+        Per agent frame, so the caller checks `hello` and `ended` and makes no lists."""
+        if self._muted:
+            return False
+        self._speaking = True
+        return True
+
     def interrupt(self) -> Step:
         """The client barged in: the agent's turn in progress (it has spoken) ends
         cancelled, `Interruption` is forwarded, and the rest of that turn is muted."""

@@ -224,9 +224,15 @@ class LiveCall:
         `hand_over`): agent audio of a started call is forwarded here and now, which
         is what the pump would do next, without waking it. Anything else, or a call
         that ended, goes to the pump (a step that archives or ends the call is its)."""
-        if type(event) is not AudioOut or self._rules.hello is None or self._rules.ended:
+        rules = self._rules
+        if type(event) is not AudioOut or rules.hello is None or rules.ended:
             return False
-        self._forward(event)  # AudioOut: no records, never ends the call once started
+        # AudioOut: no records, never ends the call once started; `_forward` without
+        # its Step and lists (docs/performance.md, "Voice calls").
+        if rules.audio_out():
+            self._service.telemetry.audio("out", len(event.data))
+            if self._listener is not None:
+                self._listener(event)
         return True
 
     def _forward(self, event: DuplexEvent) -> Step:

@@ -16,9 +16,13 @@ class TokenBucket:
 
     def allow(self, now: float, cost: float = 1.0) -> bool:
         """Take `cost` tokens if there are enough; refused requests take nothing."""
-        self._tokens = min(self._burst, self._tokens + (now - self._updated) * self._rate)
+        # min(burst, tokens) written out (NaN included): twice per frame of a voice call.
+        tokens = self._tokens + (now - self._updated) * self._rate
+        if not tokens < self._burst:
+            tokens = self._burst
         self._updated = now
-        if cost > self._tokens:
+        if cost > tokens:
+            self._tokens = tokens
             return False
-        self._tokens -= cost
+        self._tokens = tokens - cost
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -149,6 +150,18 @@ class Services:
         self.deadlines = DeadlineWheel()
         self.strangers = Strangers(stranger_budget(settings))
         self.principals = PrincipalSlots(principal_cap(settings))
+        self._loop: asyncio.AbstractEventLoop | None = None  # `loop`, once asked
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the server runs on (an app runs on one loop for its life), asked of
+        asyncio once: on Python 3.11 `asyncio.get_running_loop()` makes a getpid()
+        syscall per call (its fork check), and the sockets ask several times per frame
+        (a voice call's: docs/performance.md, "Voice calls")."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     @property
     def ready(self) -> bool:

@@ -129,8 +129,9 @@ class ServerSocket(ABC):
 
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
-        # Not kept per connection: every caller runs on the loop.
-        return asyncio.get_running_loop()
+        # Not kept per connection (every caller runs on the server's loop), and not
+        # asked of asyncio each time: see `Services.loop`.
+        return self._services.loop
 
     @property
     def _metrics(self) -> Metrics:

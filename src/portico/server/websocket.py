@@ -230,7 +230,11 @@ class OmniaSocket(ServerSocket):
     async def _handle_all(self, events: list[Event]) -> None:
         for event in events:
             try:
-                await self._handle(event)
+                if type(event) is CallAudio:  # 50 a second per call: no _handle coroutine
+                    if self._call is not None:
+                        await self._call.send(event.audio)
+                else:
+                    await self._handle(event)
             except PorticoError as exc:
                 self._core.send_error(exc, getattr(event, "session_id", None), now=self._now())
             except Exception:
@@ -240,9 +244,6 @@ class OmniaSocket(ServerSocket):
 
     async def _handle(self, event: Event) -> None:
         match event:
-            case CallAudio(audio=audio):  # first: 50 a second for each voice call
-                if self._call is not None:
-                    await self._call.send(audio)
             case MessageReceived():
                 await self._submit(event)
             case ToolReply():

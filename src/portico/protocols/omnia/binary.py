@@ -111,6 +111,13 @@ class BinaryFrame(msgspec.Struct, frozen=True, kw_only=True):
 
 _encode_metadata = msgspec.json.Encoder().encode
 _decode_metadata = msgspec.json.Decoder(BinaryMetadata).decode
+# Per frame of a voice call (docs/performance.md, "Voice calls"): an enum member looked up
+# on its class costs about as much as the header's unpacking (Python 3.11), so it is
+# looked up once here; and a stream's frames after its first carry `{}` as metadata,
+# which decodes to this one (frozen) instance without a JSON decoder.
+_MEDIA_CHUNK: Final = MessageType.MEDIA_CHUNK
+_EMPTY_METADATA_JSON: Final = b"{}"
+_EMPTY_METADATA: Final = BinaryMetadata()
 
 
 def encode_frame(frame: BinaryFrame) -> bytes:
@@ -162,7 +169,7 @@ def encode_media(
         MAGIC,
         VERSION,
         flags,
-        MessageType.MEDIA_CHUNK,
+        _MEDIA_CHUNK,
         len(metadata),
         len(payload),
         sequence,
@@ -173,7 +180,8 @@ def encode_media(
 
 def decode_frame(data: bytes) -> BinaryFrame:
     """Parse one binary WebSocket message; BinaryFrameError names the first defect."""
-    if len(data) < HEADER_SIZE:
+    size = len(data)
+    if size < HEADER_SIZE:
         raise BinaryFrameError(INVALID_HEADER_SIZE)
     (
         magic,
@@ -190,34 +198,38 @@ def decode_frame(data: bytes) -> BinaryFrame:
     if version != VERSION:
         raise BinaryFrameError(UNSUPPORTED_VERSION)
     metadata_end = HEADER_SIZE + metadata_len
-    if metadata_end > len(data):
+    if metadata_end > size:
         raise BinaryFrameError(METADATA_TOO_LONG)
     payload_end = metadata_end + payload_len
-    if payload_end > len(data):
+    if payload_end > size:
         raise BinaryFrameError(PAYLOAD_TOO_LONG)
-    if payload_end < len(data):
+    if payload_end < size:
         raise BinaryFrameError(FRAME_LENGTH_MISMATCH)
-    if message_type != MessageType.MEDIA_CHUNK:
+    if message_type != _MEDIA_CHUNK:
         raise BinaryFrameError(UNKNOWN_MESSAGE_TYPE)
     try:
         media_id = raw_media_id.rstrip(b"\0").decode()
     except UnicodeDecodeError as exc:
         raise BinaryFrameError(INVALID_MEDIA_ID) from exc
-    view = memoryview(data)
-    try:
-        metadata = _decode_metadata(view[HEADER_SIZE:metadata_end])
-    # DecodeError covers ValidationError (wrong field types); msgspec raises
-    # RecursionError on deep nesting, even inside an ignored unknown key.
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise BinaryFrameError(INVALID_METADATA) from exc
+    if metadata_len == 2 and data[HEADER_SIZE:metadata_end] == _EMPTY_METADATA_JSON:
+        metadata = _EMPTY_METADATA
+    else:
+        try:
+            metadata = _decode_metadata(memoryview(data)[HEADER_SIZE:metadata_end])
+        # DecodeError covers ValidationError (wrong field types); msgspec raises
+        # RecursionError on deep nesting, even inside an ignored unknown key.
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise BinaryFrameError(INVALID_METADATA) from exc
     return BinaryFrame(
-        message_type=MessageType.MEDIA_CHUNK,
+        message_type=_MEDIA_CHUNK,
         chunked=bool(flags & FLAG_CHUNKED),
         is_last=bool(flags & FLAG_IS_LAST),
         sequence=sequence,
         media_id=media_id,
         metadata=metadata,
-        payload=bytes(view[metadata_end:payload_end]),
+        # The rest of the frame (payload_end == size); bytes() copies a bytearray or
+        # memoryview, and hands a bytes slice back as it is.
+        payload=bytes(data[metadata_end:]),
     )
 
 

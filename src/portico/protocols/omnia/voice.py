@@ -189,6 +189,7 @@ class VoiceWire:
         self._pending_format = AudioFormat()  # the caller's, read from the call's first frame
         self._items = 0  # agent audio items sent, for their MediaIDs
         self._item: str | None = None  # the open item's MediaID
+        self._item_id = b""  # the open item's MediaID as the header holds it (checked once)
         self._item_sequence = 0
         self._spoken: list[str] = []  # the agent text of the spoken turn so far
         self.audio_dropped = 0  # agent frames a slow client's queue had no room for
@@ -317,6 +318,8 @@ class VoiceWire:
         """The frames one runtime event becomes on this connection."""
         if self.state is CallState.REFUSED:
             return []  # nothing follows the call's one error
+        if type(event) is AudioOut and self._format is not None:
+            return self._audio(event, stamp)  # 50 a second per call: before the match
         if self._format is None and not isinstance(event, Hello | DuplexFailure):
             return []  # no audio or text before `session_config` (the call rules see to it)
         session_id = self.session_id
@@ -369,6 +372,7 @@ class VoiceWire:
         if first:
             self._items += 1
             self._item, self._item_sequence = f"a{self._items}", 0
+            self._item_id = b""  # checked when first encoded as binary
         assert self._item is not None
         media_id, sequence = self._item, self._item_sequence
         self._item_sequence += 1
@@ -419,11 +423,15 @@ class VoiceWire:
                     encoded,
                     out.data,
                     sequence=sequence % 2**32,
-                    media_id=media_id_bytes(media_id),
+                    media_id=self._item_id or self._check_item_id(media_id),
                     is_last=out.is_last,
                 )
             )
         ]
+
+    def _check_item_id(self, media_id: str) -> bytes:
+        self._item_id = media_id_bytes(media_id)
+        return self._item_id
 
     def _encode_plain_metadata(self, fmt: AudioFormat) -> bytes:
         metadata = BinaryMetadata(session_id=self.session_id, mime_type=fmt.mime_type)
