@@ -55,13 +55,19 @@ class FakeWheel:
         raise AssertionError("the tests arm near deadlines only")
 
 
+class FakeServices(SimpleNamespace):
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+
 class Socket(ServerSocket):
     protocol = "test"
     __slots__ = ("_core", "timer_calls")
 
     def __init__(self, ws: Any, core: FakeCore, transport: FakeTransport) -> None:
         counter = SimpleNamespace(outbound=0)
-        services = SimpleNamespace(
+        services = FakeServices(
             # compression on: frames go through aiohttp's awaited send (`_write_each`)
             settings=SimpleNamespace(ws_compression=True, close_timeout=2.0),
             metrics=SimpleNamespace(frames=SimpleNamespace(of=lambda protocol: counter)),
