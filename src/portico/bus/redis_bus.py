@@ -26,6 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from portico.bus.port import Entry
+from portico.closing import CLOSE_TIMEOUT, close_within
 from portico.health import Health, probe
 
 log = logging.getLogger("portico.bus")
@@ -43,12 +44,13 @@ class RedisBus:
         block: float = 1.0,
         topic_ttl: float | None = TOPIC_TTL,
         inbox_ttl: float | None = INBOX_TTL,
+        close_timeout: float = CLOSE_TIMEOUT,
     ) -> None:
         """`topic_ttl`: seconds a topic's stream is kept after its last entry (None:
         until trimmed), so the streams of sessions long over do not pile up in Redis.
         `inbox_ttl`: seconds a replica's inbox is kept after its reader last renewed
         it (None: for ever); it should be several times `block` (renewed between
-        reads)."""
+        reads). `close_timeout`: longest `close` waits for the client (`close_within`)."""
         # Replies are handled as Any: redis-py types them as a union of sync and async.
         self._redis: Any = aioredis.from_url(url)
         self._prefix = prefix
@@ -56,6 +58,7 @@ class RedisBus:
         self._block_ms = max(1, int(block * 1000))
         self._ttl = None if topic_ttl is None else max(1, int(topic_ttl))
         self._inbox_ttl_ms = None if inbox_ttl is None else max(1, int(inbox_ttl * 1000))
+        self._close_timeout = close_timeout
 
     def _key(self, kind: str, name: str) -> str:
         return f"{self._prefix}{kind}:{name}"
@@ -148,4 +151,4 @@ class RedisBus:
         return await probe(self._redis.ping(), within)
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        await close_within("bus", self._redis, self._close_timeout)

@@ -18,14 +18,13 @@ elsewhere.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import math
 import time
 from typing import Any
 
 from redis.asyncio import Redis
 
+from portico.closing import CLOSE_TIMEOUT, close_within
 from portico.core.periodic import every
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
 from portico.health import Health, probe
@@ -35,9 +34,6 @@ from portico.sessionstate.base import (
     SessionHeader,
     SessionSnapshot,
 )
-
-log = logging.getLogger("portico.sessionstate")
-CLOSE_TIMEOUT = 5.0  # seconds: closing the port waits no longer for Redis
 
 _MISSING, _MOVED, _OVERFLOW, _OUT_OF_ORDER = -1, -2, -3, -4
 # A session nobody resumed is forgotten by Redis itself this long after its window's
@@ -196,8 +192,10 @@ class RedisSessionStates:
         prefix: str = "portico:",
         resume_window: float = RESUME_WINDOW,
         expiry_grace: float = EXPIRY_GRACE_MS / 1000,
+        close_timeout: float = CLOSE_TIMEOUT,
     ) -> None:
         self._redis = redis
+        self._close_timeout = close_timeout
         self._limits = limits
         self._prefix = prefix
         self._grace_ms = max(1, math.ceil(expiry_grace * 1000))
@@ -320,17 +318,11 @@ class RedisSessionStates:
             _checked(code)
 
     async def close(self) -> None:
-        # The held sessions keep their expiry: another replica may resume them. Both
-        # waits are bounded: a renewal cancelled mid-pipeline can leave redis-py's
-        # connection stuck, and a shutdown must not hang on it.
-        if self._renewal is not None:
-            self._renewal.cancel()
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._renewal), CLOSE_TIMEOUT)
-        try:
-            await asyncio.wait_for(self._redis.aclose(), CLOSE_TIMEOUT)
-        except TimeoutError:
-            log.warning("session state: closing the Redis client took over %.0f s", CLOSE_TIMEOUT)
+        # The held sessions keep their expiry: another replica may resume them. The
+        # renewal and the client are waited for within one bound: a renewal cancelled
+        # mid-pipeline can leave redis-py's connection stuck.
+        renewal = () if self._renewal is None else (self._renewal,)
+        await close_within("session state", self._redis, self._close_timeout, renewal)
 
     async def health(self, within: float) -> Health:
         return await probe(self._redis.ping(), within)
