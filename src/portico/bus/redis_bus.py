@@ -94,6 +94,9 @@ class RedisBus:
                 for entry_id, fields in entries:
                     last = entry_id.decode()
                     yield Entry(last, fields[b"p"])
+                # What the entries woke (their sockets' flushes) runs before redis-py
+                # builds and sends the next read, not after it.
+                await asyncio.sleep(0)
 
     async def _last_id(self, key: str) -> str:
         entries = await self._redis.xrevrange(key, count=1)
