@@ -30,8 +30,9 @@ STUCK_BYTES = 16 * 1024 * 1024
 
 def _waiting_bytes(port: Any) -> int:
     """Bytes the port's Redis client holds for a server that does not read them."""
-    pool = port._redis.connection_pool  # the precondition, seen inside redis-py
-    connections = [*pool._in_use_connections, *pool._available_connections]
+    clients = [port._redis, getattr(port, "_publisher", port._redis)]
+    pools = [client.connection_pool for client in clients]  # seen inside redis-py
+    connections = [c for p in pools for c in (*p._in_use_connections, *p._available_connections)]
     return sum(
         c._writer.transport.get_write_buffer_size() for c in connections if c._writer is not None
     )
@@ -57,6 +58,7 @@ async def test_every_redis_client_closes_within_the_bound_when_redis_stops_answe
         shared = build_shared_state(settings)
         # Each client connected and used once.
         assert (await shared.bus.health(DEADLINE)).ready
+        await shared.bus.publish("session:stuck", b"before")  # the publishing client
         assert (await shared.session_states.health(DEADLINE)).ready
         assert await shared.call_directory.claim("ses_none", "alice", 0.0) is None
         assert server.process is not None
@@ -78,5 +80,6 @@ async def test_every_redis_client_closes_within_the_bound_when_redis_stops_answe
                 task.cancel()
             await asyncio.wait(in_flight, timeout=DEADLINE)
     said = [r.getMessage() for r in caplog.records if r.name == "portico.closing"]
-    for what in ("bus", "session state", "call directory"):
+    # The bus's stuck command is on its publishing client ("bus publisher").
+    for what in ("bus publisher", "session state", "call directory"):
         assert any(line.startswith(f"{what}: closing the Redis client") for line in said), said

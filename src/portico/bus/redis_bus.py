@@ -33,6 +33,7 @@ log = logging.getLogger("portico.bus")
 _GROUP = "replica"
 TOPIC_TTL = 24 * 3600.0  # seconds a topic's stream outlives its last entry
 INBOX_TTL = 300.0  # seconds a replica's inbox outlives the replica's last renewal
+PUBLISH_TIMEOUT = 5.0  # seconds a publish may take (redis-py's default socket timeout)
 
 
 class RedisBus:
@@ -53,6 +54,12 @@ class RedisBus:
         reads). `close_timeout`: longest `close` waits for the client (`close_within`)."""
         # Replies are handled as Any: redis-py types them as a union of sync and async.
         self._redis: Any = aioredis.from_url(url)
+        # Publishing has a client of its own, with no socket timeout: redis-py bounds a
+        # write with `asyncio.wait_for`, which on Python 3.11 runs it as a task of its
+        # own, so the entries went out one loop step late, behind whatever that step
+        # ran (the rest of a turn's burst of chunks, the archive's writer). The publish
+        # is bounded here instead (`PUBLISH_TIMEOUT`).
+        self._publisher: Any = aioredis.from_url(url, socket_timeout=None)
         self._prefix = prefix
         self._max_len = max_len
         self._block_ms = max(1, int(block * 1000))
@@ -68,14 +75,15 @@ class RedisBus:
 
     async def publish_batch(self, entries: Sequence[tuple[str, bytes]]) -> list[str]:
         # One pipeline, no transaction: the XADDs run in order, one round trip in all.
-        pipe = self._redis.pipeline(transaction=False)
+        pipe = self._publisher.pipeline(transaction=False)
         keys = [self._key("topic", topic) for topic, _ in entries]
         for key, (_, payload) in zip(keys, entries, strict=True):
             pipe.xadd(key, {b"p": payload}, maxlen=self._max_len, approximate=True)
         if self._ttl is not None:
             for key in dict.fromkeys(keys):
                 pipe.expire(key, self._ttl)
-        replies = await pipe.execute()
+        async with asyncio.timeout(PUBLISH_TIMEOUT):
+            replies = await pipe.execute()
         return [p.decode() if isinstance(p, bytes) else str(p) for p in replies[: len(entries)]]
 
     async def subscribe(self, topic: str, after: str = "") -> AsyncIterator[Entry]:
@@ -154,4 +162,7 @@ class RedisBus:
         return await probe(self._redis.ping(), within)
 
     async def close(self) -> None:
-        await close_within("bus", self._redis, self._close_timeout)
+        await asyncio.gather(
+            close_within("bus", self._redis, self._close_timeout),
+            close_within("bus publisher", self._publisher, self._close_timeout),
+        )
