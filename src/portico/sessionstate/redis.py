@@ -69,13 +69,23 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return epoch
 """
 
-# ARGV: the held expiry (ms)
-_CLAIM = """
+# ARGV: the held expiry (ms). Leaves the new epoch in `epoch`.
+_TAKE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 redis.call('HDEL', KEYS[1], 'window')
 for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
-return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 """
+_CLAIM = _TAKE + "return epoch\n"
+# A resume's claim and the snapshot it reads, one round trip: the hash's fields, the
+# unacknowledged messages, the ended turns (what `load` reads, after the claim).
+_CLAIM_LOAD = (
+    _TAKE
+    + """
+return {redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1),
+        redis.call('LRANGE', KEYS[3], 0, -1)}
+"""
+)
 
 # ARGV: epoch, seq, data, max_messages, max_bytes, ended turn ('' for none), turns kept,
 # expiry grace (ms), held expiry (ms)
@@ -207,6 +217,7 @@ class RedisSessionStates:
         self._renew_every = expiry_grace / 3
         self._create = redis.register_script(_CREATE)
         self._claim = redis.register_script(_CLAIM)
+        self._claim_load = redis.register_script(_CLAIM_LOAD)
         self._sent = redis.register_script(_SENT)
         self._ack = redis.register_script(_ACK)
         self._handled = redis.register_script(_HANDLED)
@@ -233,6 +244,16 @@ class RedisSessionStates:
         self._hold(session_id, epoch, since)
         return epoch
 
+    async def claim_and_load(self, session_id: str) -> SessionSnapshot:
+        since = time.monotonic()
+        found: Any = await self._claim_load(keys=self._keys(session_id), args=[self._held_ttl_ms])
+        if not isinstance(found, list):
+            _checked(found)  # the session is gone: ResumeFailed
+        flat, unacked, turns = found
+        snapshot = _snapshot(dict(zip(flat[::2], flat[1::2], strict=True)), unacked, turns)
+        self._hold(session_id, snapshot.epoch, since)
+        return snapshot
+
     async def load(self, session_id: str) -> SessionSnapshot | None:
         keys = self._keys(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -240,20 +261,7 @@ class RedisSessionStates:
             pipe.lrange(keys[1], 0, -1)
             pipe.lrange(keys[2], 0, -1)
             fields, unacked, turns = await pipe.execute()
-        if not fields:
-            return None
-        acked = int(fields[b"peer_acked"])
-        window = fields.get(b"window")
-        return SessionSnapshot(
-            epoch=int(fields[b"epoch"]),
-            next_seq=int(fields[b"next_seq"]),
-            handled=int(fields[b"handled"]),
-            peer_acked=acked,
-            unacknowledged=tuple((acked + 1 + i, data) for i, data in enumerate(unacked)),
-            capabilities=fields[b"capabilities"],
-            window_deadline=None if window is None else float(window),
-            ended_turns=tuple(turn.decode() for turn in turns),
-        )
+        return _snapshot(fields, unacked, turns) if fields else None
 
     async def header(self, session_id: str) -> SessionHeader | None:
         fields = await self._redis.hmget(
@@ -376,6 +384,23 @@ class RedisSessionStates:
                     self._held[session_id] = (epoch, now)
             else:
                 self._let_go(session_id, epoch)
+
+
+def _snapshot(
+    fields: dict[bytes, bytes], unacked: list[bytes], turns: list[bytes]
+) -> SessionSnapshot:
+    acked = int(fields[b"peer_acked"])
+    window = fields.get(b"window")
+    return SessionSnapshot(
+        epoch=int(fields[b"epoch"]),
+        next_seq=int(fields[b"next_seq"]),
+        handled=int(fields[b"handled"]),
+        peer_acked=acked,
+        unacknowledged=tuple((acked + 1 + i, data) for i, data in enumerate(unacked)),
+        capabilities=fields[b"capabilities"],
+        window_deadline=None if window is None else float(window),
+        ended_turns=tuple(turn.decode() for turn in turns),
+    )
 
 
 def _checked(result: Any) -> int:
