@@ -345,6 +345,38 @@ async def test_a_lock_claimed_ahead_of_a_failed_session_read_is_released(
         await stop_all([a, b])
 
 
+class StubbornBus(InProcessBus):
+    """A bus whose topic reader misses the first cancellation and reads on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading = asyncio.Event()
+        self.released = asyncio.Event()
+
+    async def subscribe(self, topic: str, after: str = "") -> AsyncIterator[Any]:
+        self.reading.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await self.released.wait()  # the cancellation is lost, as in the client
+        yield  # never reached
+
+
+async def test_a_replica_stops_even_when_a_reader_misses_its_cancellation(
+    redis: Any,
+) -> None:
+    bus = StubbornBus()
+    a, b = await make_replicas(redis, Gate(1), bus)
+    try:
+        a.engine.attach("sess-stubborn", Recorder())  # a reader for the session's topic
+        async with asyncio.timeout(WAIT):
+            await bus.reading.wait()
+            await a.link.close()  # returns: the reader is left to the process's end
+    finally:
+        bus.released.set()
+        await stop_all([a, b])
+
+
 async def test_a_stop_sent_to_the_other_replica_stops_the_turn(redis: Any, gate: Gate) -> None:
     a, b = await make_replicas(redis, gate)
     try:
