@@ -17,9 +17,10 @@ Five parts, each bounded in time and count, printed in one run:
    to replica B with `hello` (session id, `last_seq` 0): reconnect -> `ready` and
    reconnect -> the last backlog message, p50/p99 over `--resume-rounds` rounds (one
    unmeasured first), no round starting after `--resume-seconds`.
-4. **resume**: another replica's `claim` + `load` of a `/v1/session` with `--buffered`
-   unacknowledged 200-byte messages in Redis, `--rounds` times (target p99 <= 50 ms).
-   The port's two calls only: no socket, no resend (those are part 3).
+4. **resume**: another replica's `claim_and_load` (one script; `claim` + `load` on code
+   before it) of a `/v1/session` with `--buffered` unacknowledged 200-byte messages in
+   Redis, `--rounds` times (target p99 <= 50 ms). The port only: no socket, no resend
+   (those are part 3).
 5. **bus_floor**: the first chunk's floor across replicas: an entry published in one
    process and read in another, `--rounds` times, one at a time, with a bare redis-py
    `XADD` -> blocking `XREAD`, and with the Redis bus itself (`publish_batch` to a
@@ -108,10 +109,16 @@ async def resume_samples(rounds: int, buffered: int, size: int) -> tuple[float, 
             await a.record_sent("ses_bench", epoch, seq, payload)
         per_send = (time.perf_counter() - started) / buffered
         samples = []
+        # One step since branch `repfin` (one script round trip); older code (an A/B run
+        # through PYTHONPATH) has the two calls.
+        one_step = getattr(b, "claim_and_load", None)
         for _ in range(rounds):
             started = time.perf_counter()
-            await b.claim("ses_bench")
-            snapshot = await b.load("ses_bench")
+            if one_step is not None:
+                snapshot = await one_step("ses_bench")
+            else:
+                await b.claim("ses_bench")
+                snapshot = await b.load("ses_bench")
             samples.append(time.perf_counter() - started)
             assert snapshot is not None
             assert len(snapshot.unacknowledged) == buffered
@@ -126,7 +133,7 @@ def print_resume(per_send: float, samples: list[float], buffered: int, size: int
     ms = [s * 1000 for s in samples]
     print(f"record_sent (one script round trip per numbered message): {per_send * 1e6:.0f} us")
     print(
-        f"resume on another replica (claim + load), {buffered} buffered x {size} B: "
+        f"resume on another replica (claim and load), {buffered} buffered x {size} B: "
         f"p50 {statistics.median(ms):.2f} ms, p99 {quantile(ms, 0.99):.2f} ms "
         f"({len(ms)} rounds; target p99 <= 50 ms)"
     )

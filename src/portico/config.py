@@ -245,6 +245,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # A replica's control inbox outlives the replica this long: the replica renews it
     # every third of this while it reads it (so at least 3 x bus_read_block).
     bus_inbox_ttl: Seconds = 300.0
+    # Longest a stopping replica waits to close each Redis client (bus, session state,
+    # call directory): redis-py's close can hang on a server that stopped answering.
+    redis_close_timeout: Seconds = 5.0
 
     # Authentication: `none` (one principal, `local`), `apikey` or `jwt` (docs/auth.md).
     auth: Literal["none", "apikey", "jwt"] = "none"

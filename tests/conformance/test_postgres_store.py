@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import pytest
@@ -18,6 +19,7 @@ from portico.store.postgres import PostgresStore
 from support.omnia import OmniaClient, scenario
 from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
 from support.server import SCRIPT, ServerProcess, run_cli
+from support.tcprelay import TcpRelay
 
 
 @pytest.fixture
@@ -103,6 +105,28 @@ async def test_a_postgres_server_archives_turns_and_keeps_them_across_a_restart(
         ]
     finally:
         server.stop()
+
+
+async def test_a_pooled_read_gives_its_connection_back_without_a_reset_round_trip(
+    database_url: str,
+) -> None:
+    """asyncpg's default reset (`... RESET ALL;`) cost every pooled read, a turn's
+    session lookup among them, a second round trip; the archive keeps no session
+    state on its connections that it would undo (postgres.py, `_keep_session`)."""
+    url = urlsplit(database_url)
+    async with TcpRelay(url.port or 5432, url.hostname or "127.0.0.1") as relay:
+        user = f"{url.username}@" if url.username else ""
+        through = urlunsplit(url._replace(netloc=f"{user}127.0.0.1:{relay.port}"))
+        store = PostgresStore(through, pool_size=1)
+        await store.open()
+        try:
+            relay.sent.clear()
+            for _ in range(2):
+                assert await store.get_session("ses_nowhere") is None
+        finally:
+            await store.close()
+    assert b"sessions" in relay.sent  # the reads went through the relay
+    assert b"RESET ALL" not in relay.sent
 
 
 def test_config_show_masks_the_database_password() -> None:

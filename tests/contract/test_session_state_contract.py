@@ -193,6 +193,52 @@ async def test_a_removed_session_is_gone(states: SessionStates) -> None:
     assert await states.load(SID) is None
 
 
+async def test_claim_and_load_is_a_claim_then_its_snapshot_in_one_step(
+    states: SessionStates,
+) -> None:
+    """A resume on another replica: the new epoch, the backlog, the positions, the
+    ended turns and no window, as `claim` then `load` give them; the older epoch is
+    fenced; the session's expiry is held again (Redis: its keys' TTLs)."""
+    epoch = await states.create(SID, capabilities=b"caps")
+    await states.record_sent(SID, epoch, 1, b"m1")
+    await states.record_sent(SID, epoch, 2, b"m2", ends_turn="turn_1")
+    await states.record_ack(SID, epoch, 1)
+    assert await states.record_handled(SID, epoch, 1)
+    await states.set_window(SID, epoch, time.time() + 60)
+    snap = await states.claim_and_load(SID)
+    assert snap == await states.load(SID)
+    assert snap.epoch == epoch + 1
+    assert (snap.next_seq, snap.handled, snap.peer_acked) == (3, 1, 1)
+    assert snap.unacknowledged == ((2, b"m2"),)
+    assert (snap.capabilities, snap.window_deadline, snap.ended_turns) == (
+        b"caps",
+        None,
+        ("turn_1",),
+    )
+    with pytest.raises(SessionMoved):
+        await states.record_sent(SID, epoch, 3, b"m3")
+    await states.record_sent(SID, snap.epoch, 3, b"m3")
+    with pytest.raises(ResumeFailed):
+        await states.claim_and_load("ses_nobody")
+
+
+async def test_claim_and_load_holds_the_session_again_in_redis() -> None:
+    """A windowed session's keys expire with the window; claimed and loaded, they
+    take the held expiry (resume window + grace), as after `claim`."""
+    prefix = run_prefix()
+    async with redis_client(prefix) as a_client, redis_client(prefix) as b_client:
+        a = RedisSessionStates(a_client, LIMITS, prefix=prefix)
+        b = RedisSessionStates(b_client, LIMITS, prefix=prefix)
+        epoch = await a.create(SID, capabilities=b"")
+        await a.record_sent(SID, epoch, 1, b"m1", ends_turn="turn_1")
+        await a.set_window(SID, epoch, time.time() + 1)  # keys expire in 1 + 60 s
+        await b.claim_and_load(SID)  # held: 30 + 60 s
+        ttls = [await a_client.pttl(key) for key in session_keys(prefix, SID)]
+        await a.close()
+        await b.close()
+    assert all(ttl > 75_000 for ttl in ttls), ttls  # the held expiry, not the window's
+
+
 async def test_a_claim_clears_the_window_deadline(states: SessionStates) -> None:
     epoch = await states.create(SID, capabilities=b"")
     await states.set_window(SID, epoch, time.time() + 1234.5)
@@ -317,6 +363,11 @@ async def test_a_held_session_lives_with_its_holder_and_leaves_after_a_dead_one(
         dead = RedisSessionStates(dead_client, LIMITS, **short)  # type: ignore[arg-type]
         try:
             await living.create("ses_idle", capabilities=b"")  # first: the oldest write
+            # Resumed here in one step (`claim_and_load`) before the dead one's last
+            # write: as `ses_idle`, only the living replica's renewals keep it.
+            epoch = await dead.create("ses_loaded", capabilities=b"")
+            await dead.record_sent("ses_loaded", epoch, 1, b"m1")
+            assert (await living.claim_and_load("ses_loaded")).unacknowledged == ((1, b"m1"),)
             for sid in ("ses_dead", "ses_moved"):
                 epoch = await dead.create(sid, capabilities=b"")
                 await dead.record_sent(sid, epoch, 1, b"m1", ends_turn="t1")
@@ -330,6 +381,7 @@ async def test_a_held_session_lives_with_its_holder_and_leaves_after_a_dead_one(
             assert moved.unacknowledged == ((1, b"m1"),)
             for key in session_keys(prefix, "ses_moved"):
                 assert await client.pttl(key) > 0, key
+            assert await client.pttl(f"{prefix}session:ses_loaded") > 0
         finally:
             await living.close()
 
@@ -338,7 +390,10 @@ async def test_a_held_session_lives_with_its_holder_and_leaves_after_a_dead_one(
 
 Op = tuple[str, int]
 ops_strategy = st.lists(
-    st.tuples(st.sampled_from(["sent", "ack", "handled", "claim"]), st.integers(0, 7)),
+    st.tuples(
+        st.sampled_from(["sent", "ack", "handled", "claim", "claim_and_load"]),
+        st.integers(0, 7),
+    ),
     max_size=30,
 )
 
@@ -359,9 +414,13 @@ async def _replay(states: SessionStates, ops: list[Op]) -> list[object]:
                 outcomes.append(await states.record_ack(SID, epoch, value))
             elif name == "handled":
                 outcomes.append(await states.record_handled(SID, epoch, value))
-            else:
+            elif name == "claim":
                 epoch = await states.claim(SID)
                 outcomes.append(epoch)
+            else:
+                snapshot = await states.claim_and_load(SID)
+                epoch = snapshot.epoch
+                outcomes.append(snapshot)
         except (BufferOverflow, ProtocolViolation) as error:
             outcomes.append(type(error))
     outcomes.append(await states.load(SID))

@@ -23,7 +23,13 @@ from portico.config import AgentSettings, load_settings
 from portico.core.engine import Engine, UserMessage
 from portico.core.events import TERMINAL_EVENTS, TurnChunk, TurnCompleted, TurnEvent, TurnToolCall
 from portico.core.tools import ClientReply, ClientToolBroker
-from portico.errors import InvalidMessage, TurnInProgress, TurnReplicaGone
+from portico.errors import (
+    InvalidMessage,
+    SessionExpired,
+    StoreError,
+    TurnInProgress,
+    TurnReplicaGone,
+)
 from portico.replication.build import build_link
 from portico.replication.link import BusLink
 from portico.replication.turnlock import TurnLocks
@@ -248,6 +254,126 @@ async def test_racing_submits_on_two_replicas_run_one_turn(redis: Any, gate: Gat
         assert len(refused) == 1, results
         gate.release.set()
     finally:
+        await stop_all([a, b])
+
+
+async def one_turn_then_free(replica: Replica, gate: Gate, session_id: str) -> None:
+    """A turn of `session_id` run to its end on `replica`, its lock released: the
+    replica now knows alice as the session's owner."""
+    gate.release.set()
+    done = Recorder()
+    await replica.engine.submit(message(session_id), done)
+    assert isinstance(await done.terminal(), TurnCompleted)
+    await replica.link._flush(WAIT)  # the lock's release goes out with the publisher
+
+
+def lock_key(redis: Any, session_id: str) -> str:
+    return f"{redis.test_prefix}turnlock:{{{session_id}}}"
+
+
+async def test_the_owners_next_turn_claims_its_lock_while_its_session_is_read(
+    redis: Any, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn lock's round trip no longer waits for the session's read (a PostgreSQL
+    round trip) when this replica knows the sender owns the session: the read below
+    returns only once the lock is in Redis, which a claim made after it never is."""
+    a, b = await make_replicas(redis, gate)
+    try:
+        await one_turn_then_free(a, gate, "sess-ahead")
+        store, read = a.engine.store, a.engine.store.get_session
+
+        async def read_once_locked(session_id: str) -> Any:
+            async with asyncio.timeout(WAIT):
+                while not await redis.exists(lock_key(redis, session_id)):  # noqa: ASYNC110 (Redis)
+                    await asyncio.sleep(0.01)
+            return await read(session_id)
+
+        monkeypatch.setattr(store, "get_session", read_once_locked)
+        done = Recorder()
+        await a.engine.submit(message("sess-ahead", "again"), done)
+        assert isinstance(await done.terminal(), TurnCompleted)
+    finally:
+        await stop_all([a, b])
+
+
+async def test_another_principals_message_never_takes_the_sessions_lock(
+    redis: Any, gate: Gate
+) -> None:
+    """A foreign sender is answered `SessionExpired` before any claim: the session's
+    fencing counter (one grant, one step) does not move, so the lock was never its."""
+    a, b = await make_replicas(redis, gate)
+    try:
+        await one_turn_then_free(a, gate, "sess-foreign")
+        fence = f"{redis.test_prefix}turnfence:{{sess-foreign}}"
+        before = await redis.get(fence)
+        foreign = UserMessage(
+            principal="mallory", agent="default", session_id="sess-foreign", content="x"
+        )
+        for _ in range(3):
+            with pytest.raises(SessionExpired):
+                await a.engine.submit(foreign)
+        assert await redis.get(fence) == before
+        assert not await redis.exists(lock_key(redis, "sess-foreign"))
+    finally:
+        await stop_all([a, b])
+
+
+async def test_a_lock_claimed_ahead_of_a_failed_session_read_is_released(
+    redis: Any, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner's claim went out beside the read; the read failed at once (the archive
+    is down), before the claim's answer: the submit fails with the read's error once
+    the claim answered, and the lock it was granted is released, so the session is
+    free for another replica at once, not after the lease."""
+    a, b = await make_replicas(redis, gate)
+    try:
+        await one_turn_then_free(a, gate, "sess-unread")
+        store, read = a.engine.store, a.engine.store.get_session
+
+        async def read_fails(session_id: str) -> Any:
+            raise StoreError("archive read failed")
+
+        monkeypatch.setattr(store, "get_session", read_fails)
+        with pytest.raises(StoreError):
+            await a.engine.submit(message("sess-unread", "again"))
+        monkeypatch.setattr(store, "get_session", read)
+        await a.link._flush(WAIT)
+        done = Recorder()
+        await b.engine.submit(message("sess-unread", "elsewhere"), done)
+        assert isinstance(await done.terminal(), TurnCompleted)
+    finally:
+        await stop_all([a, b])
+
+
+class StubbornBus(InProcessBus):
+    """A bus whose topic reader misses the first cancellation and reads on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading = asyncio.Event()
+        self.released = asyncio.Event()
+
+    async def subscribe(self, topic: str, after: str = "") -> AsyncIterator[Any]:
+        self.reading.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await self.released.wait()  # the cancellation is lost, as in the client
+        yield  # never reached
+
+
+async def test_a_replica_stops_even_when_a_reader_misses_its_cancellation(
+    redis: Any,
+) -> None:
+    bus = StubbornBus()
+    a, b = await make_replicas(redis, Gate(1), bus)
+    try:
+        a.engine.attach("sess-stubborn", Recorder())  # a reader for the session's topic
+        async with asyncio.timeout(WAIT):
+            await bus.reading.wait()
+            await a.link.close()  # returns: the reader is left to the process's end
+    finally:
+        bus.released.set()
         await stop_all([a, b])
 
 

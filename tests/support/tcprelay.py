@@ -4,6 +4,7 @@
         ...
         relay.stall()                        # every connection, open or new, goes quiet
         relay.resume()
+        relay.sent                           # every byte clients sent upstream so far
 
 Stalled, the relay accepts connections and reads what arrives but forwards nothing in
 either direction, as a backend does that hangs without closing its sockets.
@@ -25,6 +26,7 @@ class TcpRelay:
         self._open.set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.port = 0
+        self.sent = bytearray()  # what clients sent towards the server, in order
 
     def stall(self) -> None:
         self._open.clear()
@@ -51,7 +53,7 @@ class TcpRelay:
             writer.close()
             return
         pumps = [
-            asyncio.create_task(self._pump(reader, up_writer)),
+            asyncio.create_task(self._pump(reader, up_writer, self.sent)),
             asyncio.create_task(self._pump(up_reader, writer)),
         ]
         self._tasks.update(pumps)
@@ -61,8 +63,18 @@ class TcpRelay:
         for side in (writer, up_writer):
             side.close()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        record: bytearray | None = None,
+    ) -> None:
         while data := await reader.read(READ_BYTES):
+            if record is not None:
+                record += data
             await self._open.wait()  # stalled: hold the bytes, send nothing
             writer.write(data)
             await writer.drain()
+        # One side closed: so does the relay towards the other (a client waiting for
+        # the server to hang up, as asyncpg's close does, would wait for ever).
+        writer.close()

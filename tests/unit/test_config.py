@@ -75,6 +75,7 @@ SETTINGS_TABLE: list[tuple[str, object, str, object]] = [
     ("PORTICO_REPLICA_ID", "", "portico-0", "portico-0"),
     ("PORTICO_REPLICA_LEASE", 30, "4.5", 4.5),
     ("PORTICO_TURN_FENCE_TTL", 86400, "600", 600),
+    ("PORTICO_REDIS_CLOSE_TIMEOUT", 5, "0.5", 0.5),
 ]
 
 

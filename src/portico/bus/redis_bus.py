@@ -26,12 +26,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from portico.bus.port import Entry
+from portico.closing import CLOSE_TIMEOUT, close_within
 from portico.health import Health, probe
 
 log = logging.getLogger("portico.bus")
 _GROUP = "replica"
 TOPIC_TTL = 24 * 3600.0  # seconds a topic's stream outlives its last entry
 INBOX_TTL = 300.0  # seconds a replica's inbox outlives the replica's last renewal
+PUBLISH_TIMEOUT = 5.0  # seconds a publish may take (redis-py's default socket timeout)
 
 
 class RedisBus:
@@ -43,19 +45,27 @@ class RedisBus:
         block: float = 1.0,
         topic_ttl: float | None = TOPIC_TTL,
         inbox_ttl: float | None = INBOX_TTL,
+        close_timeout: float = CLOSE_TIMEOUT,
     ) -> None:
         """`topic_ttl`: seconds a topic's stream is kept after its last entry (None:
         until trimmed), so the streams of sessions long over do not pile up in Redis.
         `inbox_ttl`: seconds a replica's inbox is kept after its reader last renewed
         it (None: for ever); it should be several times `block` (renewed between
-        reads)."""
+        reads). `close_timeout`: longest `close` waits for the client (`close_within`)."""
         # Replies are handled as Any: redis-py types them as a union of sync and async.
         self._redis: Any = aioredis.from_url(url)
+        # Publishing has a client of its own, with no socket timeout: redis-py bounds a
+        # write with `asyncio.wait_for`, which on Python 3.11 runs it as a task of its
+        # own, so the entries went out one loop step late, behind whatever that step
+        # ran (the rest of a turn's burst of chunks, the archive's writer). The publish
+        # is bounded here instead (`PUBLISH_TIMEOUT`).
+        self._publisher: Any = aioredis.from_url(url, socket_timeout=None)
         self._prefix = prefix
         self._max_len = max_len
         self._block_ms = max(1, int(block * 1000))
         self._ttl = None if topic_ttl is None else max(1, int(topic_ttl))
         self._inbox_ttl_ms = None if inbox_ttl is None else max(1, int(inbox_ttl * 1000))
+        self._close_timeout = close_timeout
 
     def _key(self, kind: str, name: str) -> str:
         return f"{self._prefix}{kind}:{name}"
@@ -65,14 +75,15 @@ class RedisBus:
 
     async def publish_batch(self, entries: Sequence[tuple[str, bytes]]) -> list[str]:
         # One pipeline, no transaction: the XADDs run in order, one round trip in all.
-        pipe = self._redis.pipeline(transaction=False)
+        pipe = self._publisher.pipeline(transaction=False)
         keys = [self._key("topic", topic) for topic, _ in entries]
         for key, (_, payload) in zip(keys, entries, strict=True):
             pipe.xadd(key, {b"p": payload}, maxlen=self._max_len, approximate=True)
         if self._ttl is not None:
             for key in dict.fromkeys(keys):
                 pipe.expire(key, self._ttl)
-        replies = await pipe.execute()
+        async with asyncio.timeout(PUBLISH_TIMEOUT):
+            replies = await pipe.execute()
         return [p.decode() if isinstance(p, bytes) else str(p) for p in replies[: len(entries)]]
 
     async def subscribe(self, topic: str, after: str = "") -> AsyncIterator[Entry]:
@@ -91,6 +102,9 @@ class RedisBus:
                 for entry_id, fields in entries:
                     last = entry_id.decode()
                     yield Entry(last, fields[b"p"])
+                # What the entries woke (their sockets' flushes) runs before redis-py
+                # builds and sends the next read, not after it.
+                await asyncio.sleep(0)
 
     async def _last_id(self, key: str) -> str:
         entries = await self._redis.xrevrange(key, count=1)
@@ -148,4 +162,7 @@ class RedisBus:
         return await probe(self._redis.ping(), within)
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        await asyncio.gather(
+            close_within("bus", self._redis, self._close_timeout),
+            close_within("bus publisher", self._publisher, self._close_timeout),
+        )

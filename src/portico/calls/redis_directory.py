@@ -10,7 +10,6 @@ leaves a record that lapses by itself. A parked call's record lapses at its wind
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from typing import Any
@@ -19,6 +18,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from portico.calls.directory import CallRecord
+from portico.closing import CLOSE_TIMEOUT, close_within
 from portico.core.periodic import every
 
 log = logging.getLogger("portico.calls")
@@ -57,8 +57,16 @@ _decoder = msgspec.msgpack.Decoder(CallRecord)
 
 
 class RedisCallDirectory:
-    def __init__(self, redis: Redis, *, prefix: str = "portico:", live_ttl: float) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        prefix: str = "portico:",
+        live_ttl: float,
+        close_timeout: float = CLOSE_TIMEOUT,
+    ) -> None:
         self._redis = redis
+        self._close_timeout = close_timeout
         self._prefix = prefix
         self._live_ttl_ms = max(1, math.ceil(live_ttl * 1000))
         self._renew_every = live_ttl / 3
@@ -124,8 +132,5 @@ class RedisCallDirectory:
             await pipe.execute()
 
     async def close(self) -> None:
-        if self._renewal is not None:
-            self._renewal.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewal
-        await self._redis.aclose()
+        renewal = () if self._renewal is None else (self._renewal,)
+        await close_within("call directory", self._redis, self._close_timeout, renewal)

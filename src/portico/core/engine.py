@@ -63,6 +63,9 @@ REPLICA_LEASE = 30.0  # seconds; the `replica_lease` setting's default
 # How often a replica retries taking the turn lock of a session whose turn runs on
 # another replica while RPC messages wait for it here.
 CLAIM_RETRY = 0.1
+# Sessions whose owner this replica remembers (a turn's lock is claimed while their
+# session is read, "One turn per session" in docs/replicas.md); the oldest go first.
+KNOWN_OWNERS = 10_000
 
 
 class UserMessage(msgspec.Struct, frozen=True, kw_only=True):
@@ -203,6 +206,9 @@ class Engine:
         self._link = link
         self._end_retry = end_retry or EndRetry()
         self._claiming: set[str] = set()  # sessions whose backlog waits for the turn lock
+        # Session id -> (owner, binding) of the sessions whose messages this replica
+        # accepted: neither changes once a session exists.
+        self._owners: dict[str, tuple[str, str]] = {}
         if link is not None:
             link.bind(self)
 
@@ -352,19 +358,28 @@ class Engine:
     async def submit(self, message: UserMessage, listener: Listener | None = None) -> Turn:
         """Archive a user message and start its turn; raises the protocol's refusal."""
         await self._check_media(message)
-        # Ownership first: a foreign session must look expired, never busy.
-        session = await self._session_for(message)
-        if session.id in self._running:
-            raise self._running_duplicate(session.id, message) or TurnInProgress(session.id)
-        self._running[session.id] = None
+        ahead = self._claim_ahead(message)
+        try:
+            # Ownership first: a foreign session must look expired, never busy.
+            session = await self._session_for(message)
+        except BaseException:
+            if ahead is not None:
+                await self._abandon(message.session_id, ahead)
+            raise
+        if ahead is None:
+            if session.id in self._running:
+                raise self._running_duplicate(session.id, message) or TurnInProgress(session.id)
+            self._running[session.id] = None
+        self._known_owner(session)
         try:
             await self._refuse_repeated_key(message)
-            await self._claim(session.id)
+            if ahead is None:
+                await self._claim(session.id)
+            else:
+                await ahead
             turn, turn_input, reply = self._archive_behind(session, message)
         except BaseException:
-            del self._running[session.id]
-            if self._link is not None and self._link.holds(session.id):
-                self._link.release(session.id)
+            await self._abandon(session.id, ahead)
             raise
         if listener is not None:
             self.attach(session.id, listener)
@@ -375,6 +390,39 @@ class Engine:
         """Take the session's turn across replicas; another replica's turn is busy."""
         if self._link is not None and not await self._link.claim(session_id):
             raise TurnInProgress(session_id)
+
+    def _claim_ahead(self, message: UserMessage) -> asyncio.Future[None] | None:
+        """With replicas: the turn lock's round trip started now, beside the session's
+        read, when this replica knows the sender as the session's owner and runs no
+        turn in it (the slot is taken at once, as after the read). Anyone else's
+        message is read first and claims after: a foreign sender never holds the
+        lock, even for a round trip, and gets `SessionExpired` as before."""
+        session_id = message.session_id
+        if self._link is None or session_id in self._running:
+            return None
+        if self._owners.get(session_id) != (message.principal, message.binding):
+            return None
+        self._running[session_id] = None
+        return asyncio.ensure_future(self._claim(session_id))
+
+    def _known_owner(self, session: Session) -> None:
+        if self._link is None:
+            return  # one process: nothing is claimed ahead
+        self._owners.pop(session.id, None)  # the newest last: the oldest go first
+        self._owners[session.id] = (session.owner, session.binding)
+        if len(self._owners) > KNOWN_OWNERS:
+            del self._owners[next(iter(self._owners))]
+
+    async def _abandon(self, session_id: str, ahead: asyncio.Future[None] | None) -> None:
+        """A submit refused after it took the session's slot: the slot and the lock go,
+        once a claim started ahead has answered (a lock granted after would stay)."""
+        if ahead is not None:
+            await asyncio.wait({ahead})
+            if not ahead.cancelled():
+                ahead.exception()  # the refusal raised is the caller's, not the claim's
+        del self._running[session_id]
+        if self._link is not None and self._link.holds(session_id):
+            self._link.release(session_id)
 
     def _running_duplicate(self, session_id: str, message: UserMessage) -> DuplicateMessage | None:
         """The running turn answers this very message (sent again with its key)."""

@@ -55,6 +55,8 @@ OUTBOX_LIMIT = 100_000  # entries waiting for the bus, at most
 RETRY = 1.0  # seconds before a bus read that failed starts again
 PUBLISH_BATCH = 512  # entries per round trip to the bus, at most
 FLUSH_TIMEOUT = 2.0  # seconds a stopping replica gives its last events to go out
+# Seconds a stopping replica waits for its readers and loops to end once cancelled.
+STOP_TIMEOUT = 2.0
 _UNFINISHED = (TurnState.PENDING, TurnState.RUNNING)
 # Errors a replica answers control with, raised again on the asking one as they were.
 _REMOTE_ERRORS: dict[str, Callable[[str], PorticoError]] = {
@@ -140,7 +142,12 @@ class BusLink:
         tasks = [*self._tasks, *self._readers.values()]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            # Bounded: a reader cancelled inside a redis-py read can miss it and read on
+            # (seen with redis-py 8.2 on Python 3.11: a stream reader cancelled right
+            # after its start waited in its next XREAD past the socket timeout), and a
+            # stopping replica must not hang on it. What is left ends with the process.
+            await asyncio.wait(tasks, timeout=STOP_TIMEOUT)
         self._readers.clear()
         # The bus is closed by its owner (server/backends.py), after the engine's stop.
 

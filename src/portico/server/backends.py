@@ -53,6 +53,7 @@ def _build_bus(settings: Settings) -> tuple[Bus, Callable[[], Awaitable[None]]]:
         block=settings.bus_read_block,
         topic_ttl=settings.bus_topic_ttl,
         inbox_ttl=settings.bus_inbox_ttl,
+        close_timeout=settings.redis_close_timeout,
     )
     return redis_bus, redis_bus.close
 
@@ -69,7 +70,10 @@ def _build_call_directory(settings: Settings) -> CallDirectory:
     # A resume waits on it before its `connected`: it answers or fails fast.
     client = Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
     return RedisCallDirectory(
-        client, prefix=settings.redis_key_prefix, live_ttl=settings.replica_lease
+        client,
+        prefix=settings.redis_key_prefix,
+        live_ttl=settings.replica_lease,
+        close_timeout=settings.redis_close_timeout,
     )
 
 
@@ -91,4 +95,5 @@ def _build_session_states(settings: Settings) -> SessionStates:
         prefix=settings.redis_key_prefix,
         resume_window=settings.resume_window,
         expiry_grace=settings.session_expiry_grace,
+        close_timeout=settings.redis_close_timeout,
     )

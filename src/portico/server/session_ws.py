@@ -604,10 +604,8 @@ class SessionSocket(ServerSocket):
             raise ResumeFailed()
         if not self._services.engine.has_agent(profile.agent):
             raise ResumeFailed()
-        epoch = await states.claim(session_id)
-        snapshot = await states.load(session_id)
-        if snapshot is None or snapshot.epoch != epoch:
-            raise SessionMoved()  # yet another connection claimed it in between
+        # One step (one round trip in Redis): no other claim comes between.
+        snapshot = await states.claim_and_load(session_id)
         live = self._live_session(profile, session_id, snapshot)
         # The claim fenced the previous holder: the turns it did not end in the
         # ledger are this replica's to answer now.

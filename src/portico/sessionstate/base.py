@@ -66,6 +66,11 @@ class SessionStates(Protocol):
 
     async def load(self, session_id: str) -> SessionSnapshot | None: ...
 
+    async def claim_and_load(self, session_id: str) -> SessionSnapshot:
+        """`claim`, then `load`, in one step: the snapshot of the session as this claim
+        left it (its epoch the claim's). What a resume on another replica does."""
+        ...
+
     async def header(self, session_id: str) -> SessionHeader | None:
         """The session's epoch, capabilities and window, none of its buffered messages:
         a resume checks ownership with it before it claims (one `load` after)."""

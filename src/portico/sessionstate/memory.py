@@ -46,6 +46,12 @@ class InProcessSessionStates:
         ledger.window_deadline = None
         return ledger.epoch
 
+    async def claim_and_load(self, session_id: str) -> SessionSnapshot:
+        await self.claim(session_id)
+        snapshot = await self.load(session_id)
+        assert snapshot is not None  # claimed: it exists
+        return snapshot
+
     async def load(self, session_id: str) -> SessionSnapshot | None:
         ledger = self._ledgers.get(session_id)
         if ledger is None:

@@ -18,14 +18,13 @@ elsewhere.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import math
 import time
 from typing import Any
 
 from redis.asyncio import Redis
 
+from portico.closing import CLOSE_TIMEOUT, close_within
 from portico.core.periodic import every
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
 from portico.health import Health, probe
@@ -35,9 +34,6 @@ from portico.sessionstate.base import (
     SessionHeader,
     SessionSnapshot,
 )
-
-log = logging.getLogger("portico.sessionstate")
-CLOSE_TIMEOUT = 5.0  # seconds: closing the port waits no longer for Redis
 
 _MISSING, _MOVED, _OVERFLOW, _OUT_OF_ORDER = -1, -2, -3, -4
 # A session nobody resumed is forgotten by Redis itself this long after its window's
@@ -73,13 +69,23 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return epoch
 """
 
-# ARGV: the held expiry (ms)
-_CLAIM = """
+# ARGV: the held expiry (ms). Leaves the new epoch in `epoch`.
+_TAKE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 redis.call('HDEL', KEYS[1], 'window')
 for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
-return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 """
+_CLAIM = _TAKE + "return epoch\n"
+# A resume's claim and the snapshot it reads, one round trip: the hash's fields, the
+# unacknowledged messages, the ended turns (what `load` reads, after the claim).
+_CLAIM_LOAD = (
+    _TAKE
+    + """
+return {redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1),
+        redis.call('LRANGE', KEYS[3], 0, -1)}
+"""
+)
 
 # ARGV: epoch, seq, data, max_messages, max_bytes, ended turn ('' for none), turns kept,
 # expiry grace (ms), held expiry (ms)
@@ -196,8 +202,10 @@ class RedisSessionStates:
         prefix: str = "portico:",
         resume_window: float = RESUME_WINDOW,
         expiry_grace: float = EXPIRY_GRACE_MS / 1000,
+        close_timeout: float = CLOSE_TIMEOUT,
     ) -> None:
         self._redis = redis
+        self._close_timeout = close_timeout
         self._limits = limits
         self._prefix = prefix
         self._grace_ms = max(1, math.ceil(expiry_grace * 1000))
@@ -209,6 +217,7 @@ class RedisSessionStates:
         self._renew_every = expiry_grace / 3
         self._create = redis.register_script(_CREATE)
         self._claim = redis.register_script(_CLAIM)
+        self._claim_load = redis.register_script(_CLAIM_LOAD)
         self._sent = redis.register_script(_SENT)
         self._ack = redis.register_script(_ACK)
         self._handled = redis.register_script(_HANDLED)
@@ -235,6 +244,16 @@ class RedisSessionStates:
         self._hold(session_id, epoch, since)
         return epoch
 
+    async def claim_and_load(self, session_id: str) -> SessionSnapshot:
+        since = time.monotonic()
+        found: Any = await self._claim_load(keys=self._keys(session_id), args=[self._held_ttl_ms])
+        if not isinstance(found, list):
+            _checked(found)  # the session is gone: ResumeFailed
+        flat, unacked, turns = found
+        snapshot = _snapshot(dict(zip(flat[::2], flat[1::2], strict=True)), unacked, turns)
+        self._hold(session_id, snapshot.epoch, since)
+        return snapshot
+
     async def load(self, session_id: str) -> SessionSnapshot | None:
         keys = self._keys(session_id)
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -242,20 +261,7 @@ class RedisSessionStates:
             pipe.lrange(keys[1], 0, -1)
             pipe.lrange(keys[2], 0, -1)
             fields, unacked, turns = await pipe.execute()
-        if not fields:
-            return None
-        acked = int(fields[b"peer_acked"])
-        window = fields.get(b"window")
-        return SessionSnapshot(
-            epoch=int(fields[b"epoch"]),
-            next_seq=int(fields[b"next_seq"]),
-            handled=int(fields[b"handled"]),
-            peer_acked=acked,
-            unacknowledged=tuple((acked + 1 + i, data) for i, data in enumerate(unacked)),
-            capabilities=fields[b"capabilities"],
-            window_deadline=None if window is None else float(window),
-            ended_turns=tuple(turn.decode() for turn in turns),
-        )
+        return _snapshot(fields, unacked, turns) if fields else None
 
     async def header(self, session_id: str) -> SessionHeader | None:
         fields = await self._redis.hmget(
@@ -320,17 +326,11 @@ class RedisSessionStates:
             _checked(code)
 
     async def close(self) -> None:
-        # The held sessions keep their expiry: another replica may resume them. Both
-        # waits are bounded: a renewal cancelled mid-pipeline can leave redis-py's
-        # connection stuck, and a shutdown must not hang on it.
-        if self._renewal is not None:
-            self._renewal.cancel()
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._renewal), CLOSE_TIMEOUT)
-        try:
-            await asyncio.wait_for(self._redis.aclose(), CLOSE_TIMEOUT)
-        except TimeoutError:
-            log.warning("session state: closing the Redis client took over %.0f s", CLOSE_TIMEOUT)
+        # The held sessions keep their expiry: another replica may resume them. The
+        # renewal and the client are waited for within one bound: a renewal cancelled
+        # mid-pipeline can leave redis-py's connection stuck.
+        renewal = () if self._renewal is None else (self._renewal,)
+        await close_within("session state", self._redis, self._close_timeout, renewal)
 
     async def health(self, within: float) -> Health:
         return await probe(self._redis.ping(), within)
@@ -384,6 +384,23 @@ class RedisSessionStates:
                     self._held[session_id] = (epoch, now)
             else:
                 self._let_go(session_id, epoch)
+
+
+def _snapshot(
+    fields: dict[bytes, bytes], unacked: list[bytes], turns: list[bytes]
+) -> SessionSnapshot:
+    acked = int(fields[b"peer_acked"])
+    window = fields.get(b"window")
+    return SessionSnapshot(
+        epoch=int(fields[b"epoch"]),
+        next_seq=int(fields[b"next_seq"]),
+        handled=int(fields[b"handled"]),
+        peer_acked=acked,
+        unacknowledged=tuple((acked + 1 + i, data) for i, data in enumerate(unacked)),
+        capabilities=fields[b"capabilities"],
+        window_deadline=None if window is None else float(window),
+        ended_turns=tuple(turn.decode() for turn in turns),
+    )
 
 
 def _checked(result: Any) -> int:

@@ -300,6 +300,18 @@ async def _init_connection(conn: asyncpg.Connection[asyncpg.Record]) -> None:
     )
 
 
+async def _keep_session(conn: asyncpg.Connection[asyncpg.Record]) -> None:
+    """A connection going back to the pool keeps its session as it is: no reset query.
+
+    asyncpg's default sends `SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *;
+    RESET ALL;` at every release, a round trip that each pooled read (a turn's
+    session lookup) waited for after its answer. None of it has anything to undo
+    here: the archive takes advisory locks per transaction only
+    (`pg_advisory_xact_lock`), declares no cursors, listens on no pooled connection,
+    and sets nothing per session but its type codec (`_init_connection`). asyncpg
+    still rolls back a transaction left open before calling this."""
+
+
 def _session(row: asyncpg.Record | None) -> Session:
     """A session from a row the write's own statement just read or wrote."""
     assert row is not None
@@ -737,7 +749,13 @@ class PostgresStore:
         """The process's one writer: batches of queued writes, one transaction each.
 
         One connection is held while writes keep coming (giving it back to the pool
-        costs a reset round trip)."""
+        costs a pool round of its own per batch).
+
+        It starts one loop step after the write that woke it: what that step made
+        ready goes first (a turn's first chunk, to its socket and to the bus, is
+        emitted in the step that queues the turn's `running` record), and the
+        writes queued meanwhile join the first batch."""
+        await asyncio.sleep(0)
         while self._pending:
             pool = self._connected()
             try:
@@ -818,7 +836,11 @@ class PostgresStore:
     async def open(self) -> None:
         try:
             pool = await asyncpg.create_pool(
-                self._dsn, min_size=1, max_size=self._pool_size, init=_init_connection
+                self._dsn,
+                min_size=1,
+                max_size=self._pool_size,
+                init=_init_connection,
+                reset=_keep_session,
             )
         except (*_DRIVER_ERRORS, ValueError) as exc:
             raise StoreError(f"cannot open the PostgreSQL archive: {exc}") from exc
