@@ -1616,24 +1616,72 @@ async def test_sqlite_writes_queued_in_one_loop_pass_share_one_transaction(
         assert statements.count("BEGIN IMMEDIATE") == statements.count("COMMIT") == 1
 
 
-async def test_sqlite_inline_writes_go_on_while_the_store_thread_reads(tmp_path: Path) -> None:
-    """Reads (however long) run on the store's thread, on a connection of their own:
-    the inline writer commits on the loop without waiting for them."""
+async def block_a_read(store: SqliteStore, release: threading.Event) -> asyncio.Future[int]:
+    """A read in progress until `release` is set: it then counts the messages, so it
+    sees what was committed while it was blocked. Returns once it is running."""
+    running = threading.Event()
+
+    def read(conn: sqlite_backend.Archive) -> int:
+        running.set()
+        release.wait()
+        count: int = conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+        return count
+
+    blocked = asyncio.ensure_future(store._read(read))
+    await asyncio.get_running_loop().run_in_executor(None, running.wait)
+    return blocked
+
+
+@EVERY_WRITER
+async def test_sqlite_a_write_commits_while_a_read_is_in_progress(
+    tmp_path: Path, writer: SqliteWriter
+) -> None:
+    """Reads (however long) run on connections and threads of their own: the writer
+    commits without waiting for them, so a big page read delays no turn's `done`."""
     release = threading.Event()
-    async with opened_sqlite(tmp_path / "archive.db", "inline") as store:
+    async with opened_sqlite(tmp_path / "archive.db", writer) as store:
         await store.create_session(make_session())
-        loop = asyncio.get_running_loop()
-        busy = loop.run_in_executor(store._executor, release.wait)  # a read in progress
+        blocked = await block_a_read(store, release)
         try:
-            read = asyncio.ensure_future(store.list_messages("s1"))
             async with asyncio.timeout(10):  # a guard against a hang, not a deadline
                 assert offsets([await store.append_message(make_message(n=1))]) == [1]
-            assert not read.done()
+            assert not blocked.done()
         finally:
             release.set()
-        await busy
-        # The read queued behind sees what was committed before it ran.
-        assert offsets(await read) == [1]
+        # A read sees every commit acknowledged before its statement ran.
+        assert await blocked == 1
+
+
+@EVERY_WRITER
+async def test_sqlite_a_read_runs_while_another_read_is_in_progress(
+    tmp_path: Path, writer: SqliteWriter
+) -> None:
+    """One long read leaves the others a connection and a thread."""
+    release = threading.Event()
+    async with opened_sqlite(tmp_path / "archive.db", writer) as store:
+        await store.create_session(make_session())
+        stored = await store.append_message(make_message(n=1))
+        blocked = await block_a_read(store, release)
+        try:
+            async with asyncio.timeout(10):  # a guard against a hang, not a deadline
+                assert await store.list_messages("s1") == [stored]
+            assert not blocked.done()
+        finally:
+            release.set()
+        assert await blocked == 1
+
+
+async def test_sqlite_in_memory_archive_reads_its_writes() -> None:
+    """An in-memory archive cannot be shared with a second connection: its reads run on
+    the writing connection, between batches."""
+    store = SqliteStore(":memory:")
+    await store.open()
+    try:
+        await store.create_session(make_session())
+        stored = await asyncio.gather(*(store.append_message(make_message(n=n)) for n in range(3)))
+        assert await store.list_messages("s1") == list(stored)
+    finally:
+        await store.close()
 
 
 async def test_begin_turn_can_refuse_a_client_id_the_owner_already_used(store: Store) -> None:
