@@ -1671,6 +1671,43 @@ async def test_sqlite_a_read_runs_while_another_read_is_in_progress(
         assert await blocked == 1
 
 
+@EVERY_WRITER
+async def test_sqlite_a_wal_restart_does_not_wait_for_a_read_in_progress(
+    tmp_path: Path, writer: SqliteWriter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A RESTART waits for the reads of the WAL to end, holding the writer: it gives up
+    after a moment instead (tried again at the next checkpoint), so writes go on."""
+    # Far longer than the guard below: waiting for the read would hang the test.
+    monkeypatch.setattr(sqlite_backend, "WRITER_BUSY_TIMEOUT_MS", 600_000)
+    store = SqliteStore(tmp_path / "archive.db", writer=writer, checkpoint_interval=3600)
+    await store.open()
+    try:
+        await store.create_session(make_session())
+        await append_many(store, "s1", 3)  # in the WAL: no checkpoint ran
+        release, running = threading.Event(), threading.Event()
+
+        def read(conn: sqlite_backend.Archive) -> int:
+            cursor = conn.execute("SELECT id FROM messages")
+            cursor.fetchone()  # a snapshot of the WAL, held until the read ends
+            running.set()
+            release.wait()
+            return 1 + len(cursor.fetchall())
+
+        blocked = asyncio.ensure_future(store._read(read))
+        await asyncio.get_running_loop().run_in_executor(None, running.wait)
+        try:
+            async with asyncio.timeout(10):  # a guard against a hang, not a deadline
+                await store._batch_writer().restart_wal()
+                assert offsets([await store.append_message(make_message(n=4))]) == [4]
+            assert not blocked.done()
+        finally:
+            release.set()
+        assert await blocked == 3  # its snapshot, taken before the last write
+        assert offsets(await store.list_messages("s1")) == [1, 2, 3, 4]
+    finally:
+        await store.close()
+
+
 async def test_sqlite_in_memory_archive_reads_its_writes() -> None:
     """An in-memory archive cannot be shared with a second connection: its reads run on
     the writing connection, between batches."""

@@ -888,8 +888,10 @@ WAL_SIZE_LIMIT = 64 * 1024 * 1024
 # Reads of a file archive that may run at once, each on a connection and thread of its
 # own (`Readers`): one long read leaves the others a thread (docs/performance.md).
 READERS = 2
-# How long a write or a restart waits for the checkpoint connection's locks.
+# How long a write waits for the checkpoint connection's locks.
 WRITER_BUSY_TIMEOUT_MS = 5000
+# How long a WAL restart waits for the reads on the WAL to end (`restart_wal`).
+RESTART_BUSY_TIMEOUT_MS = 20
 
 
 def _lock_archive(path: str) -> IO[bytes]:
@@ -912,6 +914,19 @@ def checkpoint(conn: sqlite3.Connection, mode: str) -> int:
     """Run a checkpoint; returns how many frames the WAL holds."""
     _busy, frames, _copied = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
     return int(frames)
+
+
+def restart_wal(conn: Archive) -> None:
+    """Restart the WAL from the writing connection, between two batches, if no read is
+    on it: a RESTART waits for every read of the WAL to end, holding the writer, so a
+    long read beside it (a big page, seconds) would stall every write for as long. It
+    waits a moment (a short read ends in it), then gives up until the next checkpoint;
+    what it copied stays copied."""
+    conn.execute(f"PRAGMA busy_timeout={RESTART_BUSY_TIMEOUT_MS}")
+    try:
+        checkpoint(conn, "RESTART")
+    finally:
+        conn.execute(f"PRAGMA busy_timeout={WRITER_BUSY_TIMEOUT_MS}")
 
 
 class _SessionCache:
@@ -1084,7 +1099,7 @@ class ThreadWriter:
         return await self._in_thread(functools.partial(commit_batch, self._conn, writes))
 
     async def restart_wal(self) -> None:
-        await self._in_thread(functools.partial(checkpoint, self._conn, "RESTART"))
+        await self._in_thread(functools.partial(restart_wal, self._conn))
 
     async def close(self) -> None:
         if not self._read_only:
