@@ -886,8 +886,10 @@ WAL_RESTART_FRAMES = 4096
 # Bytes a restarted WAL file is cut back to (it is reused from its start, not grown).
 WAL_SIZE_LIMIT = 64 * 1024 * 1024
 # Reads of a file archive that may run at once, each on a connection and thread of its
-# own (`Readers`): one long read leaves the others a thread (docs/performance.md).
-READERS = 2
+# own (`Readers`, opened as reads overlap): two long reads (a big session's page, seconds)
+# still leave the others a thread. Not more: reads build their rows in Python, so more
+# threads add no throughput, only contenders for the event loop's GIL (docs/performance.md).
+READERS = 4
 # How long a write waits for the checkpoint connection's locks.
 WRITER_BUSY_TIMEOUT_MS = 5000
 # How long a WAL restart waits for the reads on the WAL to end (`restart_wal`).
