@@ -1616,58 +1616,49 @@ async def test_sqlite_writes_queued_in_one_loop_pass_share_one_transaction(
         assert statements.count("BEGIN IMMEDIATE") == statements.count("COMMIT") == 1
 
 
-async def block_a_read(store: SqliteStore, release: threading.Event) -> asyncio.Future[int]:
-    """A read in progress until `release` is set: it then counts the messages, so it
-    sees what was committed while it was blocked. Returns once it is running."""
-    running = threading.Event()
+@contextlib.asynccontextmanager
+async def while_reading(
+    store: SqliteStore, read: Callable[[sqlite_backend.Archive, Callable[[], None]], int]
+) -> AsyncIterator[asyncio.Future[int]]:
+    """Runs the body while `read` is in progress on a reading thread of the store's,
+    paused where it calls the `pause` it is given; the body must end without it."""
+    release, running = threading.Event(), threading.Event()
 
-    def read(conn: sqlite_backend.Archive) -> int:
+    def pause() -> None:
         running.set()
         release.wait()
-        count: int = conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
-        return count
 
-    blocked = asyncio.ensure_future(store._read(read))
+    blocked = asyncio.ensure_future(store._read(lambda conn: read(conn, pause)))
     await asyncio.get_running_loop().run_in_executor(None, running.wait)
-    return blocked
+    try:
+        async with asyncio.timeout(10):  # a guard against a hang, not a deadline
+            yield blocked
+        assert not blocked.done()
+    finally:
+        release.set()
+
+
+def count_after_pause(conn: sqlite_backend.Archive, pause: Callable[[], None]) -> int:
+    """Counts the messages once released: what was committed while it was paused."""
+    pause()
+    count: int = conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+    return count
 
 
 @EVERY_WRITER
-async def test_sqlite_a_write_commits_while_a_read_is_in_progress(
+async def test_sqlite_writes_and_reads_go_on_while_a_read_is_in_progress(
     tmp_path: Path, writer: SqliteWriter
 ) -> None:
     """Reads (however long) run on connections and threads of their own: the writer
-    commits without waiting for them, so a big page read delays no turn's `done`."""
-    release = threading.Event()
+    commits without waiting for them (a big page read delays no turn's `done`), and
+    one long read leaves the other reads a connection and a thread."""
     async with opened_sqlite(tmp_path / "archive.db", writer) as store:
         await store.create_session(make_session())
-        blocked = await block_a_read(store, release)
-        try:
-            async with asyncio.timeout(10):  # a guard against a hang, not a deadline
-                assert offsets([await store.append_message(make_message(n=1))]) == [1]
-            assert not blocked.done()
-        finally:
-            release.set()
+        async with while_reading(store, count_after_pause) as blocked:
+            stored = await store.append_message(make_message(n=1))
+            assert offsets([stored]) == [1]
+            assert await store.list_messages("s1") == [stored]
         # A read sees every commit acknowledged before its statement ran.
-        assert await blocked == 1
-
-
-@EVERY_WRITER
-async def test_sqlite_a_read_runs_while_another_read_is_in_progress(
-    tmp_path: Path, writer: SqliteWriter
-) -> None:
-    """One long read leaves the others a connection and a thread."""
-    release = threading.Event()
-    async with opened_sqlite(tmp_path / "archive.db", writer) as store:
-        await store.create_session(make_session())
-        stored = await store.append_message(make_message(n=1))
-        blocked = await block_a_read(store, release)
-        try:
-            async with asyncio.timeout(10):  # a guard against a hang, not a deadline
-                assert await store.list_messages("s1") == [stored]
-            assert not blocked.done()
-        finally:
-            release.set()
         assert await blocked == 1
 
 
@@ -1677,31 +1668,23 @@ async def test_sqlite_a_wal_restart_does_not_wait_for_a_read_in_progress(
 ) -> None:
     """A RESTART waits for the reads of the WAL to end, holding the writer: it gives up
     after a moment instead (tried again at the next checkpoint), so writes go on."""
-    # Far longer than the guard below: waiting for the read would hang the test.
+    # Far longer than the guard of `while_reading`: waiting for the read would hang.
     monkeypatch.setattr(sqlite_backend, "WRITER_BUSY_TIMEOUT_MS", 600_000)
+
+    def count_on_a_snapshot(conn: sqlite_backend.Archive, pause: Callable[[], None]) -> int:
+        cursor = conn.execute("SELECT id FROM messages")
+        cursor.fetchone()  # a snapshot of the WAL, held until the read ends
+        pause()
+        return 1 + len(cursor.fetchall())
+
     store = SqliteStore(tmp_path / "archive.db", writer=writer, checkpoint_interval=3600)
     await store.open()
     try:
         await store.create_session(make_session())
         await append_many(store, "s1", 3)  # in the WAL: no checkpoint ran
-        release, running = threading.Event(), threading.Event()
-
-        def read(conn: sqlite_backend.Archive) -> int:
-            cursor = conn.execute("SELECT id FROM messages")
-            cursor.fetchone()  # a snapshot of the WAL, held until the read ends
-            running.set()
-            release.wait()
-            return 1 + len(cursor.fetchall())
-
-        blocked = asyncio.ensure_future(store._read(read))
-        await asyncio.get_running_loop().run_in_executor(None, running.wait)
-        try:
-            async with asyncio.timeout(10):  # a guard against a hang, not a deadline
-                await store._batch_writer().restart_wal()
-                assert offsets([await store.append_message(make_message(n=4))]) == [4]
-            assert not blocked.done()
-        finally:
-            release.set()
+        async with while_reading(store, count_on_a_snapshot) as blocked:
+            await store._batch_writer().restart_wal()
+            assert offsets([await store.append_message(make_message(n=4))]) == [4]
         assert await blocked == 3  # its snapshot, taken before the last write
         assert offsets(await store.list_messages("s1")) == [1, 2, 3, 4]
     finally:
