@@ -7,12 +7,15 @@ reply) then `end_turn` (the reply's content, the turn's end), as the engine writ
 per writer, the turns/s, the batches' size and duration (on whichever thread ran them)
 and the time of each statement kind (COMMIT included).
 
-`read`: a session of MESSAGES messages read whole (`list_messages`) while a ticker
-measures the event loop's lag (1 ms sleeps) and a task keeps appending to another
-session: how long the loop waited, and how long each write took, while the read ran.
+`read`: a session of MESSAGES messages read whole (`list_messages`, LONG_READS of them
+at once) while a ticker measures the event loop's lag (1 ms sleeps), a task keeps
+appending to another session and another keeps reading one message: how long the loop
+waited, and how long each write and each short read took, while the long reads ran;
+per writer and per size of the store's read pool (`--readers`).
 
     python bench/archive_writes.py batches --writers thread,inline --clients 8
     python bench/archive_writes.py read --writers thread,inline --messages 50000
+    python bench/archive_writes.py read --writers thread --readers 1,2,4 --long-reads 2
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def ms(seconds: float) -> str:
 
 
 def pct(values: Sequence[float], p: float) -> float:
-    ordered = sorted(values)
+    ordered = sorted(values) or [float("nan")]
     return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
 
 
@@ -106,8 +109,8 @@ def message(session_id: str, n: int, content: str = "hello") -> Message:
     )
 
 
-async def open_store(path: Path, writer: str) -> sqlite.SqliteStore:
-    store = sqlite.SqliteStore(path, writer=writer)  # type: ignore[arg-type]
+async def open_store(path: Path, writer: str, readers: int = sqlite.READERS) -> sqlite.SqliteStore:
+    store = sqlite.SqliteStore(path, writer=writer, readers=readers)  # type: ignore[arg-type]
     await store.open()
     return store
 
@@ -161,16 +164,18 @@ async def batches(writer: str, clients: int, count: int) -> None:
         print(f"    {statistics.median(times) * 1e6:7.0f} µs median, {len(times):6d} x  {name}")
 
 
-async def read(writer: str, messages: int) -> None:
+async def read(writer: str, messages: int, readers: int, long_reads: int) -> None:
     with tempfile.TemporaryDirectory(prefix="portico-archive-") as workdir:
-        store = await open_store(Path(workdir) / "archive.db", writer)
+        store = await open_store(Path(workdir) / "archive.db", writer, readers)
         try:
-            await read_beside_writes(store, messages, writer)
+            await read_beside_writes(store, messages, f"{writer}, {readers} readers", long_reads)
         finally:
             await store.close()
 
 
-async def read_beside_writes(store: sqlite.SqliteStore, messages: int, writer: str) -> None:
+async def read_beside_writes(
+    store: sqlite.SqliteStore, messages: int, label: str, long_reads: int = 1
+) -> None:
     await store.create_session(session("big"))
     await store.create_session(session("live"))
     for k in range(0, messages, 500):
@@ -178,6 +183,7 @@ async def read_beside_writes(store: sqlite.SqliteStore, messages: int, writer: s
         await asyncio.gather(*(store.append_message(message("big", n, "x" * 200)) for n in batch))
     lags: list[float] = []
     writes: list[float] = []
+    short_reads: list[float] = []
     stop = asyncio.Event()
 
     async def ticker() -> None:
@@ -195,20 +201,28 @@ async def read_beside_writes(store: sqlite.SqliteStore, messages: int, writer: s
             n += 1
             await asyncio.sleep(0.002)
 
-    tasks = [asyncio.create_task(ticker()), asyncio.create_task(appender())]
+    async def reader() -> None:
+        while not stop.is_set():
+            start = time.perf_counter()
+            await store.get_message("big-m1")
+            short_reads.append(time.perf_counter() - start)
+            await asyncio.sleep(0.002)
+
+    tasks = [asyncio.create_task(job()) for job in (ticker, appender, reader)]
     await asyncio.sleep(0.3)
-    lags_before, writes_before = len(lags), len(writes)
+    lags_before, writes_before, reads_before = len(lags), len(writes), len(short_reads)
     start = time.perf_counter()
-    found = await store.list_messages("big")
+    found = await asyncio.gather(*(store.list_messages("big") for _ in range(long_reads)))
     took = time.perf_counter() - start
     stop.set()
     await asyncio.gather(*tasks)
-    during, wrote = lags[lags_before:], writes[writes_before:]
+    during, wrote, read = lags[lags_before:], writes[writes_before:], short_reads[reads_before:]
     print(
-        f"{writer}: read of {len(found)} messages {ms(took)} ms; loop lag during it p50 "
-        f"{ms(pct(during, 0.5))} p99 {ms(pct(during, 0.99))} max {ms(max(during))} ms (before: p50 "
-        f"{ms(pct(lags[:lags_before], 0.5))} ms); {len(wrote)} writes committed during it, p50 "
-        f"{ms(pct(wrote, 0.5))} max {ms(max(wrote))} ms"
+        f"{label}: {long_reads} reads of {len(found[0])} messages {ms(took)} ms; loop lag during "
+        f"them p50 {ms(pct(during, 0.5))} p99 {ms(pct(during, 0.99))} max {ms(max(during))} ms "
+        f"(before: p50 {ms(pct(lags[:lags_before], 0.5))} ms); {len(wrote)} writes committed "
+        f"during them, p50 {ms(pct(wrote, 0.5))} max {ms(max(wrote, default=0))} ms; "
+        f"{len(read)} short reads, p50 {ms(pct(read, 0.5))} max {ms(max(read, default=0))} ms"
     )
 
 
@@ -219,12 +233,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=8, help="batches: concurrent turns")
     parser.add_argument("--turns", type=int, default=200, help="batches: turns per client")
     parser.add_argument("--messages", type=int, default=50_000, help="read: the session's size")
+    parser.add_argument(
+        "--readers", default=str(sqlite.READERS), help="read: the read pool's sizes, in order"
+    )
+    parser.add_argument("--long-reads", type=int, default=1, help="read: long reads at once")
     args = parser.parse_args(argv)
     for writer in args.writers.split(","):
         if args.what == "batches":
             uvloop.run(batches(writer, args.clients, args.turns))
         else:
-            uvloop.run(read(writer, args.messages))
+            for readers in args.readers.split(","):
+                uvloop.run(read(writer, args.messages, int(readers), args.long_reads))
     return 0
 
 

@@ -1616,24 +1616,92 @@ async def test_sqlite_writes_queued_in_one_loop_pass_share_one_transaction(
         assert statements.count("BEGIN IMMEDIATE") == statements.count("COMMIT") == 1
 
 
-async def test_sqlite_inline_writes_go_on_while_the_store_thread_reads(tmp_path: Path) -> None:
-    """Reads (however long) run on the store's thread, on a connection of their own:
-    the inline writer commits on the loop without waiting for them."""
-    release = threading.Event()
-    async with opened_sqlite(tmp_path / "archive.db", "inline") as store:
+@contextlib.asynccontextmanager
+async def while_reading(
+    store: SqliteStore, read: Callable[[sqlite_backend.Archive, Callable[[], None]], int]
+) -> AsyncIterator[asyncio.Future[int]]:
+    """Runs the body while `read` is in progress on a reading thread of the store's,
+    paused where it calls the `pause` it is given; the body must end without it."""
+    release, running = threading.Event(), threading.Event()
+
+    def pause() -> None:
+        running.set()
+        release.wait()
+
+    blocked = asyncio.ensure_future(store._read(lambda conn: read(conn, pause)))
+    await asyncio.get_running_loop().run_in_executor(None, running.wait)
+    try:
+        async with asyncio.timeout(10):  # a guard against a hang, not a deadline
+            yield blocked
+        assert not blocked.done()
+    finally:
+        release.set()
+
+
+def count_after_pause(conn: sqlite_backend.Archive, pause: Callable[[], None]) -> int:
+    """Counts the messages once released: what was committed while it was paused."""
+    pause()
+    count: int = conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
+    return count
+
+
+@EVERY_WRITER
+async def test_sqlite_writes_and_reads_go_on_while_a_read_is_in_progress(
+    tmp_path: Path, writer: SqliteWriter
+) -> None:
+    """Reads (however long) run on connections and threads of their own: the writer
+    commits without waiting for them (a big page read delays no turn's `done`), and
+    one long read leaves the other reads a connection and a thread."""
+    async with opened_sqlite(tmp_path / "archive.db", writer) as store:
         await store.create_session(make_session())
-        loop = asyncio.get_running_loop()
-        busy = loop.run_in_executor(store._executor, release.wait)  # a read in progress
-        try:
-            read = asyncio.ensure_future(store.list_messages("s1"))
-            async with asyncio.timeout(10):  # a guard against a hang, not a deadline
-                assert offsets([await store.append_message(make_message(n=1))]) == [1]
-            assert not read.done()
-        finally:
-            release.set()
-        await busy
-        # The read queued behind sees what was committed before it ran.
-        assert offsets(await read) == [1]
+        async with while_reading(store, count_after_pause) as blocked:
+            stored = await store.append_message(make_message(n=1))
+            assert offsets([stored]) == [1]
+            assert await store.list_messages("s1") == [stored]
+        # A read sees every commit acknowledged before its statement ran.
+        assert await blocked == 1
+
+
+@EVERY_WRITER
+async def test_sqlite_a_wal_restart_does_not_wait_for_a_read_in_progress(
+    tmp_path: Path, writer: SqliteWriter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A RESTART waits for the reads of the WAL to end, holding the writer: it gives up
+    after a moment instead (tried again at the next checkpoint), so writes go on."""
+    # Far longer than the guard of `while_reading`: waiting for the read would hang.
+    monkeypatch.setattr(sqlite_backend, "WRITER_BUSY_TIMEOUT_MS", 600_000)
+
+    def count_on_a_snapshot(conn: sqlite_backend.Archive, pause: Callable[[], None]) -> int:
+        cursor = conn.execute("SELECT id FROM messages")
+        cursor.fetchone()  # a snapshot of the WAL, held until the read ends
+        pause()
+        return 1 + len(cursor.fetchall())
+
+    store = SqliteStore(tmp_path / "archive.db", writer=writer, checkpoint_interval=3600)
+    await store.open()
+    try:
+        await store.create_session(make_session())
+        await append_many(store, "s1", 3)  # in the WAL: no checkpoint ran
+        async with while_reading(store, count_on_a_snapshot) as blocked:
+            await store._batch_writer().restart_wal()
+            assert offsets([await store.append_message(make_message(n=4))]) == [4]
+        assert await blocked == 3  # its snapshot, taken before the last write
+        assert offsets(await store.list_messages("s1")) == [1, 2, 3, 4]
+    finally:
+        await store.close()
+
+
+async def test_sqlite_in_memory_archive_reads_its_writes() -> None:
+    """An in-memory archive cannot be shared with a second connection: its reads run on
+    the writing connection, between batches."""
+    store = SqliteStore(":memory:")
+    await store.open()
+    try:
+        await store.create_session(make_session())
+        stored = await asyncio.gather(*(store.append_message(make_message(n=n)) for n in range(3)))
+        assert await store.list_messages("s1") == list(stored)
+    finally:
+        await store.close()
 
 
 async def test_begin_turn_can_refuse_a_client_id_the_owner_already_used(store: Store) -> None:

@@ -22,6 +22,7 @@ import fcntl
 import functools
 import logging
 import sqlite3
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -884,8 +885,15 @@ CHECKPOINT_INTERVAL = 1.0  # seconds between WAL checkpoints
 WAL_RESTART_FRAMES = 4096
 # Bytes a restarted WAL file is cut back to (it is reused from its start, not grown).
 WAL_SIZE_LIMIT = 64 * 1024 * 1024
-# How long a write or a restart waits for the checkpoint connection's locks.
+# Reads of a file archive that may run at once, each on a connection and thread of its
+# own (`Readers`, opened as reads overlap): two long reads (a big session's page, seconds)
+# still leave the others a thread. Not more: reads build their rows in Python, so more
+# threads add no throughput, only contenders for the event loop's GIL (docs/performance.md).
+READERS = 4
+# How long a write waits for the checkpoint connection's locks.
 WRITER_BUSY_TIMEOUT_MS = 5000
+# How long a WAL restart waits for the reads on the WAL to end (`restart_wal`).
+RESTART_BUSY_TIMEOUT_MS = 20
 
 
 def _lock_archive(path: str) -> IO[bytes]:
@@ -908,6 +916,19 @@ def checkpoint(conn: sqlite3.Connection, mode: str) -> int:
     """Run a checkpoint; returns how many frames the WAL holds."""
     _busy, frames, _copied = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
     return int(frames)
+
+
+def restart_wal(conn: Archive) -> None:
+    """Restart the WAL from the writing connection, between two batches, if no read is
+    on it: a RESTART waits for every read of the WAL to end, holding the writer, so a
+    long read beside it (a big page, seconds) would stall every write for as long. It
+    waits a moment (a short read ends in it), then gives up until the next checkpoint;
+    what it copied stays copied."""
+    conn.execute(f"PRAGMA busy_timeout={RESTART_BUSY_TIMEOUT_MS}")
+    try:
+        checkpoint(conn, "RESTART")
+    finally:
+        conn.execute(f"PRAGMA busy_timeout={WRITER_BUSY_TIMEOUT_MS}")
 
 
 class _SessionCache:
@@ -990,6 +1011,58 @@ def connect_reader(path: str) -> Archive:
     return conn
 
 
+class Readers:
+    """Where the store's reads run: read-only connections of their own, one per thread
+    of a small pool, opened on a thread's first read (WAL lets them read beside the one
+    writer and beside each other). Every writer reads this way, so a long read (a page
+    of a big session) holds neither the writes, whose `done` waits for a COMMIT, nor
+    more than one reading thread. Each read statement takes a fresh snapshot: it sees
+    every commit acknowledged before it started, so a caller reads its own writes.
+
+    An in-memory archive cannot be shared with a second connection: its reads run on
+    the writing connection and thread, between batches (`shared`).
+    """
+
+    def __init__(
+        self, executor: ThreadPoolExecutor, connect: Callable[[], Archive], *, owned: bool
+    ) -> None:
+        self._executor = executor
+        self._connect = connect
+        self._owned = owned  # the pool's own threads and connections, closed with it
+        self._local = threading.local()
+        self._opened: list[Archive] = []
+
+    @classmethod
+    def pool(cls, path: str, size: int) -> Readers:
+        executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="portico-read")
+        return cls(executor, functools.partial(connect_reader, path), owned=True)
+
+    @classmethod
+    def shared(cls, conn: Archive, executor: ThreadPoolExecutor) -> Readers:
+        return cls(executor, lambda: conn, owned=False)
+
+    def _connection(self) -> Archive:
+        """The calling thread's connection: a connection is used by one thread only."""
+        conn: Archive | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._connect()
+            self._opened.append(conn)
+        return conn
+
+    async def run(self, fn: Callable[[Archive], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: fn(self._connection())
+        )
+
+    async def close(self) -> None:
+        """Once the reads running have ended (a cancelled read runs to its end)."""
+        if self._owned:
+            await asyncio.to_thread(self._executor.shutdown)
+            for conn in self._opened:
+                conn.close()
+        self._opened.clear()
+
+
 class BatchWriter(Protocol):
     """Where the store's batches run: its own thread, or a writer process."""
 
@@ -1009,7 +1082,8 @@ class BatchWriter(Protocol):
 
 
 class ThreadWriter:
-    """Batches on the store's one thread, on the connection its reads use too."""
+    """Batches on a thread of the store's, on the writing connection (reads run beside
+    it, on connections of their own: `Readers`)."""
 
     def __init__(self, conn: Archive, executor: ThreadPoolExecutor, read_only: bool) -> None:
         self._conn = conn
@@ -1027,12 +1101,13 @@ class ThreadWriter:
         return await self._in_thread(functools.partial(commit_batch, self._conn, writes))
 
     async def restart_wal(self) -> None:
-        await self._in_thread(functools.partial(checkpoint, self._conn, "RESTART"))
+        await self._in_thread(functools.partial(restart_wal, self._conn))
 
     async def close(self) -> None:
         if not self._read_only:
             # The owner, closing, checkpoints the WAL into the database file.
             await self._in_thread(functools.partial(checkpoint, self._conn, "TRUNCATE"))
+        await self._in_thread(self._conn.close)
 
     def health(self) -> Health:
         return IN_PROCESS
@@ -1049,9 +1124,8 @@ class InlineWriter(ThreadWriter):
     transaction. What may take long stays off the loop, on the store's thread with
     this connection: the WAL restart and the TRUNCATE at close (a checkpoint copies
     pages and syncs), and any batch holding a write whose time grows with the archive
-    (`Write.OFF_LOOP`). They run on a thread of the writer's own, not queued behind the
-    store's reads, and no batch runs on the loop meanwhile (`_on_thread`). Reads run
-    on the store's thread on a connection of their own: a long read holds neither.
+    (`Write.OFF_LOOP`). They run on a thread of the writer's own, and no batch runs on
+    the loop meanwhile (`_on_thread`). Reads run on the store's `Readers`.
     """
 
     def __init__(self, conn: Archive) -> None:
@@ -1072,7 +1146,6 @@ class InlineWriter(ThreadWriter):
 
     async def close(self) -> None:
         await super().close()
-        await self._in_thread(self._conn.close)
         self._executor.shutdown(wait=True)
 
 
@@ -1086,12 +1159,14 @@ class SqliteStore:
         wal_size_limit: int = WAL_SIZE_LIMIT,
         read_only: bool = False,
         writer: SqliteWriter = DEFAULT_WRITER,
+        readers: int = READERS,
     ) -> None:
         """`read_only`: a reader beside the server that owns the archive (it takes no
         lock, runs no migration or checkpoint; writes fail). `writer`: where writes run,
         the store's thread, the event loop's thread or a process of their own (an
         in-memory archive and a reader always use the store's thread: neither can be
-        shared with a second connection)."""
+        shared with a second connection). `readers`: how many reads may run at once,
+        each on a connection and thread of its own (`Readers`)."""
         self._path = str(path)
         self._read_only = read_only
         self._wal_size_limit = wal_size_limit
@@ -1099,10 +1174,10 @@ class SqliteStore:
         self._wal_restart_frames = wal_restart_frames
         in_file = self._path != ":memory:" and not read_only
         self._writer_kind: SqliteWriter = writer if in_file else "thread"
+        self._readers_size = readers
+        # Opens the archive; with the thread writer, runs its batches.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portico-sqlite")
-        # Reads (and, with the thread writer, writes): the store thread's connection.
-        # The inline and process writers write on a connection of their own.
-        self._conn: Archive | None = None
+        self._readers: Readers | None = None
         self._writer: BatchWriter | None = None
         self._epoch = ""
         self._pending: list[Pending] = []
@@ -1154,16 +1229,17 @@ class SqliteStore:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     async def _read(self, fn: Callable[[Archive], T]) -> T:
-        conn = self._connection()
+        if self._readers is None:
+            raise StoreError("the archive is not open")
         try:
-            return await self._in_thread(lambda: fn(conn))
+            return await self._readers.run(fn)
         except sqlite3.Error as exc:
             raise StoreError("archive read failed") from exc
 
     async def _write(self, write: Write) -> Any:
         """`write`'s result once its batch committed (and its updates were published).
         Typed by the caller: the store's methods name what each write returns."""
-        self._connection()
+        self._batch_writer()
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # The collector is read here, in the caller's context: the committer task
         # runs in a context of its own.
@@ -1171,11 +1247,6 @@ class SqliteStore:
         if self._committer is None or self._committer.done():
             self._committer = asyncio.create_task(self._commit_pending())
         return await future
-
-    def _connection(self) -> Archive:
-        if self._conn is None:
-            raise StoreError("the archive is not open")
-        return self._conn
 
     def _batch_writer(self) -> BatchWriter:
         if self._writer is None:
@@ -1215,41 +1286,35 @@ class SqliteStore:
         if self._path != ":memory:" and not self._read_only:
             self._lock = _lock_archive(self._path)
         try:
-            self._writer, self._conn = await self._start_writer()
+            self._writer, self._readers = await self._start_writer()
+            # The first read, which opens the first reading connection.
+            self._epoch = await self._read(
+                lambda conn: str(conn.execute("SELECT epoch FROM meta").fetchone()[0])
+            )
         except (sqlite3.Error, StoreError) as exc:
+            await self._close_connections()
             self._unlock()
             raise StoreError(f"cannot open the archive at {self._path}: {exc}") from exc
-        self._epoch = await self._read(
-            lambda conn: str(conn.execute("SELECT epoch FROM meta").fetchone()[0])
-        )
         if self._path != ":memory:" and not self._read_only:
             self._checkpoints = asyncio.create_task(self._checkpoint_periodically())
 
-    async def _start_writer(self) -> tuple[BatchWriter, Archive]:
-        """The writer, and the connection reads use."""
-        if self._writer_kind == "thread":
-            conn = await self._in_thread(self._connect)
-            return ThreadWriter(conn, self._executor, self._read_only), conn
-        if self._writer_kind == "inline":
-            # Opened (and migrated) on the store's thread; used on the loop after.
-            writing = await self._in_thread(self._connect)
-            try:
-                reading = await self._in_thread(functools.partial(connect_reader, self._path))
-            except sqlite3.Error:
-                await self._in_thread(writing.close)
-                raise
-            return InlineWriter(writing), reading
-        # Imported here: it imports this module (the writer process runs its writes).
-        from portico.store.sqlite_process import ProcessWriter
+    async def _start_writer(self) -> tuple[BatchWriter, Readers]:
+        """The writer (its schema migrated), and where reads run."""
+        if self._writer_kind == "process":
+            # Imported here: it imports this module (the writer process runs its writes).
+            from portico.store.sqlite_process import ProcessWriter
 
-        writer = await ProcessWriter.start(self._path, self._wal_size_limit)
-        try:
-            # After the writer migrated the schema; its commits are visible to this
-            # connection's next read (WAL), so a caller reads its own writes.
-            return writer, await self._in_thread(functools.partial(connect_reader, self._path))
-        except sqlite3.Error:
-            await writer.close()
-            raise
+            writer: BatchWriter = await ProcessWriter.start(self._path, self._wal_size_limit)
+        else:
+            # Opened (and migrated) on the store's thread; inline, used on the loop after.
+            conn = await self._in_thread(self._connect)
+            if self._writer_kind == "inline":
+                writer = InlineWriter(conn)
+            else:
+                writer = ThreadWriter(conn, self._executor, self._read_only)
+            if self._path == ":memory:":
+                return writer, Readers.shared(conn, self._executor)
+        return writer, Readers.pool(self._path, self._readers_size)
 
     @property
     def writer_pid(self) -> int | None:
@@ -1269,15 +1334,18 @@ class SqliteStore:
             await asyncio.gather(self._checkpoints, return_exceptions=True)
         if self._committer is not None:
             await self._committer
-        if self._writer is not None:
-            writer, self._writer = self._writer, None
-            await writer.close()
-        if self._conn is not None:
-            conn, self._conn = self._conn, None
-            await self._in_thread(conn.close)
+        await self._close_connections()
         self._executor.shutdown(wait=True)
         self._checkpointer.shutdown(wait=True)
         self._unlock()
+
+    async def _close_connections(self) -> None:
+        if self._readers is not None:
+            readers, self._readers = self._readers, None
+            await readers.close()
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            await writer.close()
 
     def _unlock(self) -> None:
         if self._lock is not None:

@@ -48,6 +48,7 @@ from portico.store.sqlite import (
     checkpoint,
     commit_batch,
     connect_writer,
+    restart_wal,
 )
 
 log = logging.getLogger("portico.store")
@@ -300,10 +301,11 @@ def _answer(conn: Archive, request: Batch | RestartWal | Close) -> bytes:
     if isinstance(request, Batch):
         writes: list[Write] = [_write_decoder.decode(raw) for raw in request.writes]
         return _encode([_wire_outcome(outcome) for outcome in commit_batch(conn, writes)])
-    # Closing, the owner checkpoints the WAL into the database file.
-    mode = "RESTART" if isinstance(request, RestartWal) else "TRUNCATE"
     try:
-        checkpoint(conn, mode)
+        if isinstance(request, RestartWal):
+            restart_wal(conn)
+        else:  # closing, the owner checkpoints the WAL into the database file
+            checkpoint(conn, "TRUNCATE")
     except sqlite3.Error as exc:
         return _encode(f"archive checkpoint failed: {exc}")
     return _encode("")
