@@ -1855,6 +1855,40 @@ async def test_sqlite_wal_stays_bounded_under_a_writer_that_never_pauses(
     assert largest < 16 * 1024 * 1024, f"WAL reached {largest} bytes after {n} messages"
 
 
+@IN_PROCESS_WRITERS
+async def test_sqlite_wal_restart_finds_the_wal_already_copied(
+    tmp_path: Path, writer: SqliteWriter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The RESTART holds the writer while it copies and fsyncs what the last PASSIVE
+    # left; a second PASSIVE right before it (beside the writer) leaves it only what
+    # came in meanwhile, under load the frames of a few milliseconds instead of an
+    # interval's.
+    path = tmp_path / "archive.db"
+    store = SqliteStore(path, checkpoint_interval=3600, wal_restart_frames=8, writer=writer)
+    await store.open()
+    calls: list[tuple[str, int, int]] = []
+
+    def recorded(conn: sqlite3.Connection, mode: str) -> int:
+        _busy, frames, copied = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
+        calls.append((mode, int(frames), int(copied)))
+        return int(frames)
+
+    checkpointer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        await store.create_session(make_session())
+        await asyncio.gather(*(store.append_message(make_message(n=n)) for n in range(40)))
+        monkeypatch.setattr(sqlite_backend, "checkpoint", recorded)
+        await store._checkpoint_once(checkpointer)
+    finally:
+        checkpointer.close()
+        await store.close()
+    # (closing the store then truncates the WAL.)
+    assert [mode for mode, _, _ in calls[:3]] == ["PASSIVE", "PASSIVE", "RESTART"], calls
+    _, frames, copied = calls[1]
+    assert frames > 8
+    assert copied == frames, "the second PASSIVE copies all the RESTART would have"
+
+
 @EVERY_WRITER
 async def test_sqlite_archive_has_one_store_at_a_time(tmp_path: Path, writer: SqliteWriter) -> None:
     path = tmp_path / "archive.db"

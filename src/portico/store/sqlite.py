@@ -1223,6 +1223,12 @@ class SqliteStore:
         loop = asyncio.get_running_loop()
         frames = await loop.run_in_executor(self._checkpointer, checkpoint, conn, "PASSIVE")
         if frames > self._wal_restart_frames:
+            # The RESTART holds the writer while it fsyncs the frames written since the
+            # last PASSIVE: up to an interval of them (10-20 ms on a slow disk, and every
+            # `done` waits). A second PASSIVE first copies and syncs what came in during
+            # the first one's fsync, beside the writer, so the RESTART syncs only the
+            # frames of the last few milliseconds (docs/performance.md, "The WAL's fsyncs").
+            await loop.run_in_executor(self._checkpointer, checkpoint, conn, "PASSIVE")
             await self._batch_writer().restart_wal()
 
     async def _in_thread(self, fn: Callable[[], T]) -> T:
