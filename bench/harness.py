@@ -41,6 +41,16 @@ PORTICO_ENV_HELP = (
 )
 
 
+# The archive every Portico the benchmark starts uses, unless a workload names its own
+# (`--store`: e.g. `memory` beside the default for what the archive costs, the same run).
+BENCH_STORE = ["sqlite"]
+
+
+def set_store(store: str) -> None:
+    """Every Portico server started after this uses `store` (`--store`)."""
+    BENCH_STORE[0] = store
+
+
 def add_portico_env(pairs: Sequence[str]) -> None:
     """Adds `KEY=VALUE` Portico settings (`--portico-env`) to PORTICO_BENCH_ENV: every
     Portico server started after this gets them, and reports print them with the rest."""
@@ -185,7 +195,7 @@ class Server:
         kind: str,
         workdir: Path,
         log_level: str | None = None,
-        store: str = "sqlite",
+        store: str | None = None,
         env: dict[str, str] | None = None,
         config: Path | None = None,
     ) -> None:
@@ -193,7 +203,7 @@ class Server:
         self.config = config  # Portico's config file (`--config`), for settings env cannot set
         self.workdir = workdir / f"{kind}-{time.monotonic_ns()}"
         self.log_level = log_level
-        self.store = store
+        self.store = store or BENCH_STORE[0]
         self.extra_env = env or {}  # Portico settings on top of PORTICO_BENCH_ENV
         self.process: subprocess.Popen[str] | None = None
         self.port = 0

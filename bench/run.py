@@ -53,6 +53,7 @@ from pathlib import Path
 from common import FILL_SCENARIO, FILL_WINDOW, PAGE_SIZE, raise_fd_limit
 from harness import (
     BENCH,
+    BENCH_STORE,
     PORTICO_BENCH_ENV,
     PORTICO_ENV_HELP,
     PORTICO_RESUME_ENV,
@@ -65,6 +66,7 @@ from harness import (
     picows_available,
     portico_rpc_env,
     rss_kib,
+    set_store,
     stop_all,
     voice_config,
 )
@@ -1262,7 +1264,8 @@ def report(results: Results, plan: Plan, started: float, elapsed: float, backgro
         "(the machine is shared; see the last table for each stream window)."
         + (BUSY_WARNING if background > BUSY_THRESHOLD else ""),
         f"- Portico: `python -m portico serve --runtime scripted --script bench/script.yaml "
-        f"--store sqlite`, log level {plan.log_level or 'INFO (default)'}, with {env} so its "
+        f"--store {BENCH_STORE[0]}`, log level {plan.log_level or 'INFO (default)'}, "
+        f"with {env} so its "
         "per-connection rate limit (50 msg/s) and 10,000-connection cap do not shape the figures.",
         f"- Load generator: bench/loadgen.py on uvloop, {clients} client; every server and "
         "client in its own process, on 127.0.0.1.",
@@ -1360,9 +1363,17 @@ def parse_plan(argv: Sequence[str] | None) -> tuple[Plan, Path]:
     parser.add_argument("--kinds", help="servers, comma-separated (default portico,aiohttp,picows)")
     parser.add_argument("--log-level", help="Portico's log level (default: its own, INFO)")
     parser.add_argument("--portico-env", action="append", default=[], help=PORTICO_ENV_HELP)
+    parser.add_argument(
+        "--store",
+        choices=["sqlite", "memory"],
+        default="sqlite",
+        help="the archive of every Portico this run starts (default sqlite); e.g. memory "
+        "for an A/B of what the archive costs",
+    )
     parser.add_argument("--out", type=Path, default=BENCH / "results" / "latest.md")
     args = parser.parse_args(argv)
     add_portico_env(args.portico_env)
+    set_store(args.store)
     plan = QUICK if args.quick else Plan()
     if args.seconds is not None:
         plan = replace(plan, seconds=args.seconds, latency_seconds=args.seconds)
