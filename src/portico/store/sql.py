@@ -46,9 +46,15 @@ def insert(d: Dialect, table: str, names: Sequence[str], verb: str = "INSERT") -
     return f"{verb} INTO {table} ({columns(names)}) VALUES ({d.params(len(names))})"
 
 
-def replace(d: Dialect, table: str, names: Sequence[str]) -> str:
-    """Set every column but `id` (the first): binds a whole row, as `insert` does."""
-    assignments = ", ".join(f"{name} = {d.p(n)}" for n, name in enumerate(names[1:], start=2))
+def replace(d: Dialect, table: str, names: Sequence[str], fixed: Sequence[str] = ()) -> str:
+    """Set every column but `id` (the first) and `fixed`: binds a whole row, as `insert`
+    does. `fixed` columns never change once a row is stored; leaving them out of the SET
+    spares the indexes on them (SQLite rewrites an index entry whenever an UPDATE assigns
+    one of its columns, even to the same value). Their parameters then go unused, which
+    SQLite's numbered parameters allow and PostgreSQL's do not: SQLite only."""
+    assignments = ", ".join(
+        f"{name} = {d.p(n)}" for n, name in enumerate(names[1:], start=2) if name not in fixed
+    )
     return f"UPDATE {table} SET {assignments} WHERE id = {d.p(1)}"
 
 
@@ -101,7 +107,6 @@ class Statements:
             f"ORDER BY m.{d.order} LIMIT 1"
         )
         self.insert_turn = insert(d, "turns", rows.TURN_COLUMNS)
-        self.replace_turn = replace(d, "turns", rows.TURN_COLUMNS)
         self.get_turn = f"SELECT {T} FROM turns WHERE id = {p1}"
         self.list_turns = (
             f"SELECT {T} FROM turns WHERE session_id = {p1} ORDER BY created_at, {d.order}"

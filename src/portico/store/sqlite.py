@@ -266,6 +266,11 @@ SQL = sql.Statements(sql.SQLITE)
 _INSERT_SESSION_IF_ABSENT = sql.insert(
     sql.SQLITE, "sessions", rows.SESSION_COLUMNS, "INSERT OR IGNORE"
 )
+# A turn's session and creation time never change: its end does not rewrite its entry
+# in `turns_session` (a page of another b-tree, in the WAL, per turn).
+_REPLACE_TURN = sql.replace(
+    sql.SQLITE, "turns", rows.TURN_COLUMNS, fixed=("session_id", "created_at")
+)
 _LAST_MESSAGE_OFFSET = "SELECT COALESCE(MAX(global_offset), 0) FROM messages WHERE session_id = ?"
 # An owner's last offset: its newest update, or the head prune left when it dropped
 # that one. A read, not a counter row written by every write: the log is hot.
@@ -424,7 +429,7 @@ def _append_message(conn: Archive, out: list[Update], message: Message) -> Messa
 def _save_turn(conn: Archive, turn: Turn) -> Action:
     """Replace in place when known (keeping the rowid, so creation order holds)."""
     row = rows.turn_row(turn)
-    if conn.execute(SQL.replace_turn, row).rowcount:
+    if conn.execute(_REPLACE_TURN, row).rowcount:
         return "updated"
     conn.execute(SQL.insert_turn, row)
     return "created"
@@ -437,7 +442,7 @@ def _create_turn(conn: Archive, turn: Turn) -> Action:
         conn.execute(SQL.insert_turn, row)
     except sqlite3.IntegrityError:
         # A known id is replaced, as save_turn would; a missing session fails still.
-        if not conn.execute(SQL.replace_turn, row).rowcount:
+        if not conn.execute(_REPLACE_TURN, row).rowcount:
             raise
         return "updated"
     return "created"

@@ -1,0 +1,40 @@
+"""Which b-trees the SQLite archive's per-turn statements write: each is a page of WAL
+per commit, and the WAL's fsyncs are the tail of a turn's `done` on a slow disk
+(docs/performance.md, "The WAL's fsyncs")."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from portico.store import rows
+from portico.store import sqlite as sqlite_backend
+
+
+def written_indexes(conn: sqlite3.Connection, statement: str, params: int) -> set[int]:
+    """The root pages of the indexes `statement` inserts into or deletes from (EXPLAIN:
+    the cursors of `IdxInsert`/`IdxDelete`, opened by `OpenWrite` on their root page),
+    bound as the store binds it (`params` values)."""
+    program = list(conn.execute(f"EXPLAIN {statement}", [None] * params))
+    roots = {row[2]: row[3] for row in program if row[1] == "OpenWrite"}  # cursor: root
+    return {
+        roots[row[2]] for row in program if row[1] in ("IdxInsert", "IdxDelete") and row[2] in roots
+    }
+
+
+def index_roots(conn: sqlite3.Connection, table: str) -> dict[str, int]:
+    query = "SELECT name, rootpage FROM sqlite_master WHERE type = 'index' AND tbl_name = ?"
+    return dict(conn.execute(query, (table,)))
+
+
+def test_a_turns_end_does_not_rewrite_its_per_session_index_entry() -> None:
+    conn = sqlite_backend.connect_writer(":memory:", 1 << 20)
+    try:
+        roots = index_roots(conn, "turns")
+        # Bound with a whole turn row, as `_save_turn` binds it.
+        written = written_indexes(conn, sqlite_backend._REPLACE_TURN, len(rows.TURN_COLUMNS))
+    finally:
+        conn.close()
+    # A turn's session and creation time never change: (session_id, created_at) stays.
+    assert roots["turns_session"] not in written
+    # Its state does: an ended turn leaves the index of unfinished turns.
+    assert roots["turns_unfinished"] in written
