@@ -1889,6 +1889,33 @@ async def test_sqlite_wal_restart_finds_the_wal_already_copied(
     assert copied == frames, "the second PASSIVE copies all the RESTART would have"
 
 
+async def test_sqlite_prune_drops_no_update_newer_than_its_cutoff(tmp_path: Path) -> None:
+    # The prune walks the log in the order it was written: should the clock have gone
+    # back, an older update logged after a newer one stays until a later prune, and
+    # no update newer than the cutoff is ever dropped.
+    path = tmp_path / "archive.db"
+    store = await open_sqlite(path, "thread")
+    await store.close()
+    conn = sqlite3.connect(path)
+    insert = "INSERT INTO updates (owner, log_offset, id, items, data_list, created_at) "
+    for offset, created_at in enumerate((10.0, 20.0, 100.0, 30.0), start=1):
+        conn.execute(
+            insert + "VALUES ('x', ?, ?, '[]', '[]', ?)", (offset, f"u{offset}", created_at)
+        )
+    conn.commit()
+    conn.close()
+    store = await open_sqlite(path, "thread")
+    try:
+        assert await store.prune_updates(50.0) == 2
+        assert [u.offset for u in await all_updates(store, "x")] == [3, 4]
+        assert await store.prune_updates(50.0) == 0  # 30.0 waits behind 100.0
+        assert await store.prune_updates(150.0) == 2
+        log = await store.update_log("x")
+        assert (log.last_offset, log.first_offset) == (4, 5)
+    finally:
+        await store.close()
+
+
 @EVERY_WRITER
 async def test_sqlite_archive_has_one_store_at_a_time(tmp_path: Path, writer: SqliteWriter) -> None:
     path = tmp_path / "archive.db"

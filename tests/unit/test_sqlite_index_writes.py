@@ -38,3 +38,16 @@ def test_a_turns_end_does_not_rewrite_its_per_session_index_entry() -> None:
     assert roots["turns_session"] not in written
     # Its state does: an ended turn leaves the index of unfinished turns.
     assert roots["turns_unfinished"] in written
+
+
+def test_logging_an_update_writes_no_index_but_its_key() -> None:
+    conn = sqlite_backend.connect_writer(":memory:", 1 << 20)
+    try:
+        roots = index_roots(conn, "updates")
+        statement = sqlite_backend.SQL.insert_update
+        written = written_indexes(conn, statement, len(rows.UPDATE_COLUMNS))
+    finally:
+        conn.close()
+    # The log's primary key (owner, log_offset) alone: the prune walks the rowid order.
+    assert set(roots) == {"sqlite_autoindex_updates_1"}
+    assert written == {roots["sqlite_autoindex_updates_1"]}

@@ -258,6 +258,12 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX traces_session ON traces (session_id, seq);
     """,
+    # The update log is appended in time order by the one writer, so the prune walks it
+    # in rowid order (`_PRUNED`) instead of by time: the by-time index cost a page of WAL
+    # for every update logged, two per turn (docs/performance.md, "The WAL's fsyncs").
+    """
+    DROP INDEX updates_created;
+    """,
 )
 
 
@@ -288,16 +294,26 @@ _NEXT_OFFSET_OF_SESSION = (
 _UPDATE_LOG = (
     f"SELECT {_LAST_OFFSET_OF.format('?1')}, (SELECT MIN(log_offset) FROM updates WHERE owner = ?1)"
 )
-# Before pruning, the owners losing updates record their last offset. The index
-# keeps this to the pruned range (the planner would scan every owner for DISTINCT);
-# the WHERE is what lets SQLite parse an upsert after a SELECT.
+# What a prune drops: the log's updates before its first one created at or after the
+# cutoff (?1), in rowid order, which is the order the one writer logged them in. Walking
+# from the oldest, it reads what it drops and one row more. Should the clock have gone
+# back, an update older than the cutoff but logged after a newer one stays until a
+# later prune: a prune never drops an update newer than its cutoff.
+_PRUNED = (
+    "updates.rowid < COALESCE("
+    "(SELECT rowid FROM updates WHERE created_at >= ?1 ORDER BY rowid LIMIT 1), "
+    "(SELECT COALESCE(MAX(rowid), 0) + 1 FROM updates))"
+)
+# Before pruning, the owners losing updates record their last offset. NOT INDEXED keeps
+# this to the pruned rowid range (the planner would scan the whole key index for
+# DISTINCT); the WHERE true is what lets SQLite parse an upsert after a SELECT.
 _KEEP_HEADS = (
     "INSERT INTO update_heads (owner, last_offset) "
     "SELECT p.owner, (SELECT MAX(log_offset) FROM updates u WHERE u.owner = p.owner) "
-    "FROM (SELECT DISTINCT owner FROM updates INDEXED BY updates_created "
-    "WHERE created_at < ?) p WHERE true "
+    f"FROM (SELECT DISTINCT owner FROM updates NOT INDEXED WHERE {_PRUNED}) p WHERE true "
     "ON CONFLICT (owner) DO UPDATE SET last_offset = excluded.last_offset"
 )
+_PRUNE_UPDATES = f"DELETE FROM updates WHERE {_PRUNED}"
 
 
 def _save_memory(conn: Archive, out: list[Update], entry: MemoryEntry, max_entries: int) -> bool:
@@ -590,7 +606,7 @@ def _interrupt_orphaned_turns(
 
 def _prune_updates(conn: Archive, out: list[Update], older_than: float) -> int:
     conn.execute(_KEEP_HEADS, (older_than,))  # so offsets go on from where they were
-    return conn.execute(SQL.prune_updates, (older_than,)).rowcount
+    return conn.execute(_PRUNE_UPDATES, (older_than,)).rowcount
 
 
 def _create_session(conn: Archive, out: list[Update], session: Session) -> Session:
