@@ -137,7 +137,6 @@ class Statements:
             f"SELECT {U} FROM updates WHERE owner = {p1} AND log_offset > {p2} "
             f"ORDER BY log_offset LIMIT {p3}"
         )
-        self.prune_updates = f"DELETE FROM updates WHERE created_at < {p1}"
         self.renew_replica = (
             f"INSERT INTO replicas (id, last_seen) VALUES ({p1}, {p2}) "
             "ON CONFLICT (id) DO UPDATE SET last_seen = excluded.last_seen"
