@@ -48,7 +48,7 @@ from portico.protocols.rpc.entities import (
 )
 from portico.server.admission import check_admission
 from portico.server.services import SERVICES, Services
-from portico.server.sockets import ServerSocket, run_socket
+from portico.server.sockets import ServerSocket, handler, upgraded
 from portico.store.base import Background, collecting_updates
 
 log = logging.getLogger("portico.rpc")
@@ -423,11 +423,14 @@ def deletion_time(value: datetime | msgspec.UnsetType | None) -> float | msgspec
     return value.timestamp()
 
 
-async def rpc_handler(request: web.Request) -> web.StreamResponse:
+async def open_rpc_socket(request: web.Request) -> RpcSocket:
     services = request.app[SERVICES]
     # Credentials come in `connect`, never in the URL or on the upgrade.
     check_admission(request, services)
-    # A partial, not a lambda: a closure's cells would live as long as the connection.
-    return await run_socket(
+    return await upgraded(
         request, services, functools.partial(RpcSocket, request, services=services)
     )
+
+
+# The route handler: one coroutine frame per connection (`ServerSocket.serve`).
+rpc_handler = handler(open_rpc_socket)

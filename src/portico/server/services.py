@@ -142,7 +142,7 @@ class Services:
         # Starting, admitting, draining (a stop signal: no new upgrades or turns, running
         # turns may finish) or stopped: core/lifecycle.py, driven by server/drain.py.
         self.lifecycle: Lifecycle[LiveConnection] = Lifecycle(drain_timeout=settings.drain_timeout)
-        # Added and removed by run_socket around each connection's life (a plain set:
+        # Added and removed by ServerSocket.serve around each connection's life (a plain set:
         # a WeakSet's weakref and callback cost ~480 bytes per idle connection).
         self.connections: set[LiveConnection] = set()
         self.slots = ConnectionSlots(settings.max_connections)

@@ -71,7 +71,7 @@ from portico.server.services import SERVICES, Services
 from portico.server.session_catchup import catch_up
 from portico.server.session_ledger import SessionLedger, SessionProfile, decode_profile
 from portico.server.session_voice import SessionCall
-from portico.server.sockets import ServerSocket, run_socket
+from portico.server.sockets import ServerSocket, handler, upgraded
 from portico.sessionstate.base import ENDED_TURNS_KEPT, SessionSnapshot
 
 log = logging.getLogger("portico.session")
@@ -893,17 +893,20 @@ def _info(error: PorticoError) -> f.ErrorInfo:
     return f.ErrorInfo(code=error.code, message=error.message, details=error.details)
 
 
-async def session_handler(request: web.Request) -> web.StreamResponse:
+async def open_session_socket(request: web.Request) -> SessionSocket:
     if CREDENTIAL_QUERY_KEYS & {key.lower() for key in request.query}:
         raise web.HTTPBadRequest(
             text="credentials are never accepted in the URL; send them in hello"
         )
     services = request.app[SERVICES]
     check_admission(request, services)
-    # A partial, not a lambda: a closure's cells would live as long as the connection.
-    return await run_socket(
+    return await upgraded(
         request, services, functools.partial(SessionSocket, request, services=services)
     )
+
+
+# The route handler: one coroutine frame per connection (`ServerSocket.serve`).
+session_handler = handler(open_session_socket)
 
 
 __all__ = ["LIVE_SESSIONS", "LiveSession", "SessionSocket", "session_handler"]

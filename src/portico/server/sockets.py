@@ -13,8 +13,8 @@ import logging
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import ClassVar, Protocol
+from collections.abc import Awaitable, Callable
+from typing import ClassVar, Protocol, TypeVar
 
 from aiohttp import WSCloseCode, WSMessage, WSMsgType, web
 
@@ -27,6 +27,7 @@ from portico.server.services import Services
 
 log = logging.getLogger("portico.ws")
 _DATA = (WSMsgType.TEXT, WSMsgType.BINARY)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def text_frame_header(length: int, *, binary: bool = False) -> bytes:
@@ -173,53 +174,62 @@ class ServerSocket(ABC):
 
     # -- running ------------------------------------------------------------------------
 
-    async def serve(self) -> web.WebSocketResponse:
-        """Serve the upgraded socket to its end; gives back the slot `upgrade` took.
+    @staticmethod
+    async def serve(
+        open_socket: Callable[[web.Request], Awaitable[ServerSocket]], request: web.Request
+    ) -> web.WebSocketResponse:
+        """A route's handler (with the protocol's `open_socket` bound): admit, upgrade and
+        serve the socket to its end; gives back the slot `upgrade` took.
 
-        The read loop runs in this one coroutine: every frame of a coroutine chain is
-        held by each idle connection for its whole life (docs/performance.md).
+        The read loop runs in this one coroutine, the handler's own: every frame of a
+        coroutine chain is held by each idle connection for its whole life
+        (docs/performance.md), so the handler, the socket's serving and its read loop
+        are one frame. `open_socket`'s frame, with the admission's locals, is gone
+        before the first read.
         """
+        socket = await open_socket(request)
+        del open_socket, request  # the socket holds what it needs
         started = time.perf_counter()
         try:
-            self._opened()
-            ws, frames = self._ws, self._frames
+            socket._opened()
+            ws, frames = socket._ws, socket._frames
             # aiohttp checks a compressed message's size after inflating it with one
             # byte of slack (see `upgrade`), so on a compressing connection the limit is
             # checked here, exactly.
-            limit = self._services.settings.max_payload_size if ws.compress else None
+            limit = socket._services.settings.max_payload_size if ws.compress else None
             msg: WSMessage | None
             while not ws.closed:
                 msg = await ws.receive()
-                now = self._loop.time()
+                now = socket._loop.time()
                 if limit is not None and msg.type in _DATA and larger_than(msg.data, limit):
-                    self.start_close(WSCloseCode.MESSAGE_TOO_BIG, "message too big")
+                    socket.start_close(WSCloseCode.MESSAGE_TOO_BIG, "message too big")
                     break
                 if msg.type is WSMsgType.TEXT:
                     frames.inbound += 1
                     # Only the handler holds the frame, so it can let go of it once
                     # decoded (a maximal frame is 16 MiB of text), before the engine
                     # archives it.
-                    handling = self.on_text(msg.data, now)
+                    handling = socket.on_text(msg.data, now)
                     del msg
                     await handling
                 elif msg.type is WSMsgType.BINARY:
                     frames.inbound += 1
-                    await self.on_binary(msg.data, now)
+                    await socket.on_binary(msg.data, now)
                 elif msg.type is WSMsgType.PING:
-                    self.on_control(now)
+                    socket.on_control(now)
                     await ws.pong(msg.data)
                 elif msg.type is WSMsgType.PONG:
-                    self.on_control(now)
+                    socket.on_control(now)
                 else:  # CLOSE, CLOSING, CLOSED, ERROR (e.g. a frame over max_msg_size: 1009)
                     break
                 msg = None  # not kept while the next frame is awaited
-                self.wake()
-                self._schedule_timer()
+                socket.wake()
+                socket._schedule_timer()
         except ConnectionResetError:
             pass
         finally:
-            await self._ended(started)
-        return self._ws
+            await socket._ended(started)
+        return socket._ws
 
     def _opened(self) -> None:
         """Counted, listed and logged as open."""
@@ -568,20 +578,23 @@ async def upgrade(
     return ws
 
 
-async def run_socket(
-    request: web.Request,
-    services: Services,
-    socket_for: Callable[[web.WebSocketResponse], ServerSocket],
-    *,
-    protocols: tuple[str, ...] = (),
-) -> web.WebSocketResponse:
-    """Upgrade, count the connection against `max_connections`, and serve it."""
-    ws = await upgrade(request, services, protocols=protocols)
+S = TypeVar("S", bound=ServerSocket)
+
+
+async def upgraded(
+    request: web.Request, services: Services, socket_for: Callable[[web.WebSocketResponse], S]
+) -> S:
+    """Upgrade, counting the connection against `max_connections`, and make its socket
+    (which gives the slot back when it ends)."""
+    ws = await upgrade(request, services)
     try:
-        socket = socket_for(ws)
+        return socket_for(ws)
     except BaseException:
         services.slots.give()
         raise
-    del socket_for  # what it holds is the socket's now, not this frame's
-    await socket.serve()
-    return ws
+
+
+def handler(open_socket: Callable[[web.Request], Awaitable[ServerSocket]]) -> Handler:
+    """The route handler that opens sockets with `open_socket` and serves them: a
+    partial, which aiohttp awaits as the coroutine function it wraps."""
+    return functools.partial(ServerSocket.serve, open_socket)

@@ -63,7 +63,7 @@ from portico.runtime.duplex.base import DuplexEvent
 from portico.server.admission import admit
 from portico.server.duplex import voice_limits
 from portico.server.services import SERVICES, Services
-from portico.server.sockets import ServerSocket, upgrade
+from portico.server.sockets import ServerSocket, handler, upgrade
 
 log = logging.getLogger("portico.ws")
 PROTOCOL = "omnia"
@@ -417,13 +417,6 @@ class OmniaSocket(ServerSocket):
                 self._loop.call_soon(self._check_expiry)
 
 
-async def omnia_handler(request: web.Request) -> web.StreamResponse:
-    # This frame lives as long as the connection: it holds the socket and nothing
-    # else; the admission's locals go with `open_socket`'s frame (docs/performance.md).
-    socket = await open_socket(request)
-    return await socket.serve()
-
-
 async def open_socket(request: web.Request) -> OmniaSocket:
     """Admit and upgrade: the socket, which holds the principal's connection from now
     on (given back when it ends), or the upgrade's refusal."""
@@ -494,3 +487,7 @@ def selected_subprotocol(header: str | None) -> tuple[str, ...]:
         return ()
     real = [entry for entry in offered if not entry.startswith(BEARER_SUBPROTOCOL_PREFIX)]
     return tuple(real[:1])
+
+
+# `/ws`'s route handler: one coroutine frame per connection (`ServerSocket.serve`).
+omnia_handler = handler(open_socket)
