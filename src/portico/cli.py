@@ -211,7 +211,17 @@ def _chat_options(args: argparse.Namespace) -> ChatOptions:
     )
 
 
+def _without_grpc_fork_handlers() -> None:
+    """Portico forks only to exec (MCP servers, the archive's writer process), never to
+    run gRPC in a child, so gRPC's fork handlers are of no use here; with a channel
+    active they can crash the child before its exec (grpc/grpc#43055: "epoll_wait error:
+    Bad file descriptor", the child killed by SIGABRT). Read by gRPC when it loads, so
+    set before anything imports it; an operator's own setting stands."""
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _without_grpc_fork_handlers()
     args = _parser().parse_args(argv)
     try:
         if args.command == "chat":

@@ -69,3 +69,16 @@ def test_allow_unauthenticated_flag_lets_serve_start_on_an_open_bind(
         "none",
         True,
     )
+
+
+def test_the_cli_turns_off_grpcs_fork_handlers_unless_the_operator_chose(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # grpc/grpc#43055: with them on, a child spawned while a channel is active can die
+    # before its exec (an MCP server, the archive's writer process).
+    monkeypatch.delenv("GRPC_ENABLE_FORK_SUPPORT", raising=False)
+    shown(capsys)
+    assert os.environ["GRPC_ENABLE_FORK_SUPPORT"] == "false"
+    monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "true")
+    shown(capsys)
+    assert os.environ["GRPC_ENABLE_FORK_SUPPORT"] == "true"
