@@ -37,7 +37,7 @@ RuntimeName = Literal["demo", "echo", "scripted", "openai", "openai-realtime", "
 # Duplex (voice) runtimes: spec/realtime-audio.md, docs/voice.md.
 DuplexRuntimeName = Literal["scripted", "grpc", "openai-realtime", "embedded"]
 StoreName = Literal["sqlite", "memory", "postgres"]
-SqliteWriter = Literal["inline", "process", "thread"]
+SqliteWriter = Literal["auto", "inline", "process", "thread"]
 # What chat-completions endpoints accept as a function name.
 ToolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 # A memory facet (spec/identity.md): the same rule as domain/memory.py FACET_PATTERN.
@@ -207,11 +207,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Archive backend: `sqlite` (file in data_dir), `memory` (lost on exit) or
     # `postgres` (database_url; several replicas may share it).
     store: StoreName = "sqlite"
-    # Where the SQLite archive's writes run: `thread` (a thread of the server),
-    # `inline` (on the event loop's thread: no hand-off; checkpoints and writes that
-    # grow with the archive stay on a thread) or `process` (a writer process of its
-    # own, off the event loop's GIL). docs/performance.md has the measurements.
-    sqlite_writer: SqliteWriter = "thread"
+    # Where the SQLite archive's writes run: `process` (a writer process of its own,
+    # off the event loop's GIL; started again if it dies), `thread` (a thread of the
+    # server), `inline` (on the event loop's thread: no hand-off; checkpoints and
+    # writes that grow with the archive stay on a thread) or `auto`: `process` where
+    # this server may use two CPUs or more, else `thread`. docs/performance.md has
+    # the measurements.
+    sqlite_writer: SqliteWriter = "auto"
     database_url: str = ""  # postgresql://user:password@host:5432/database
     database_pool_size: Count = 10  # connections each process opens to database_url
     # This process as the replica that runs its turns; empty: a fresh id per start.

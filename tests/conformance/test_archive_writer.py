@@ -1,6 +1,6 @@
 """The SQLite archive's writer process beside a real server: it goes when the server
-goes, even by kill -9, and a server whose writer died fails its writes and says the
-archive is down on /readyz (docs/performance.md, "The archive writer (SQLite)")."""
+goes, even by kill -9, and a writer that dies is started again while the server serves on
+(docs/performance.md, "The archive writer (SQLite)")."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ async def test_a_server_killed_with_sigkill_leaves_no_writer_behind(
         await until_exited(writer)  # its pipe closed: it exits by itself
 
 
-async def test_a_dead_writer_fails_writes_and_readyz_reports_the_archive_down(
+async def test_a_writer_that_dies_is_started_again_and_turns_go_on(
     http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     async with after_a_turn(http, tmp_path) as (server, client):
@@ -98,12 +98,25 @@ async def test_a_dead_writer_fails_writes_and_readyz_reports_the_archive_down(
         writer = writer_of(server)
         os.kill(writer, signal.SIGKILL)
         await until_exited(writer)
-        async with http.get(server.http_url + "/readyz") as down:
-            body = await down.json()
-            assert down.status == 503, body
-        assert body["backends"]["archive"]["state"] == "down"
-        assert "writer process exited" in body["backends"]["archive"]["reason"]
-        # The next turn cannot be archived: it ends in an error, not a `done` (and does
-        # not hang waiting for the writer).
+        # Meanwhile writes fail at once and /readyz says the archive is down (the store's
+        # contract tests hold the writer dead to see it); within its second a new one runs.
+        async with asyncio.timeout(WAIT):  # a deadline: the new writer is polled for
+            while not (await ready_now(http, server)) or not has_writer(server):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert writer_of(server) != writer
         *_, last = await client.ask("again")
-        assert (last["type"], last["error"]["code"]) == ("error", "INTERNAL_ERROR"), last
+        assert last["type"] == "done", last
+        assert "the archive writer process started again" in server.log_path.read_text()
+
+
+async def ready_now(http: aiohttp.ClientSession, server: ServerProcess) -> bool:
+    async with http.get(server.http_url + "/readyz") as probe:
+        return probe.status == 200
+
+
+def has_writer(server: ServerProcess) -> bool:
+    try:
+        writer_of(server)
+    except ValueError:  # none (or, for a moment, two)
+        return False
+    return True

@@ -659,8 +659,12 @@ EVERY_WRITER = pytest.mark.parametrize("writer", ["thread", "inline", "process"]
 IN_PROCESS_WRITERS = pytest.mark.parametrize("writer", ["thread", "inline"])
 
 
-async def open_sqlite(path: Path, writer: SqliteWriter = "thread") -> SqliteStore:
-    store = SqliteStore(path, writer=writer)
+async def open_sqlite(
+    path: Path, writer: SqliteWriter = "thread", *, respawn_delay: float = 3600.0
+) -> SqliteStore:
+    """An open archive; a writer process that dies stays dead for the test's length
+    unless the test asks for a shorter `respawn_delay`."""
+    store = SqliteStore(path, writer=writer, respawn_delay=respawn_delay)
     await store.open()
     return store
 
@@ -809,6 +813,39 @@ async def test_sqlite_writer_process_that_dies_fails_writes_and_the_archive_is_d
         assert await store.list_messages("s1") == []
     finally:
         await store.close()
+
+
+async def test_sqlite_writer_process_that_dies_is_started_again(tmp_path: Path) -> None:
+    store = await open_sqlite(tmp_path / "archive.db", "process", respawn_delay=0.05)
+    try:
+        await store.create_session(make_session())
+        first = store.writer_pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        async with asyncio.timeout(30):  # a deadline: the new writer is polled for
+            while store.writer_pid == first or not (await store.health(1.0)).ready:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        second = store.writer_pid
+        assert second is not None
+        # The new writer numbers on from what the archive holds.
+        one = await store.append_message(make_message(n=1))
+        two = await store.append_message(make_message(n=2))
+        assert (one.global_offset, two.global_offset) == (1, 2)
+        assert await store.get_session("s1") is not None
+    finally:
+        await store.close()
+    with pytest.raises(ProcessLookupError):  # the new one exits with its store too
+        os.kill(second, 0)
+
+
+def test_sqlite_auto_writer_is_a_process_on_two_cpus_and_the_thread_on_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sqlite_backend, "usable_cpus", lambda: 2)
+    assert sqlite_backend.writer_for("auto") == "process"
+    monkeypatch.setattr(sqlite_backend, "usable_cpus", lambda: 1)
+    assert sqlite_backend.writer_for("auto") == "thread"
+    assert sqlite_backend.writer_for("inline") == "inline"
 
 
 async def test_sqlite_writer_process_exits_when_its_store_closes(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import asyncio
 import fcntl
 import functools
 import logging
+import os
 import sqlite3
 import threading
 from collections import OrderedDict
@@ -57,6 +58,7 @@ from portico.store.base import (
 
 if TYPE_CHECKING:  # not imported at run time: the writer process starts faster
     from portico.config import SqliteWriter
+    from portico.store.sqlite_process import ProcessWriter
 
 log = logging.getLogger("portico.store")
 
@@ -989,10 +991,28 @@ class _SessionCache:
             self._sessions.popitem(last=False)
 
 
-# A writer process keeps its Python (rows, updates, statements) off the event loop's
-# GIL, but measured slower than the thread on a shared 2-core machine: the thread is
-# the default (config's too; docs/performance.md has the measurement).
-DEFAULT_WRITER: SqliteWriter = "thread"
+DEFAULT_WRITER: SqliteWriter = "auto"
+# Seconds between a writer process's death and the start of the next one (and between
+# two failed starts): writes fail at once meanwhile, none waits for it.
+RESPAWN_DELAY = 1.0
+
+
+def writer_for(kind: SqliteWriter) -> Literal["inline", "process", "thread"]:
+    """Where writes run. `auto`: a process of its own when this server may run on two
+    CPUs or more, where the writer's Python (rows, updates, statements) then runs
+    beside the event loop instead of taking its GIL (stream throughput +20 % on a quiet
+    2-core machine, docs/performance.md); on one CPU the thread, where a process would
+    only add a pipe's round trip to every batch."""
+    if kind != "auto":
+        return kind
+    return "process" if usable_cpus() >= 2 else "thread"
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def connect_writer(path: str, wal_size_limit: int) -> Archive:
@@ -1181,20 +1201,23 @@ class SqliteStore:
         read_only: bool = False,
         writer: SqliteWriter = DEFAULT_WRITER,
         readers: int = READERS,
+        respawn_delay: float = RESPAWN_DELAY,
     ) -> None:
         """`read_only`: a reader beside the server that owns the archive (it takes no
         lock, runs no migration or checkpoint; writes fail). `writer`: where writes run,
         the store's thread, the event loop's thread or a process of their own (an
         in-memory archive and a reader always use the store's thread: neither can be
         shared with a second connection). `readers`: how many reads may run at once,
-        each on a connection and thread of its own (`Readers`)."""
+        each on a connection and thread of its own (`Readers`). `respawn_delay`: seconds
+        before a writer process that died is started again."""
         self._path = str(path)
         self._read_only = read_only
         self._wal_size_limit = wal_size_limit
         self._checkpoint_interval = checkpoint_interval
         self._wal_restart_frames = wal_restart_frames
         in_file = self._path != ":memory:" and not read_only
-        self._writer_kind: SqliteWriter = writer if in_file else "thread"
+        self._writer_kind = writer_for(writer) if in_file else "thread"
+        self._respawn_delay = respawn_delay
         self._readers_size = readers
         # Opens the archive; with the thread writer, runs its batches.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portico-sqlite")
@@ -1207,6 +1230,7 @@ class SqliteStore:
         self._sessions = _SessionCache(SESSION_CACHE_SIZE)
         self._checkpointer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portico-wal")
         self._checkpoints: asyncio.Task[None] | None = None
+        self._supervisor: asyncio.Task[None] | None = None  # the writer process's
         self._lock: IO[bytes] | None = None
 
     # -- plumbing ---------------------------------------------------------------
@@ -1331,7 +1355,9 @@ class SqliteStore:
             # Imported here: it imports this module (the writer process runs its writes).
             from portico.store.sqlite_process import ProcessWriter
 
-            writer: BatchWriter = await ProcessWriter.start(self._path, self._wal_size_limit)
+            process = await ProcessWriter.start(self._path, self._wal_size_limit)
+            self._supervisor = asyncio.create_task(self._supervise(process))
+            writer: BatchWriter = process
         else:
             # Opened (and migrated) on the store's thread; inline, used on the loop after.
             conn = await self._in_thread(self._connect)
@@ -1342,6 +1368,28 @@ class SqliteStore:
             if self._path == ":memory:":
                 return writer, Readers.shared(conn, self._executor)
         return writer, Readers.pool(self._path, self._readers_size)
+
+    async def _supervise(self, writer: ProcessWriter) -> None:
+        """Start the writer process again whenever it dies (OOM-killed, say): the writes
+        it had not answered failed with StoreError, as do those sent until the next one
+        greets; none waits. Each write is one transaction, so a write that failed was
+        either committed whole or not at all (the client's retry of a message finds it
+        by its client id)."""
+        from portico.store.sqlite_process import ProcessWriter
+
+        while True:
+            reason = await writer.stopped()
+            log.error("%s; a new one starts in %.1f s", reason, self._respawn_delay)
+            while True:
+                await asyncio.sleep(self._respawn_delay)
+                try:
+                    writer = await ProcessWriter.start(self._path, self._wal_size_limit)
+                except (StoreError, OSError) as exc:
+                    log.error("%s; tried again in %.1f s", exc, self._respawn_delay)
+                    continue
+                self._writer = writer
+                log.info("the archive writer process started again pid=%d", writer.pid)
+                break
 
     @property
     def writer_pid(self) -> int | None:
@@ -1370,6 +1418,9 @@ class SqliteStore:
         if self._readers is not None:
             readers, self._readers = self._readers, None
             await readers.close()
+        if self._supervisor is not None:  # closing the writer is not its death
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
         if self._writer is not None:
             writer, self._writer = self._writer, None
             await writer.close()

@@ -227,6 +227,11 @@ class ProcessWriter:
             await self._process.wait()
         await self._replies
 
+    async def stopped(self) -> str:
+        """Returns once the process has exited: why (its exit code)."""
+        await asyncio.shield(self._replies)
+        return self._stopped
+
     def health(self) -> Health:
         # Ready as the thread writer is ("in process": a file beside this process).
         return Health(False, self._stopped) if self._stopped else IN_PROCESS
