@@ -36,13 +36,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -317,6 +320,19 @@ def stream_run(url: str, clients: int, seconds: float, max_turns: int) -> dict[s
         loadgen.stop()
 
 
+@contextlib.contextmanager
+def logs_kept_on_failure() -> Iterator[Path]:
+    """A folder for the replicas' logs and HAProxy's: removed after a clean run, kept
+    (and named on stderr) when a part fails, so what the replicas said can be read."""
+    root = Path(tempfile.mkdtemp(prefix="portico-replicas-"))
+    try:
+        yield root
+    except BaseException:
+        print(f"the replicas' logs are kept in {root}", file=sys.stderr)
+        raise
+    shutil.rmtree(root, ignore_errors=True)
+
+
 async def with_replicas(options: argparse.Namespace, parts: set[str]) -> None:
     schema = f"bench_{uuid.uuid4().hex[:10]}"
     conn = await asyncpg.connect(DATABASE_URL)
@@ -325,8 +341,7 @@ async def with_replicas(options: argparse.Namespace, parts: set[str]) -> None:
     extra = {**PORTICO_BENCH_ENV, **PORTICO_RESUME_ENV, "PORTICO_SESSION_STATE": "redis"}
     processes: list[subprocess.Popen[bytes]] = []
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            root = Path(tmp)
+        with logs_kept_on_failure() as root:
             started = [start(root, index, schema, prefix, extra) for index in range(REPLICAS)]
             processes = [process for process, _ in started]
             ports = [port for _, port in started]
