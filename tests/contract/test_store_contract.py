@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -1877,19 +1878,26 @@ async def test_sqlite_wal_stays_bounded_under_a_writer_that_never_pauses(
     try:
         await store.create_session(make_session())
         wal = path.with_name(path.name + "-wal")
-        largest, n = 0, 0
+        sizes: list[int] = []
+        n = 0
         deadline = asyncio.get_running_loop().time() + 1.5
         while asyncio.get_running_loop().time() < deadline:
             batch = [make_message(n=n + k, content="x" * 2000) for k in range(20)]
             await asyncio.gather(*(store.append_message(m) for m in batch))
             n += len(batch)
-            largest = max(largest, wal.stat().st_size)
+            sizes.append(wal.stat().st_size)
         assert offsets(await store.list_messages("s1")) == list(range(1, n + 1))
     finally:
         await store.close()
-    # About 40 KiB of rows a batch; restarted past 64 frames (256 KiB) and cut back to
-    # 1 MiB, the WAL stays at a few MiB. Never restarted it passes 200 MiB here.
-    assert largest < 16 * 1024 * 1024, f"WAL reached {largest} bytes after {n} messages"
+    # About 40 KiB of rows a batch. A passive checkpoint never shrinks the WAL; a restart
+    # past 64 frames (256 KiB) lets the next write cut it back to 1 MiB. How far it grows
+    # between two restarts is the write rate times a checkpoint's fsyncs, which a busy
+    # disk stretches (24 MiB seen under CI's load, a few MiB on a quiet machine), so the
+    # test asks for the cuts and only a loose ceiling (never restarted, the WAL holds
+    # every row written: 40-200 MiB in 1.5 s on the machines seen here).
+    cuts = sum(1 for old, new in itertools.pairwise(sizes) if new < old and new <= 2 << 20)
+    assert cuts >= 1, f"the WAL was never cut back: {max(sizes)} bytes after {n} messages"
+    assert max(sizes) < 64 << 20, f"WAL reached {max(sizes)} bytes after {n} messages"
 
 
 @IN_PROCESS_WRITERS
