@@ -1352,10 +1352,7 @@ class SqliteStore:
     async def _start_writer(self) -> tuple[BatchWriter, Readers]:
         """The writer (its schema migrated), and where reads run."""
         if self._writer_kind == "process":
-            # Imported here: it imports this module (the writer process runs its writes).
-            from portico.store.sqlite_process import ProcessWriter
-
-            process = await ProcessWriter.start(self._path, self._wal_size_limit)
+            process = await self._start_process()
             self._supervisor = asyncio.create_task(self._supervise(process))
             writer: BatchWriter = process
         else:
@@ -1369,27 +1366,33 @@ class SqliteStore:
                 return writer, Readers.shared(conn, self._executor)
         return writer, Readers.pool(self._path, self._readers_size)
 
+    async def _start_process(self) -> ProcessWriter:
+        # Imported here: it imports this module (the writer process runs its writes).
+        from portico.store.sqlite_process import ProcessWriter
+
+        return await ProcessWriter.start(self._path, self._wal_size_limit)
+
     async def _supervise(self, writer: ProcessWriter) -> None:
         """Start the writer process again whenever it dies (OOM-killed, say): the writes
         it had not answered failed with StoreError, as do those sent until the next one
         greets; none waits. Each write is one transaction, so a write that failed was
         either committed whole or not at all (the client's retry of a message finds it
         by its client id)."""
-        from portico.store.sqlite_process import ProcessWriter
-
         while True:
             reason = await writer.stopped()
             log.error("%s; a new one starts in %.1f s", reason, self._respawn_delay)
-            while True:
-                await asyncio.sleep(self._respawn_delay)
-                try:
-                    writer = await ProcessWriter.start(self._path, self._wal_size_limit)
-                except (StoreError, OSError) as exc:
-                    log.error("%s; tried again in %.1f s", exc, self._respawn_delay)
-                    continue
-                self._writer = writer
-                log.info("the archive writer process started again pid=%d", writer.pid)
-                break
+            writer = await self._restarted_process()
+            self._writer = writer
+            log.info("the archive writer process started again pid=%d", writer.pid)
+
+    async def _restarted_process(self) -> ProcessWriter:
+        """A new writer process, tried every `respawn_delay` until one starts."""
+        while True:
+            await asyncio.sleep(self._respawn_delay)
+            try:
+                return await self._start_process()
+            except (StoreError, OSError) as exc:
+                log.error("%s; tried again in %.1f s", exc, self._respawn_delay)
 
     @property
     def writer_pid(self) -> int | None:
