@@ -534,6 +534,43 @@ async def test_the_turn_lock_names_its_holder_with_an_increasing_token_and_lapse
     assert await b.renew_all() == ["s9"]  # rep-b finds it lost
 
 
+async def test_a_renewal_arriving_after_the_release_does_not_take_the_lock_back(
+    redis: Any,
+) -> None:
+    """A renewal sent before the turn's end and answered after its release found the
+    lock gone and took it again: the session stayed locked for a lease, and a message
+    sent to another replica got `TURN_IN_PROGRESS` (bench/replicas.py, first chunk)."""
+    a = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-a", lease=30, fence_ttl=90)
+    b = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-b", lease=30, fence_ttl=90)
+    assert await a.acquire("s11") is True
+    value = a._held["s11"]
+    await a.release("s11")
+    token = value.rpartition("|")[2]
+    late = await a._renew(keys=a._keys("s11"), args=[value, 30_000, 90_000, token])
+    assert late == 0
+    assert await b.acquire("s11") is True
+
+
+async def test_a_lock_released_while_the_renewals_run_is_neither_renewed_nor_lost(
+    redis: Any,
+) -> None:
+    a = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-a", lease=30, fence_ttl=90)
+    b = TurnLocks(redis, prefix=redis.test_prefix, replica_id="rep-b", lease=30, fence_ttl=90)
+    for session in ("s12", "s13", "s14"):
+        assert await a.acquire(session) is True
+    renew = a._renew
+
+    async def turn_ends_meanwhile(**kwargs: Any) -> Any:
+        if a.holds("s13"):
+            await a.release("s13")  # the turn of s13 ends while s12 is renewed
+        return await renew(**kwargs)
+
+    a._renew = turn_ends_meanwhile
+    assert await a.renew_all() == []
+    assert await b.acquire("s13") is True
+    assert await b.acquire("s12") is False  # the others are still held, and renewed
+
+
 async def test_a_turn_on_the_other_replica_is_seen_as_running_elsewhere(
     redis: Any, gate: Gate
 ) -> None:

@@ -68,9 +68,13 @@ return value
 """
 )
 # The counter outlives the turn's end by its expiry (a turn's end may still be written
-# after the release, turn_end_retry_window).
+# after the release, turn_end_retry_window). It moves past the released token: a
+# renewal of it already on its way (sent before the release, arriving after) then
+# finds a grant came since and does not take the free lock back, which would hold the
+# session for a lease against every other replica (seen in bench/replicas.py).
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('INCR', KEYS[2])
   redis.call('PEXPIRE', KEYS[2], ARGV[2])
   return redis.call('DEL', KEYS[1])
 end
@@ -164,11 +168,15 @@ class TurnLocks:
         another replica took it: this replica paused longer than the lease)."""
         lost: list[str] = []
         for session_id, value in list(self._held.items()):
+            # Each renewal awaits Redis: a turn that ended meanwhile released its lock,
+            # which is neither renewed nor lost.
+            if self._held.get(session_id) != value:
+                continue
             token = value.rpartition("|")[2]
             kept = await self._renew(
                 keys=self._keys(session_id),
                 args=[value, self._lease_ms, self._fence_ttl_ms, token],
             )
-            if not kept:
+            if not kept and self._held.get(session_id) == value:
                 lost.append(session_id)
         return lost
