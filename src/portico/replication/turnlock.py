@@ -166,17 +166,23 @@ class TurnLocks:
     async def renew_all(self) -> list[str]:
         """Extend every lock held here; the sessions whose lock was lost (it lapsed and
         another replica took it: this replica paused longer than the lease)."""
-        lost: list[str] = []
-        for session_id, value in list(self._held.items()):
-            # Each renewal awaits Redis: a turn that ended meanwhile released its lock,
-            # which is neither renewed nor lost.
-            if self._held.get(session_id) != value:
-                continue
-            token = value.rpartition("|")[2]
-            kept = await self._renew(
-                keys=self._keys(session_id),
-                args=[value, self._lease_ms, self._fence_ttl_ms, token],
-            )
-            if not kept and self._held.get(session_id) == value:
-                lost.append(session_id)
-        return lost
+        held = list(self._held.items())
+        if not held:
+            return []
+        # One round trip for all (a replica may hold thousands).
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for session_id, value in held:
+                token = value.rpartition("|")[2]
+                await self._renew(
+                    keys=self._keys(session_id),
+                    args=[value, self._lease_ms, self._fence_ttl_ms, token],
+                    client=pipe,
+                )
+            kept = await pipe.execute()
+        # A turn that ended meanwhile released its lock: neither renewed (its release
+        # moved the token on) nor lost.
+        return [
+            session_id
+            for (session_id, value), renewed in zip(held, kept, strict=True)
+            if not renewed and self._held.get(session_id) == value
+        ]
