@@ -142,9 +142,10 @@ class Services:
         # Starting, admitting, draining (a stop signal: no new upgrades or turns, running
         # turns may finish) or stopped: core/lifecycle.py, driven by server/drain.py.
         self.lifecycle: Lifecycle[LiveConnection] = Lifecycle(drain_timeout=settings.drain_timeout)
-        # Added and removed by ServerSocket.serve around each connection's life (a plain set:
-        # a WeakSet's weakref and callback cost ~480 bytes per idle connection).
-        self.connections: set[LiveConnection] = set()
+        # Added and removed by ServerSocket.serve around each connection's life. A dict
+        # used as a set: a WeakSet's weakref and callback cost ~480 bytes per idle
+        # connection, a set's table ~50 at 10,000, a compact dict's ~30.
+        self.connections: dict[LiveConnection, None] = {}
         self.slots = ConnectionSlots(settings.max_connections)
         # The sockets' far deadlines (keepalive pings), on one loop timer per second.
         self.deadlines = DeadlineWheel()

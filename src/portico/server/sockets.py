@@ -236,7 +236,7 @@ class ServerSocket(ABC):
         services, protocol = self._services, self.protocol
         services.metrics.connections.labels(protocol).inc()
         services.metrics.connections_open.labels(protocol).inc()
-        services.connections.add(self)
+        services.connections[self] = None
         log.info("connection opened protocol=%s %s", protocol, self.describe())
         if self.authenticates_in_band:
             self._await_handshake()
@@ -264,7 +264,7 @@ class ServerSocket(ABC):
         finally:
             if isinstance(self._admission, str):
                 services.principals.give(self._admission)
-            services.connections.discard(self)
+            services.connections.pop(self, None)
             services.metrics.connections_open.labels(self.protocol).dec()
             services.slots.give()
 
