@@ -35,7 +35,7 @@ import uvloop
 
 from portico.domain.model import Message, Session, Turn
 from portico.domain.states import TurnState
-from portico.store import sqlite
+from portico.store import sqlite, sqlite_writes
 
 Span = tuple[float, int]  # seconds, writes in the batch
 
@@ -57,16 +57,16 @@ class Probe:
         self.statements: dict[str, list[float]] = defaultdict(list)
 
     def __enter__(self) -> Probe:
-        commit, execute = sqlite.commit_batch, sqlite.Archive.execute
+        commit, execute = sqlite.commit_batch, sqlite_writes.Archive.execute
 
-        def timed_commit(conn: sqlite.Archive, writes: Sequence[sqlite.Write]) -> Any:
+        def timed_commit(conn: sqlite_writes.Archive, writes: Sequence[sqlite_writes.Write]) -> Any:
             start = time.perf_counter()
             try:
                 return commit(conn, writes)
             finally:
                 self.batches.append((time.perf_counter() - start, len(writes)))
 
-        def timed_execute(conn: sqlite.Archive, statement: str, *args: Any) -> Any:
+        def timed_execute(conn: sqlite_writes.Archive, statement: str, *args: Any) -> Any:
             start = time.perf_counter()
             try:
                 return execute(conn, statement, *args)
@@ -75,10 +75,11 @@ class Probe:
 
         self._restore: Callable[[], None] = lambda: (
             setattr(sqlite, "commit_batch", commit),
-            setattr(sqlite.Archive, "execute", execute),
+            setattr(sqlite_writes.Archive, "execute", execute),
         )
-        sqlite.commit_batch = timed_commit  # type: ignore[assignment]
-        sqlite.Archive.execute = timed_execute  # type: ignore[method-assign, assignment]
+        # Where the store's thread and inline writers look it up.
+        sqlite.commit_batch = timed_commit  # type: ignore[attr-defined]
+        sqlite_writes.Archive.execute = timed_execute  # type: ignore[method-assign, assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:

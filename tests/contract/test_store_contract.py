@@ -41,12 +41,13 @@ from portico.domain.states import TERMINAL_TURN_STATES, ToolCallState, TurnState
 from portico.domain.trace import TraceEvent
 from portico.errors import DuplicateClientId, StoreError
 from portico.store import postgres as postgres_backend
-from portico.store import rows
+from portico.store import rows, sqlite_writes
 from portico.store import sqlite as sqlite_backend
 from portico.store.base import Store, collecting_updates
 from portico.store.memory import MemoryStore
 from portico.store.postgres import PostgresStore
-from portico.store.sqlite import MIGRATIONS, SqliteStore
+from portico.store.sqlite import SqliteStore
+from portico.store.sqlite_writes import MIGRATIONS
 from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
 
 StoreFactory = Callable[[Path], Awaitable[Store]]
@@ -1578,11 +1579,11 @@ async def test_sqlite_migrates_a_database_of_the_previous_schema(tmp_path: Path)
         await store.close()
 
 
-class AppendThenFail(sqlite_backend.Write, frozen=True):
+class AppendThenFail(sqlite_writes.Write, frozen=True):
     """A write only this process's writers can run (the writer process knows its own)."""
 
-    def run(self, conn: sqlite_backend.Archive, out: list[Update]) -> None:
-        sqlite_backend._append_message(conn, out, make_message(n=50))
+    def run(self, conn: sqlite_writes.Archive, out: list[Update]) -> None:
+        sqlite_writes._append_message(conn, out, make_message(n=50))
         raise RuntimeError("fails after its update was logged")
 
 
@@ -1613,12 +1614,12 @@ async def test_sqlite_write_failing_after_logging_rolls_its_update_back(
         await store.close()
 
 
-class WhereRun(sqlite_backend.Write, frozen=True):
+class WhereRun(sqlite_writes.Write, frozen=True):
     """Returns the thread the writer ran it on."""
 
     RESULT = int
 
-    def run(self, conn: sqlite_backend.Archive, out: list[Update]) -> int:
+    def run(self, conn: sqlite_writes.Archive, out: list[Update]) -> int:
         return threading.get_ident()
 
 
@@ -1656,7 +1657,7 @@ async def test_sqlite_writes_queued_in_one_loop_pass_share_one_transaction(
 
 @contextlib.asynccontextmanager
 async def while_reading(
-    store: SqliteStore, read: Callable[[sqlite_backend.Archive, Callable[[], None]], int]
+    store: SqliteStore, read: Callable[[sqlite_writes.Archive, Callable[[], None]], int]
 ) -> AsyncIterator[asyncio.Future[int]]:
     """Runs the body while `read` is in progress on a reading thread of the store's,
     paused where it calls the `pause` it is given; the body must end without it."""
@@ -1676,7 +1677,7 @@ async def while_reading(
         release.set()
 
 
-def count_after_pause(conn: sqlite_backend.Archive, pause: Callable[[], None]) -> int:
+def count_after_pause(conn: sqlite_writes.Archive, pause: Callable[[], None]) -> int:
     """Counts the messages once released: what was committed while it was paused."""
     pause()
     count: int = conn.execute("SELECT COUNT(*) FROM messages").fetchone()[0]
@@ -1707,9 +1708,9 @@ async def test_sqlite_a_wal_restart_does_not_wait_for_a_read_in_progress(
     """A RESTART waits for the reads of the WAL to end, holding the writer: it gives up
     after a moment instead (tried again at the next checkpoint), so writes go on."""
     # Far longer than the guard of `while_reading`: waiting for the read would hang.
-    monkeypatch.setattr(sqlite_backend, "WRITER_BUSY_TIMEOUT_MS", 600_000)
+    monkeypatch.setattr(sqlite_writes, "WRITER_BUSY_TIMEOUT_MS", 600_000)
 
-    def count_on_a_snapshot(conn: sqlite_backend.Archive, pause: Callable[[], None]) -> int:
+    def count_on_a_snapshot(conn: sqlite_writes.Archive, pause: Callable[[], None]) -> int:
         cursor = conn.execute("SELECT id FROM messages")
         cursor.fetchone()  # a snapshot of the WAL, held until the read ends
         pause()
@@ -1922,7 +1923,9 @@ async def test_sqlite_wal_restart_finds_the_wal_already_copied(
     try:
         await store.create_session(make_session())
         await asyncio.gather(*(store.append_message(make_message(n=n)) for n in range(40)))
+        # The store runs the PASSIVEs, its writer the RESTART (`restart_wal`).
         monkeypatch.setattr(sqlite_backend, "checkpoint", recorded)
+        monkeypatch.setattr(sqlite_writes, "checkpoint", recorded)
         await store._checkpoint_once(checkpointer)
     finally:
         checkpointer.close()

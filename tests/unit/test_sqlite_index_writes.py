@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from portico.store import rows
-from portico.store import sqlite as sqlite_backend
+from portico.store import rows, sqlite_writes
 
 
 def written_indexes(conn: sqlite3.Connection, statement: str, params: int) -> set[int]:
@@ -27,11 +26,11 @@ def index_roots(conn: sqlite3.Connection, table: str) -> dict[str, int]:
 
 
 def test_a_turns_end_does_not_rewrite_its_per_session_index_entry() -> None:
-    conn = sqlite_backend.connect_writer(":memory:", 1 << 20)
+    conn = sqlite_writes.connect_writer(":memory:", 1 << 20)
     try:
         roots = index_roots(conn, "turns")
         # Bound with a whole turn row, as `_save_turn` binds it.
-        written = written_indexes(conn, sqlite_backend._REPLACE_TURN, len(rows.TURN_COLUMNS))
+        written = written_indexes(conn, sqlite_writes._REPLACE_TURN, len(rows.TURN_COLUMNS))
     finally:
         conn.close()
     # A turn's session and creation time never change: (session_id, created_at) stays.
@@ -41,10 +40,10 @@ def test_a_turns_end_does_not_rewrite_its_per_session_index_entry() -> None:
 
 
 def test_logging_an_update_writes_no_index_but_its_key() -> None:
-    conn = sqlite_backend.connect_writer(":memory:", 1 << 20)
+    conn = sqlite_writes.connect_writer(":memory:", 1 << 20)
     try:
         roots = index_roots(conn, "updates")
-        statement = sqlite_backend.SQL.insert_update
+        statement = sqlite_writes.SQL.insert_update
         written = written_indexes(conn, statement, len(rows.UPDATE_COLUMNS))
     finally:
         conn.close()

@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import msgspec
-
 from portico.domain.model import Message, message_text
+from portico.domain.summary import SummaryItem, summary_items
 from portico.runtime.base import Summarizer
 
 log = logging.getLogger("portico.compaction")
@@ -21,14 +20,6 @@ ITEM_CHARS = 280  # each summarised message keeps at most this many characters
 MAX_ITEMS = 100  # the newest items are kept when there are more
 # A summary's metadata: the `global_offset` of the last message it covers.
 SUMMARY_THROUGH = "summary_through"
-
-
-class SummaryItem(msgspec.Struct, frozen=True):
-    role: str
-    text: str
-
-
-_items_decoder = msgspec.json.Decoder(list[SummaryItem])
 
 
 def since_latest_summary(messages: Sequence[Message]) -> list[Message]:
@@ -61,7 +52,7 @@ def summarize(history: Sequence[Message], instruction: str = "") -> list[Summary
         items.append(SummaryItem("instruction", instruction[:ITEM_CHARS]))
     for message in history:
         if message.content_type == "summary":
-            items.extend(_earlier_items(message))
+            items.extend(summary_items(message))
         elif message.content_type in ("text", "markdown") and message_text(message):
             items.append(SummaryItem(message.role, _shorten(message_text(message))))
     return items[-MAX_ITEMS:]
@@ -91,23 +82,6 @@ def model_summary_items(text: str, instruction: str = "") -> list[SummaryItem]:
     """A model's summary in the same list-of-items format as the extractive one."""
     items = [SummaryItem("instruction", instruction[:ITEM_CHARS])] if instruction else []
     return [*items, SummaryItem("summary", text.strip())]
-
-
-def summary_text(summary: Message) -> str:
-    """A summary message as text for a model: the model's summary, or one line per item."""
-    return "\n".join(
-        item.text if item.role == "summary" else f"{item.role}: {item.text}"
-        for item in _earlier_items(summary)
-    )
-
-
-def _earlier_items(summary: Message) -> list[SummaryItem]:
-    try:
-        return [
-            item for item in _items_decoder.decode(summary.content) if item.role != "instruction"
-        ]
-    except msgspec.DecodeError:
-        return []
 
 
 def _shorten(text: str) -> str:

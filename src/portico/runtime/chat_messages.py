@@ -25,8 +25,8 @@ from typing import Any
 
 import msgspec
 
-from portico.core.compaction import summary_text
 from portico.domain.model import ContentPart, MediaContent, Message, message_text
+from portico.domain.summary import summary_text
 from portico.errors import PorticoError
 
 log = logging.getLogger("portico.runtime")

@@ -3,11 +3,11 @@
 The writes' Python (rows, update entries, statements) ran on a thread of the
 serving process and took the GIL from the event loop for about half the time under
 a stream load (docs/performance.md). Here one child process owns the writing
-connection and runs the same batches (`sqlite.commit_batch`); the server keeps its
+connection and runs the same batches (`sqlite_writes.commit_batch`); the server keeps its
 reads on a read-only connection of its own (WAL lets readers run beside the writer).
 
 The two speak length-prefixed msgpack frames over the child's stdin and stdout. A
-request is a batch of writes (each a `sqlite.Write`: its name and arguments), a WAL
+request is a batch of writes (each a `sqlite_writes.Write`: its name and arguments), a WAL
 restart or a close; each has one reply, in order. A batch's reply holds each write's
 result (msgpack, decoded as the write's `RESULT`) or error, and the updates it
 logged (as update rows). The child answers a batch once it committed, so what is
@@ -40,7 +40,7 @@ from portico.errors import DuplicateClientId, StoreError
 from portico.health import IN_PROCESS, Health
 from portico.store import rows
 from portico.store.base import as_store_error
-from portico.store.sqlite import (
+from portico.store.sqlite_writes import (
     WRITES,
     Archive,
     Outcome,
