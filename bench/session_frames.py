@@ -75,7 +75,9 @@ async def _session() -> tuple[LiveSession, SessionLedger, int]:
 def _socket(live: LiveSession, epoch: int) -> SessionSocket:
     """A connection that holds `live`, as after a handshake, on a stub transport."""
     engine = SimpleNamespace(is_busy=lambda session_id: False)
-    services: Any = SimpleNamespace(settings=Settings(), metrics=Metrics(), engine=engine)
+    services: Any = SimpleNamespace(
+        settings=Settings(), metrics=Metrics(), engine=engine, loop=asyncio.get_running_loop()
+    )
     request: Any = SimpleNamespace(
         transport=_Transport(),
         app={LIVE_SESSIONS: {}},
