@@ -829,6 +829,8 @@ async def test_sqlite_writer_process_that_dies_is_started_again(tmp_path: Path) 
                 await asyncio.sleep(0.02)
         second = store.writer_pid
         assert second is not None
+        # /readyz names the process that writes now.
+        assert (await store.health(1.0)).reason == f"writer process {second}"
         # The new writer numbers on from what the archive holds.
         one = await store.append_message(make_message(n=1))
         two = await store.append_message(make_message(n=2))

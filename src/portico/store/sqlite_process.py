@@ -37,7 +37,7 @@ import msgspec
 
 import portico
 from portico.errors import DuplicateClientId, StoreError
-from portico.health import IN_PROCESS, Health
+from portico.health import Health
 from portico.store import rows
 from portico.store.base import as_store_error
 from portico.store.sqlite_writes import (
@@ -233,8 +233,11 @@ class ProcessWriter:
         return self._stopped
 
     def health(self) -> Health:
-        # Ready as the thread writer is ("in process": a file beside this process).
-        return Health(False, self._stopped) if self._stopped else IN_PROCESS
+        # Ready as the thread writer is (a file beside this process), and says where the
+        # writes run: an operator reading /readyz sees the process to look for.
+        if self._stopped:
+            return Health(False, self._stopped)
+        return Health(True, f"writer process {self.pid}")
 
 
 def _encode_write(write: Write) -> msgspec.Raw | StoreError:
