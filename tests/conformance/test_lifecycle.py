@@ -23,6 +23,16 @@ async def open_client(http: aiohttp.ClientSession, server: ServerProcess) -> Omn
     return OmniaClient(await http.ws_connect(server.ws_url))
 
 
+def writer_of(server_pid: int) -> str:
+    """What /readyz says of the SQLite archive: its writer process (a child of the
+    server's) on two CPUs or more (`sqlite_writer: auto`), else the thread."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    writers = [
+        pid for pid in children if "sqlite_process" in Path(f"/proc/{pid}/cmdline").read_text()
+    ]
+    return f"writer process {writers[0]}" if writers else "in process"
+
+
 async def test_probes_report_live_and_ready(http: aiohttp.ClientSession, tmp_path: Path) -> None:
     server = scripted(tmp_path).start()
     try:
@@ -31,12 +41,15 @@ async def test_probes_report_live_and_ready(http: aiohttp.ClientSession, tmp_pat
         async with http.get(server.http_url + "/readyz") as ready:
             assert ready.status == 200
             body = await ready.json()
+        assert server.process is not None
+        archive = body["backends"].pop("archive")
+        assert archive["state"] == "ready"
+        assert archive["reason"] == writer_of(server.process.pid), archive
     finally:
         server.stop()
     assert body["status"] == "ready"
     # Every backend is named with its state; the embedded ones run in this process.
     assert body["backends"] == {
-        "archive": {"state": "ready", "reason": "in process"},
         "bus": {"state": "ready", "reason": "in process"},
         "session_state": {"state": "ready", "reason": "in process"},
         "media": {"state": "ready", "reason": "in process"},
