@@ -57,7 +57,8 @@ class Probe:
         self.statements: dict[str, list[float]] = defaultdict(list)
 
     def __enter__(self) -> Probe:
-        commit, execute = sqlite.commit_batch, sqlite_writes.Archive.execute
+        # Patched where the store's thread and inline writers look it up (sqlite imports it).
+        commit, execute = getattr(sqlite, "commit_batch"), sqlite_writes.Archive.execute  # noqa: B009
 
         def timed_commit(conn: sqlite_writes.Archive, writes: Sequence[sqlite_writes.Write]) -> Any:
             start = time.perf_counter()
@@ -73,10 +74,11 @@ class Probe:
             finally:
                 self.statements[statement.split("(")[0][:48]].append(time.perf_counter() - start)
 
-        self._restore: Callable[[], None] = lambda: (
-            setattr(sqlite, "commit_batch", commit),
-            setattr(sqlite_writes.Archive, "execute", execute),
-        )
+        def restore() -> None:
+            setattr(sqlite, "commit_batch", commit)  # noqa: B010
+            setattr(sqlite_writes.Archive, "execute", execute)  # noqa: B010
+
+        self._restore: Callable[[], None] = restore
         # Where the store's thread and inline writers look it up.
         sqlite.commit_batch = timed_commit  # type: ignore[attr-defined]
         sqlite_writes.Archive.execute = timed_execute  # type: ignore[method-assign, assignment]

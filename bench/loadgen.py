@@ -42,7 +42,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import uvloop
@@ -789,7 +789,7 @@ class VoicePeer(Peer):
             self.sent_at[sequence] = now
             tally.sent += 1
             tally.lags.append(now - due)
-        self.conn.send_binary(data)
+        self.conn.send_binary(cast(bytes, data))  # picows sends a bytearray as it is
 
 
 async def pace_voice(peers: Sequence[VoicePeer], start: float, until: float) -> None:

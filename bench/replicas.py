@@ -47,7 +47,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import asyncpg
@@ -210,10 +210,15 @@ async def read_floor(key: str, count: int, bare: bool, ready: Any) -> list[float
     samples: list[float] = []
     if bare:
         redis = Redis.from_url(REDIS_URL)
-        last = "0-0"
+        last: str | bytes = "0-0"
         ready.set()
         while len(samples) < count:
-            for _, entries in await redis.xread({key: last}, block=1000) or ():
+            # RESP2's shape (redis-py's type is the union of RESP2's and RESP3's).
+            reply = cast(
+                list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]],
+                await redis.xread({key: last}, block=1000) or [],
+            )
+            for _, entries in reply:
                 now = time.perf_counter()
                 for entry_id, fields in entries:
                     last = entry_id
