@@ -17,7 +17,7 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from portico.bus.port import Bus
 from portico.core.events import TurnEvent
@@ -46,8 +46,10 @@ from portico.replication.codec import (
 )
 from portico.replication.ordering import UpdateOrder
 from portico.replication.relay import Relay, owner_topic, session_topic
-from portico.replication.turnlock import TurnLocks
 from portico.store.base import Store
+
+if TYPE_CHECKING:  # redis-py, which it imports, is an optional extra (`portico[redis]`)
+    from portico.replication.turnlock import TurnLocks
 
 log = logging.getLogger("portico.replication")
 CONTROL_TIMEOUT = 5.0  # seconds a replica waits for another one's answer to control
