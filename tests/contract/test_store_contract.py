@@ -1889,27 +1889,29 @@ async def test_sqlite_wal_stays_bounded_under_a_writer_that_never_pauses(
         sizes: list[int] = []
         n = 0
         loop = asyncio.get_running_loop()
-        # At least 1.5 s of writes, and on until the first cut: under a loaded CI a
-        # restart may not fit in the first 1.5 s (seen once), but never in 15.
-        least, most = loop.time() + 1.5, loop.time() + 15
-        while loop.time() < least or (not wal_cuts(sizes) and loop.time() < most):
+        # At least 1.5 s of writes, then on until the WAL has been cut back twice (it is
+        # restarted again and again, not once), within 30 s and a 256 MiB WAL: never
+        # restarted, it holds every row written (40-200 MiB in 1.5 s here).
+        least, most = loop.time() + 1.5, loop.time() + 30
+        while (loop.time() < least or wal_cuts(sizes) < 2) and loop.time() < most:
             batch = [make_message(n=n + k, content="x" * 2000) for k in range(20)]
             await asyncio.gather(*(store.append_message(m) for m in batch))
             n += len(batch)
             sizes.append(wal.stat().st_size)
+            if sizes[-1] > 256 << 20:
+                break
         assert offsets(await store.list_messages("s1")) == list(range(1, n + 1))
     finally:
         await store.close()
     # About 40 KiB of rows a batch. A passive checkpoint never shrinks the WAL; a restart
     # past 64 frames (256 KiB) lets the next write cut it back to 1 MiB. How far it grows
     # between two restarts is the write rate times a checkpoint's fsyncs, which a busy
-    # disk stretches (24 MiB seen under CI's load, a few MiB on a quiet machine), so the
-    # test asks for the cuts and only a loose ceiling (never restarted, the WAL holds
-    # every row written: 40-200 MiB in 1.5 s on the machines seen here).
-    assert wal_cuts(sizes) >= 1, (
-        f"the WAL was never cut back: {max(sizes)} bytes after {n} messages"
+    # disk stretches (67 MiB seen under CI's load before the first cut, a few MiB on a
+    # quiet machine): the test asks for repeated cuts, not a peak.
+    assert wal_cuts(sizes) >= 2, (
+        f"the WAL was cut back {wal_cuts(sizes)} times: {max(sizes)} bytes at most, "
+        f"after {n} messages"
     )
-    assert max(sizes) < 64 << 20, f"WAL reached {max(sizes)} bytes after {n} messages"
 
 
 @IN_PROCESS_WRITERS
