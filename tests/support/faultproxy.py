@@ -809,7 +809,9 @@ class FaultProxy:
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        self._session = aiohttp.ClientSession()
+        # No cap on upstream connections: aiohttp's default of 100 would hold the 101st
+        # upgrade of a long chaos run until the timeout (seen with 200 cuts).
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self
 
     async def stop(self) -> None:
