@@ -334,6 +334,13 @@ class LiveSession:
         self._turn_over(turn_id)
         self._number(frame, turn_id)
 
+    def ended_before(self, turn_ids: tuple[str, ...]) -> None:
+        """Turns whose terminal message the ledger held when this copy took the session
+        over (newest first, as the port lists them): their events, still arriving over
+        the bus from the replica that ran them, are not numbered a second time."""
+        for turn_id in reversed(turn_ids):
+            self._turn_over(turn_id)
+
     def _turn_over(self, turn_id: str) -> None:
         self._ended_turns[turn_id] = None
         if len(self._ended_turns) > ENDED_TURNS_KEPT:
@@ -607,6 +614,7 @@ class SessionSocket(ServerSocket):
         # One step (one round trip in Redis): no other claim comes between.
         snapshot = await states.claim_and_load(session_id)
         live = self._live_session(profile, session_id, snapshot)
+        live.ended_before(snapshot.ended_turns)
         # The claim fenced the previous holder: the turns it did not end in the
         # ledger are this replica's to answer now.
         _spawn(
