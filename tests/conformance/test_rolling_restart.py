@@ -7,7 +7,9 @@ and the one answer a message gets when it reaches a replica in the instant it st
 draining (`RATE_LIMITED` "draining": sent again after the reconnect). `/ws` continues
 by session id, RPC recovers from its offset; every turn completes, none is lost.
 
-`/v1/session` is not here: its resume ledger is still in each process (docs/replicas.md).
+A `/v1/session` client (the SDK, which resumes by itself) chats through the balancer
+too: its session state is in Redis, so each resume lands on any replica, and every
+reply arrives once, whole and in order (seqs 1..n).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from portico.client import ReconnectPolicy, SessionClient
 from portico.domain.states import TurnState
 from portico.store.postgres import PostgresStore
 from support.omnia import OmniaClient
@@ -190,6 +193,29 @@ async def rpc_chatter(
                 offset = max([offset or 0, *probe.offsets(), *probe.gaps])
 
 
+async def session_chatter(url: str, stop: asyncio.Event, stats: Stats) -> None:
+    """The SDK's resumable session: a drain's 1001 is a resume wherever the balancer
+    sends it; a message a draining replica refused is sent again."""
+    policy = ReconnectPolicy(initial=0.05, maximum=0.5, give_up_after=60.0)
+    seqs: list[int] = []
+    async with SessionClient(url + "/v1/session", reconnect=policy) as client:
+        while not stop.is_set():
+            text = f"s{stats.turns} says hello"
+            reply = await client.ask(text, metadata={"mock_scenario": "echo"})
+            stats.moves = client.connections - 1  # each later connection is a resume
+            if reply.error is not None:
+                assert reply.error.code == "RATE_LIMITED", reply.error
+                assert "draining" in reply.error.message, reply.error
+                stats.shed += 1
+                continue
+            assert reply.text == text, (text, reply.frames)
+            seqs += [frame.seq or 0 for frame in reply.frames]
+            stats.session_id = client.session_id or ""
+            stats.turns += 1
+            await asyncio.sleep(PAUSE)
+    assert seqs == list(range(1, len(seqs) + 1)), seqs  # every message once, in order
+
+
 def completed(probe: RpcProbe, session_id: str) -> set[str]:
     """Ids of the session's turns this client has seen complete (on any connection)."""
     return {
@@ -218,14 +244,16 @@ async def test_a_rolling_restart_costs_the_clients_nothing_but_the_reconnect(
 ) -> None:
     group, schema = replicas
     stop = asyncio.Event()
-    ws, rpc = Stats(), Stats()
+    ws, rpc, session = Stats(), Stats(), Stats()
     chatters = {
         "ws": asyncio.create_task(ws_chatter(http, group.ws_url, stop, ws)),
         "rpc": asyncio.create_task(rpc_chatter(http, group.ws_url, stop, rpc)),
+        "session": asyncio.create_task(session_chatter(group.ws_url, stop, session)),
     }
+    clients = ((ws, "ws"), (rpc, "rpc"), (session, "session"))
     try:
         async with asyncio.timeout(TEST_DEADLINE):
-            for stats, name in ((ws, "ws"), (rpc, "rpc")):
+            for stats, name in clients:
                 await keep_chatting(stats, chatters[name], TURNS_AFTER)
             for index in range(REPLICAS):
                 # SIGTERM, wait for the exit (the drain), start again, back in rotation.
@@ -237,7 +265,7 @@ async def test_a_rolling_restart_costs_the_clients_nothing_but_the_reconnect(
                             raise AssertionError(f"the {name} client stopped")
                     await asyncio.sleep(0.05)
                 await restart
-            for stats, name in ((ws, "ws"), (rpc, "rpc")):
+            for stats, name in clients:
                 await keep_chatting(stats, chatters[name], TURNS_AFTER)
             stop.set()
             await asyncio.gather(*chatters.values())
@@ -249,7 +277,7 @@ async def test_a_rolling_restart_costs_the_clients_nothing_but_the_reconnect(
     # Every replica held each client at some point, so each was moved at least once;
     # every close frame a client read said 1001 (None: the connection dropped as the
     # client wrote, see `close_code`), and an RPC client always recovered.
-    for stats in (ws, rpc):
+    for stats in (ws, rpc, session):
         assert stats.moves >= 1, stats
         assert set(stats.closes) <= {1001, None}, stats
     assert rpc.recovered == rpc.moves
@@ -265,7 +293,7 @@ async def test_a_rolling_restart_costs_the_clients_nothing_but_the_reconnect(
     archive = PostgresStore(schema_url(schema), pool_size=1)
     await archive.open()
     try:
-        for stats in (ws, rpc):
+        for stats in (ws, rpc, session):
             turns = await archive.list_turns(stats.session_id)
             assert [t.state for t in turns] == [TurnState.COMPLETED] * stats.turns, stats
             messages = await archive.list_messages(stats.session_id, limit=10_000)
