@@ -614,7 +614,6 @@ class SessionSocket(ServerSocket):
         # One step (one round trip in Redis): no other claim comes between.
         snapshot = await states.claim_and_load(session_id)
         live = self._live_session(profile, session_id, snapshot)
-        live.ended_before(snapshot.ended_turns)
         # The claim fenced the previous holder: the turns it did not end in the
         # ledger are this replica's to answer now.
         _spawn(
@@ -721,6 +720,7 @@ class SessionSocket(ServerSocket):
             sessions=self._sessions,
             profile=profile,
         )
+        live.ended_before(snapshot.ended_turns)  # as the numbering it continues
         self._epoch = snapshot.epoch
         self._sessions[session_id] = live
         engine = self._services.engine
