@@ -28,7 +28,7 @@ from support.postgres import (
 )
 from support.private_redis import PrivateRedis
 from support.redis import session_state
-from support.replicas import REPLICAS, Replicas, require_haproxy
+from support.replicas import REPLICAS, Replicas, balanced_replicas, require_haproxy
 from support.seaweed import ACCESS_KEY, SECRET_KEY, Seaweed
 from support.session import SessionProbe
 from support.session_ledger import (
@@ -72,20 +72,9 @@ def state_env() -> Iterator[dict[str, str]]:
 async def replicas(
     tmp_path: Path, state_env: dict[str, str]
 ) -> AsyncIterator[tuple[Replicas, str]]:
-    require_postgres()
-    require_haproxy()
-    schema = await create_schema()
-    group = Replicas(
-        tmp_path,
-        database_url=schema_url(schema),
-        env={**state_env, "PORTICO_REPLICA_LEASE": str(LEASE)},
-    )
-    await asyncio.to_thread(group.start)
-    try:
+    env = {**state_env, "PORTICO_REPLICA_LEASE": str(LEASE)}
+    async with balanced_replicas(tmp_path, env) as (group, schema):
         yield group, schema_url(schema)
-    finally:
-        await asyncio.to_thread(group.stop)
-        await drop_schemas([schema])
 
 
 async def connect(http: aiohttp.ClientSession, url: str) -> tuple[SessionProbe, str]:

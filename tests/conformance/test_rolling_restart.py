@@ -28,8 +28,8 @@ from portico.client import ReconnectPolicy, SessionClient
 from portico.domain.states import TurnState
 from portico.store.postgres import PostgresStore
 from support.omnia import OmniaClient
-from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
-from support.replicas import REPLICAS, Replicas, require_haproxy
+from support.postgres import schema_url
+from support.replicas import REPLICAS, Replicas, balanced_replicas
 from support.rpc import RpcClosed, RpcProbe
 
 TEST_DEADLINE = 240.0  # the whole test, restarts included
@@ -58,16 +58,8 @@ class Moved(Exception):
 
 @pytest.fixture
 async def replicas(tmp_path: Path) -> AsyncIterator[tuple[Replicas, str]]:
-    require_postgres()
-    require_haproxy()
-    schema = await create_schema()
-    group = Replicas(tmp_path, database_url=schema_url(schema))
-    await asyncio.to_thread(group.start)
-    try:
-        yield group, schema
-    finally:
-        await asyncio.to_thread(group.stop)
-        await drop_schemas([schema])
+    async with balanced_replicas(tmp_path) as group_and_schema:
+        yield group_and_schema
 
 
 async def upgrade(http: aiohttp.ClientSession, url: str, stats: Stats) -> Any:

@@ -23,8 +23,8 @@ from portico.client import ReconnectPolicy, SessionClient
 from portico.domain.states import TurnState
 from portico.protocols.session import frames as f
 from support.faultproxy import FaultProxy
-from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
-from support.replicas import Replicas, require_haproxy
+from support.postgres import schema_url
+from support.replicas import Replicas, balanced_replicas
 from support.session_ledger import archived
 
 CLIENTS = 10
@@ -38,20 +38,9 @@ Chat = tuple[str, int, list[int]]  # the session, how many messages, every deliv
 
 @pytest.fixture
 async def balanced(tmp_path: Path) -> AsyncIterator[tuple[Replicas, str]]:
-    require_postgres()
-    require_haproxy()
-    schema = await create_schema()
-    group = Replicas(
-        tmp_path,
-        database_url=schema_url(schema),
-        env={"PORTICO_RATE_LIMIT_MESSAGES": "1000", "PORTICO_RATE_LIMIT_BURST": "1000"},
-    )
-    await asyncio.to_thread(group.start)
-    try:
-        yield group, schema
-    finally:
-        await asyncio.to_thread(group.stop)
-        await drop_schemas([schema])
+    rates = {"PORTICO_RATE_LIMIT_MESSAGES": "1000", "PORTICO_RATE_LIMIT_BURST": "1000"}
+    async with balanced_replicas(tmp_path, rates) as group_and_schema:
+        yield group_and_schema
 
 
 async def chat(

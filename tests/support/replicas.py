@@ -7,6 +7,8 @@ while the balancer's health check on `/readyz` takes it out and back in.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import shutil
 import signal
 import socket
@@ -14,10 +16,12 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import pytest
 
+from support.postgres import create_schema, drop_schemas, require_postgres, schema_url
 from support.server import SCRIPT, ServerProcess, stop_child
 
 REPLICAS = 3
@@ -170,3 +174,21 @@ class Replicas:
                 return served_by
         except (urllib.error.URLError, OSError):
             return None
+
+
+@contextlib.asynccontextmanager
+async def balanced_replicas(
+    root: Path, env: Mapping[str, str] | None = None
+) -> AsyncIterator[tuple[Replicas, str]]:
+    """Three replicas behind HAProxy on a fresh PostgreSQL schema, started and stopped
+    off the event loop: the group and its schema's name (dropped at the end)."""
+    require_postgres()
+    require_haproxy()
+    schema = await create_schema()
+    group = Replicas(root, database_url=schema_url(schema), env=dict(env or {}))
+    await asyncio.to_thread(group.start)
+    try:
+        yield group, schema
+    finally:
+        await asyncio.to_thread(group.stop)
+        await drop_schemas([schema])
