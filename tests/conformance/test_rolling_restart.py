@@ -195,13 +195,14 @@ async def session_chatter(url: str, stop: asyncio.Event, stats: Stats) -> None:
             text = f"s{stats.turns} says hello"
             reply = await client.ask(text, metadata={"mock_scenario": "echo"})
             stats.moves = client.connections - 1  # each later connection is a resume
+            # A refusal is a numbered frame too: count it before looking at what it says.
+            seqs += [frame.seq or 0 for frame in reply.frames]
             if reply.error is not None:
                 assert reply.error.code == "RATE_LIMITED", reply.error
                 assert "draining" in reply.error.message, reply.error
                 stats.shed += 1
                 continue
             assert reply.text == text, (text, reply.frames)
-            seqs += [frame.seq or 0 for frame in reply.frames]
             stats.session_id = client.session_id or ""
             stats.turns += 1
             await asyncio.sleep(PAUSE)
