@@ -115,6 +115,35 @@ async def test_a_new_subscriber_without_position_sees_only_new_entries(bus: Bus)
     assert pending.result().payload == b"new"
 
 
+async def test_the_last_position_is_where_a_reader_of_only_new_entries_starts(
+    bus: Bus,
+) -> None:
+    empty = await bus.last_position("user:fresh")
+    await bus.publish("user:fresh", b"first")  # a topic that was empty: from its start
+    assert [e.payload for e in await _take(bus.subscribe("user:fresh", after=empty), 1)] == [
+        b"first"
+    ]
+    last = await bus.last_position("user:fresh")
+    assert last == (await bus.recent("user:fresh", 1))[0].position
+    await bus.publish("user:fresh", b"second")
+    assert [e.payload for e in await _take(bus.subscribe("user:fresh", after=last), 1)] == [
+        b"second"
+    ]
+
+
+async def test_recent_entries_come_newest_first_and_bounded(bus: Bus) -> None:
+    assert await bus.recent("session:r", 5) == []
+    positions = [await bus.publish("session:r", f"{n}".encode()) for n in range(6)]
+    await bus.publish("session:other", b"elsewhere")
+    newest = await bus.recent("session:r", 4)
+    assert [e.payload for e in newest] == [b"5", b"4", b"3", b"2"]
+    assert [e.position for e in newest] == positions[:1:-1]
+    assert [e.payload for e in await bus.recent("session:r", 100)] == [
+        f"{n}".encode() for n in reversed(range(6))
+    ]
+    assert await bus.recent("session:r", 0) == []
+
+
 async def test_control_reaches_only_its_replica_once(bus: Bus) -> None:
     inbox_a = bus.inbox("replica-a")
     inbox_b = bus.inbox("replica-b")

@@ -308,6 +308,32 @@ async def test_only_the_latest_ended_turns_are_kept(states: SessionStates) -> No
     assert snap.ended_turns[0] == f"t{ENDED_TURNS_KEPT + 2}"
 
 
+async def test_the_latest_turn_step_is_kept_with_its_message(states: SessionStates) -> None:
+    epoch = await states.create(SID, capabilities=b"")
+    snap = await states.load(SID)
+    assert snap is not None
+    assert snap.last_step == ("", 0)
+    await states.record_sent(SID, epoch, 1, b"c", step=("turn_a b", 3))  # ids may hold spaces
+    await states.record_sent(SID, epoch, 2, b"x")  # no turn event: the step stays
+    snap = await states.claim_and_load(SID)
+    assert snap.last_step == ("turn_a b", 3)
+    await states.record_sent(SID, snap.epoch, 3, b"d", ends_turn="t1", step=("t1", 9))
+    snap = await states.load(SID)
+    assert snap is not None
+    assert snap.last_step == ("t1", 9)
+
+
+async def test_a_fenced_message_leaves_the_step_as_it_was(states: SessionStates) -> None:
+    old = await states.create(SID, capabilities=b"")
+    await states.record_sent(SID, old, 1, b"c", step=("t1", 1))
+    await states.claim(SID)
+    with pytest.raises(SessionMoved):
+        await states.record_sent(SID, old, 2, b"c", step=("t1", 2))
+    snap = await states.load(SID)
+    assert snap is not None
+    assert snap.last_step == ("t1", 1)
+
+
 async def test_another_replica_resumes_with_the_backlog_and_fences_the_first(
     redis_pair: tuple[RedisSessionStates, RedisSessionStates],
 ) -> None:
@@ -407,7 +433,8 @@ async def _replay(states: SessionStates, ops: list[Op]) -> list[object]:
         try:
             if name == "sent":  # the next seq, or a wrong one when value is 0
                 seq = next_seq if value else next_seq + 1
-                await states.record_sent(SID, epoch, seq, b"p" * (value * 8))
+                step = ("t", value) if value % 2 else None
+                await states.record_sent(SID, epoch, seq, b"p" * (value * 8), step=step)
                 next_seq += 1
                 outcomes.append(None)
             elif name == "ack":

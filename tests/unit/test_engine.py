@@ -106,14 +106,17 @@ class Clock:
 
 
 class Recorder:
-    """A listener that keeps every event and signals the terminal one."""
+    """A listener that keeps every event and signals the terminal one. The events are
+    kept without their `step` (compared as the tests build them); `steps` has those."""
 
     def __init__(self) -> None:
         self.events: list[TurnEvent] = []
+        self.steps: list[int] = []
         self.ended = asyncio.Event()
 
     def __call__(self, event: TurnEvent) -> None:
-        self.events.append(event)
+        self.steps.append(event.step)
+        self.events.append(msgspec.structs.replace(event, step=0))
         if isinstance(event, TERMINAL_EVENTS):
             self.ended.set()
 
@@ -190,6 +193,7 @@ async def test_listener_gets_chunks_then_one_terminal_event() -> None:
         TurnChunk("s1", turn.id, "world", reply.id, 1),
         TurnCompleted("s1", turn.id, "Hello world"),
     ]
+    assert recorder.steps == [1, 2, 3]  # each event's place in its turn
     # The chunks name the archived reply, opened while streaming and completed at the end.
     assert (reply.role, reply.content, reply.status) == ("assistant", "Hello world", "completed")
 
@@ -253,6 +257,8 @@ async def test_the_reply_is_split_at_a_tool_call_in_the_order_it_happened() -> N
         (after.id, 1),
     ]
     assert recorder.events[-1] == TurnCompleted("s1", turn.id, "Let me look. Found it.")
+    # Chunk, tool call, chunk, chunk, end: the tool call counts among the steps too.
+    assert recorder.steps == list(range(1, len(recorder.events) + 1))
 
 
 async def test_a_submitted_turn_is_archived_running_then_completed() -> None:

@@ -46,6 +46,13 @@ class InProcessBus:
                 index += 1
             await log.changed.wait()
 
+    async def last_position(self, topic: str) -> str:
+        return str(len(self._log(topic).entries))
+
+    async def recent(self, topic: str, count: int) -> list[Entry]:
+        entries = self._log(topic).entries
+        return entries[: -count - 1 : -1] if count > 0 else []
+
     def _queue(self, replica: str) -> asyncio.Queue[bytes]:
         return self._inboxes.setdefault(replica, asyncio.Queue())
 

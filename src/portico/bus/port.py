@@ -37,6 +37,15 @@ class Bus(Protocol):
         """Entries of `topic` after `after` ("": only new ones), in order, until closed."""
         ...
 
+    async def last_position(self, topic: str) -> str:
+        """The position of `topic`'s newest entry (the start of an empty topic): a
+        `subscribe` after it reads only what comes next."""
+        ...
+
+    async def recent(self, topic: str, count: int) -> list[Entry]:
+        """`topic`'s newest `count` entries (fewer if it holds fewer), newest first."""
+        ...
+
     async def send(self, replica: str, payload: bytes) -> None:
         """Control for `replica`; its `inbox` yields it once."""
         ...

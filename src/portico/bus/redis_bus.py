@@ -88,9 +88,7 @@ class RedisBus:
 
     async def subscribe(self, topic: str, after: str = "") -> AsyncIterator[Entry]:
         key = self._key("topic", topic)
-        last = after or "$"
-        if last == "$":
-            last = await self._last_id(key)
+        last = after or await self._last_id(key)
         while True:
             try:
                 batches = await self._redis.xread({key: last}, block=self._block_ms)
@@ -109,6 +107,15 @@ class RedisBus:
     async def _last_id(self, key: str) -> str:
         entries = await self._redis.xrevrange(key, count=1)
         return entries[0][0].decode() if entries else "0-0"
+
+    async def last_position(self, topic: str) -> str:
+        return await self._last_id(self._key("topic", topic))
+
+    async def recent(self, topic: str, count: int) -> list[Entry]:
+        if count <= 0:
+            return []
+        entries = await self._redis.xrevrange(self._key("topic", topic), count=count)
+        return [Entry(entry_id.decode(), fields[b"p"]) for entry_id, fields in entries]
 
     async def send(self, replica: str, payload: bytes) -> None:
         key = self._key("inbox", replica)

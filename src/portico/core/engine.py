@@ -300,6 +300,17 @@ class Engine:
             self._streamed_elsewhere.setdefault(owner, set()).add(event.session_id)
         _deliver(self._owner_listeners.get(owner, ()), event)
 
+    async def session_position(self, session_id: str) -> str:
+        """Where the session's relayed turn events stand now ("" without replicas)."""
+        return "" if self._link is None else await self._link.session_position(session_id)
+
+    async def recent_events(self, session_id: str, count: int, after: str = "") -> list[TurnEvent]:
+        """The session's newest `count` turn events since position `after`, from every
+        replica, newest first (none without replicas: one process has them all)."""
+        if self._link is None:
+            return []
+        return await self._link.recent_session_events(session_id, count, after)
+
     async def runs_elsewhere(self, session_ids: Iterable[str]) -> bool:
         """Whether another replica runs a turn of one of these sessions now (its turn
         lock says so; a dead replica's lapses within the lease). False without replicas

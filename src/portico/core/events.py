@@ -1,4 +1,10 @@
-"""What the engine tells protocol adapters about a running turn."""
+"""What the engine tells protocol adapters about a running turn.
+
+Every event of a turn the engine runs carries its `step`: its place among the turn's
+events, from 1. An adapter that takes a session over mid-turn on another replica
+replays the bus's copy of the events after the last step its ledger recorded
+(server/session_replay.py). 0: an event no turn runner counted (a voice call's own).
+"""
 
 from __future__ import annotations
 
@@ -16,18 +22,21 @@ class TurnChunk(msgspec.Struct, frozen=True):
     text: str
     message_id: str = ""  # the assistant message the chunk belongs to
     index: int = 0  # the chunk's position in that message, from 0
+    step: int = 0  # its place among the turn's events, from 1
 
 
 class TurnMediaChunk(msgspec.Struct, frozen=True):
     session_id: str
     turn_id: str
     chunk: MediaChunk
+    step: int = 0  # its place among the turn's events, from 1
 
 
 class TurnToolCall(msgspec.Struct, frozen=True):
     session_id: str
     turn_id: str
     call: ToolCall
+    step: int = 0  # its place among the turn's events, from 1
 
 
 class TurnToolCallTimedOut(msgspec.Struct, frozen=True):
@@ -37,6 +46,7 @@ class TurnToolCallTimedOut(msgspec.Struct, frozen=True):
     turn_id: str
     call_id: str
     error: str
+    step: int = 0  # its place among the turn's events, from 1
 
 
 class TurnCompleted(msgspec.Struct, frozen=True):
@@ -45,6 +55,7 @@ class TurnCompleted(msgspec.Struct, frozen=True):
     content: str
     parts: tuple[ContentPart, ...] | None = None
     cancelled: bool = False
+    step: int = 0  # its place among the turn's events, from 1
 
 
 class TurnFailed(msgspec.Struct, frozen=True):
@@ -54,6 +65,7 @@ class TurnFailed(msgspec.Struct, frozen=True):
     turn_id: str
     code: str
     message: str
+    step: int = 0  # its place among the turn's events, from 1
 
 
 TurnEvent = (

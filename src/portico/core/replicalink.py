@@ -42,6 +42,17 @@ class ReplicaLink(Protocol):
 
     def unwatch_session(self, session_id: str) -> None: ...
 
+    async def session_position(self, session_id: str) -> str:
+        """Where the session's relayed events stand now (opaque; "" for the start)."""
+        ...
+
+    async def recent_session_events(
+        self, session_id: str, count: int, after: str = ""
+    ) -> list[TurnEvent]:
+        """The session's newest `count` relayed turn events since position `after`,
+        newest first, from every replica (a takeover's replay)."""
+        ...
+
     def watch_owner(self, owner: str) -> None: ...
 
     def unwatch_owner(self, owner: str) -> None: ...

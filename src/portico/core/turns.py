@@ -109,6 +109,7 @@ class TurnRunner:
         self._text: list[str] = []
         self._chunks = 0  # chunks of the current reply message (RPC live `index`)
         self._streamed = 0  # chunks of the whole turn
+        self._steps = 0  # events emitted: each event's `step` (core/events.py)
         # The text of the reply messages a tool call already ended (docs/storage.md,
         # "A turn's messages"): the turn's answer is theirs and the current one's.
         self._earlier: list[str] = []
@@ -169,7 +170,11 @@ class TurnRunner:
             self._task.cancel()
 
     def emit(self, event: TurnEvent) -> int:
-        """Hand the event to every attached connection; returns how many took it."""
+        """Number the event's step, hand it to every attached connection; returns how
+        many took it."""
+        step = self._steps = self._steps + 1
+        if event.step != step:  # a chunk is built with its step: the others are rare
+            event = msgspec.structs.replace(event, step=step)
         delivered = 0
         if self._tap is not None:
             self._tap(event)
@@ -296,7 +301,11 @@ class TurnRunner:
         if self._reply_opened is None:  # the turn's first words, or the first after a call
             self._open_reply()
         turn = self.turn
-        self.emit(TurnChunk(turn.session_id, turn.id, event.text, self.reply_id, self._chunks))
+        self.emit(
+            TurnChunk(
+                turn.session_id, turn.id, event.text, self.reply_id, self._chunks, self._steps + 1
+            )
+        )
         self._chunks += 1
         self._streamed += 1
 

@@ -45,7 +45,7 @@ from portico.replication.codec import (
     encode_event,
 )
 from portico.replication.ordering import UpdateOrder
-from portico.replication.relay import Relay, owner_topic, session_topic
+from portico.replication.relay import Relay, owner_topic, position_key, session_topic
 from portico.store.base import Store
 
 if TYPE_CHECKING:  # redis-py, which it imports, is an optional extra (`portico[redis]`)
@@ -102,6 +102,8 @@ class BusLink:
         self._order = UpdateOrder()
         self._filling: set[str] = set()  # owners whose archive read runs
         self._readers: dict[str, asyncio.Task[None]] = {}
+        # Set once a topic's reader knows where it starts (`recent_session_events`).
+        self._reading: dict[str, asyncio.Event] = {}
         self._outbox: deque[tuple[str, bytes]] = deque()
         # Turn locks to free (session, value), before the next events go out.
         self._releases: list[tuple[str, str]] = []
@@ -280,19 +282,28 @@ class BusLink:
 
     def _unwatch(self, topic: str) -> None:
         if self._relay.unwatch(topic):
+            self._reading.pop(topic, None)
             reader = self._readers.pop(topic, None)
             if reader is not None:
                 reader.cancel()
 
     def _start_reader(self, topic: str) -> None:
         if topic not in self._readers:
+            self._reading.setdefault(topic, asyncio.Event())
             task = asyncio.create_task(self._read(topic), name=f"bus-read-{topic}")
             self._readers[topic] = task
 
     async def _read(self, topic: str) -> None:
         while True:
             try:
-                await self._read_from(topic, self._relay.last_position(topic))
+                after = self._relay.last_position(topic)
+                if not after:
+                    self._relay.start(topic, await self._bus.last_position(topic))
+                    after = self._relay.last_position(topic)
+                reading = self._reading.get(topic)
+                if reading is not None:
+                    reading.set()
+                await self._read_from(topic, after)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -321,6 +332,42 @@ class BusLink:
         if kind == "session":
             return lambda event: sink.deliver_to_session(key, event)
         return lambda event: sink.deliver_to_owner(key, event)
+
+    async def session_position(self, session_id: str) -> str:
+        """The position of the session topic's newest entry (`recent_session_events`).
+        Raises `BusUnavailable` when the bus does not answer."""
+        try:
+            async with asyncio.timeout(self._control_timeout):
+                return await self._bus.last_position(session_topic(session_id))
+        except Exception as exc:
+            raise BusUnavailable() from exc
+
+    async def recent_session_events(
+        self, session_id: str, count: int, after: str = ""
+    ) -> list[TurnEvent]:
+        """The session topic's newest `count` turn events (published after position
+        `after`, when given), newest first, whichever replica published them. Read once
+        this replica's reader of the topic knows its start and what this replica emitted
+        is on the bus: with the events its listeners get from then on, nothing between
+        is missed (a takeover replays them, server/session_replay.py). The caller bounds
+        the wait: the bus may be away."""
+        topic = session_topic(session_id)
+        reading = self._reading.get(topic)
+        if reading is not None:
+            await reading.wait()
+        await self._idle.wait()
+        floor = position_key(after) if after else None
+        events: list[TurnEvent] = []
+        for entry in await self._bus.recent(topic, count):
+            if floor is not None and position_key(entry.position) <= floor:
+                break
+            try:
+                published = decode_event(entry.payload)
+            except Exception:
+                continue  # logged by the topic's reader
+            if not isinstance(published.event, UpdateNotice):
+                events.append(published.event)
+        return events
 
     # -- one turn per session -------------------------------------------------------------
 

@@ -66,6 +66,14 @@ class Relay:
         self._positions[topic] = position
         return origin != self.replica_id
 
+    def start(self, topic: str, position: str) -> None:
+        """A read of `topic` begins after `position` (the topic's newest entry when the
+        first listener came): a read restarted before any entry arrived goes on from
+        there, not from what is newest by then."""
+        if topic in self._watchers and topic not in self._positions:
+            self._positions[topic] = position
+            self._last[topic] = position_key(position)
+
     def last_position(self, topic: str) -> str:
         """Where a restarted read of `topic` goes on from ("": only new entries)."""
         return self._positions.get(topic, "")

@@ -8,10 +8,10 @@ same holds on the replica running the turn when its copy of the session was drop
 (its session state failed: Redis away) and the turn ended before the resume: the new
 copy hears only the events after it attached. A turn still running here reaches the
 new copy through the engine too; the copy numbers one terminal message per turn.
-Until turn output travels over the bus, the new holder answers such a turn from the
-archive, once it has ended there: a `done` with the archived reply (the chunks the
-client missed are not replayed, the `done` carries the whole text), or an `error`
-with the turn's code; a turn whose replica died ends `interrupted` by the engine's
+The new holder replays the turn's events from the bus first (session_replay.py);
+what the bus no longer has it answers from the archive, once the turn has ended
+there: a `done` with the archived reply (the `done` carries the whole text), or an
+`error` with the turn's code; a turn whose replica died ends `interrupted` by the engine's
 orphan sweep (within 1.5 `replica_lease`) and is answered with an `error`.
 """
 

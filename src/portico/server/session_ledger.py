@@ -43,6 +43,9 @@ class SessionProfile(msgspec.Struct, frozen=True, kw_only=True):
     tools: tuple[f.ToolSpec, ...] = ()
     context: dict[str, Any] = msgspec.field(default_factory=dict)
     opened_at: float = 0.0  # wall clock: this numbering's turns are the ones after it
+    # Where the session's relayed turn events stood when this numbering began (a
+    # continued conversation): a takeover replays none from before (session_replay.py).
+    events_after: str = ""
 
     def encode(self) -> bytes:
         return _ENCODER.encode(self)
@@ -62,6 +65,7 @@ def decode_profile(data: bytes) -> SessionProfile | None:
 
 Recorded = Callable[[int, bytes], None]
 Notice = Callable[[], None]
+_Message = tuple[int, bytes, str, tuple[str, int] | None]  # what `send` was given
 
 
 class SessionLedger:
@@ -87,18 +91,21 @@ class SessionLedger:
         self._now = states if isinstance(states, InProcessSessionStates) else None
         self._lock = asyncio.Lock()
         # Messages to record, in order, and callbacks to run once those before them are.
-        self._pending: deque[tuple[int, bytes, str] | Notice] = deque()
+        self._pending: deque[_Message | Notice] = deque()
         self._flushing: asyncio.Task[None] | None = None
 
     # -- outbound -------------------------------------------------------------------------
 
-    def send(self, seq: int, data: bytes, ends_turn: str = "") -> None:
+    def send(
+        self, seq: int, data: bytes, ends_turn: str = "", step: tuple[str, int] | None = None
+    ) -> None:
         """Record message `seq`, then hand it to `on_recorded` (which writes it).
-        `ends_turn`: the message is that turn's terminal one."""
+        `ends_turn`: the message is that turn's terminal one; `step`: it is the last
+        message of that turn's event (a takeover replays the events after it)."""
         now = self._now
         if now is not None and not self._pending and not self.stopped:
             try:
-                now.record_sent_now(self.session_id, self.epoch, seq, data, ends_turn)
+                now.record_sent_now(self.session_id, self.epoch, seq, data, ends_turn, step)
             except Exception as exc:
                 self._failed(exc)
                 return
@@ -106,7 +113,7 @@ class SessionLedger:
             return
         if self.stopped:
             return
-        self._pending.append((seq, data, ends_turn))
+        self._pending.append((seq, data, ends_turn, step))
         if self._flushing is None:
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
@@ -128,10 +135,10 @@ class SessionLedger:
                     self._pending.popleft()
                     entry()
                     continue
-                seq, data, ends_turn = entry
+                seq, data, ends_turn, step = entry
                 async with self._lock:
                     await self.states.record_sent(
-                        self.session_id, self.epoch, seq, data, ends_turn=ends_turn
+                        self.session_id, self.epoch, seq, data, ends_turn=ends_turn, step=step
                     )
                 self._pending.popleft()
                 self.on_recorded(seq, data)

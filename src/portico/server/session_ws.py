@@ -70,6 +70,7 @@ from portico.server.admission import check_admission
 from portico.server.services import SERVICES, Services
 from portico.server.session_catchup import catch_up
 from portico.server.session_ledger import SessionLedger, SessionProfile, decode_profile
+from portico.server.session_replay import replayed_events
 from portico.server.session_voice import SessionCall
 from portico.server.sockets import ServerSocket, handler, upgraded
 from portico.sessionstate.base import ENDED_TURNS_KEPT, SessionSnapshot
@@ -166,6 +167,7 @@ class LiveSession:
         ledger: SessionLedger,
         sessions: dict[str, LiveSession],
         profile: SessionProfile | None = None,
+        counts_steps: bool | None = None,
     ) -> None:
         self.id = session_id
         self.owner = owner
@@ -193,6 +195,15 @@ class LiveSession:
         # the archive (session_catchup.py, after a takeover or a backend outage);
         # whichever comes second is dropped, with any event of the turn after it.
         self._ended_turns: dict[str, None] = {}
+        # Turns running: the last step (core/events.py) numbered of each. An event at
+        # or before it arrived twice (a takeover's replay and the live events overlap).
+        # Only where another replica may take the session over (the port is shared):
+        # one process never replays, and its chunks skip the bookkeeping.
+        self._counts_steps = not ledger.in_process if counts_steps is None else counts_steps
+        self._steps: dict[str, int] = {}
+        # While a takeover's replay is read (server/session_replay.py), the events
+        # heard meanwhile wait here, to be numbered after the replayed ones.
+        self._held: list[TurnEvent] | None = None
         self._sessions = sessions
         self._expiry: asyncio.TimerHandle | None = None
         # Stops the engine's events for this copy once it is dropped (set by the socket
@@ -272,15 +283,21 @@ class LiveSession:
 
     def on_turn_event(self, event: TurnEvent) -> None:
         """Number every event into the session; write it once the port holds it."""
-        if self.ended or event.turn_id in self._ended_turns:
+        turn_id = event.turn_id
+        if self.ended or turn_id in self._ended_turns:
             return
+        step: tuple[str, int] | None = None
+        if self._counts_steps and event.step:
+            if not self._first_time(event):
+                return
+            step = (turn_id, event.step)
         if type(event) is TurnChunk:  # most events by far: skip the checks and the match
             # `_number` and `Channel.number` inlined: the chunk is built with its seq.
             channel = self.channel
             seq = channel.next_seq
             channel.next_seq = seq + 1
-            chunk = f.Chunk(seq=seq, turn_id=event.turn_id, content=event.text)
-            self.ledger.send(seq, f.encode(chunk))
+            chunk = f.Chunk(seq=seq, turn_id=turn_id, content=event.text)
+            self.ledger.send(seq, f.encode(chunk), "", step)
             return
         if isinstance(event, TurnMediaChunk):
             if "audio" in self.capabilities:
@@ -295,9 +312,37 @@ class LiveSession:
             self._turn_over(event.turn_id)
         frame = session_frame(event)
         if frame is not None:
-            self._number(frame, ends_turn)
+            # The step goes with the event's last message: one recorded only in part
+            # is replayed whole after a takeover.
+            self._number(frame, ends_turn, step)
         if isinstance(event, TurnCompleted | TurnFailed) and self.socket is not None:
             self.socket.turn_ended()
+
+    def _first_time(self, event: TurnEvent) -> bool:
+        """Whether to number `event` now: not while a takeover's replay is read (it is
+        held), not when its step was numbered already."""
+        if self._held is not None:
+            self._held.append(event)
+            return False
+        if event.step <= self._steps.get(event.turn_id, 0):
+            return False
+        self._steps[event.turn_id] = event.step
+        return True
+
+    def hold_events(self, last_step: tuple[str, int]) -> None:
+        """A takeover begins: the ledger recorded `last_step`; what is heard from now
+        waits for `replay`."""
+        turn_id, step = last_step
+        if step and turn_id not in self._ended_turns:
+            self._steps[turn_id] = step
+        self._held = []
+
+    def replay(self, events: list[TurnEvent]) -> None:
+        """Number the takeover's `events` (oldest first, the ledger's missing ones),
+        then those heard meanwhile; each turn's steps once."""
+        held, self._held = self._held or [], None
+        for event in (*events, *held):
+            self.on_turn_event(event)
 
     def voice_out(self, out: VoiceOut) -> None:
         """What the session's call says: spoken turns as turns, the rest as is."""
@@ -321,11 +366,13 @@ class LiveSession:
         """
         self._number(frame)
 
-    def _number(self, frame: Numbered, ends_turn: str = "") -> None:
+    def _number(
+        self, frame: Numbered, ends_turn: str = "", step: tuple[str, int] | None = None
+    ) -> None:
         if self.ended:
             return
         seq, data = self.channel.number(frame)
-        self.ledger.send(seq, data, ends_turn)
+        self.ledger.send(seq, data, ends_turn, step)
 
     def end_turn(self, frame: Numbered, turn_id: str) -> None:
         """A turn's terminal message from the archive (see session_catchup)."""
@@ -342,6 +389,7 @@ class LiveSession:
             self._turn_over(turn_id)
 
     def _turn_over(self, turn_id: str) -> None:
+        self._steps.pop(turn_id, None)
         self._ended_turns[turn_id] = None
         if len(self._ended_turns) > ENDED_TURNS_KEPT:
             del self._ended_turns[next(iter(self._ended_turns))]
@@ -614,18 +662,34 @@ class SessionSocket(ServerSocket):
         # One step (one round trip in Redis): no other claim comes between.
         snapshot = await states.claim_and_load(session_id)
         live = self._live_session(profile, session_id, snapshot)
-        # The claim fenced the previous holder: the turns it did not end in the
-        # ledger are this replica's to answer now.
-        _spawn(
-            catch_up(
-                live,
-                self._services.store,
-                since=profile.opened_at,
+        live.hold_events(snapshot.last_step)  # in the step that attached it: none missed
+        _spawn(self._take_over(live, profile, snapshot))
+        return live
+
+    async def _take_over(
+        self, live: LiveSession, profile: SessionProfile, snapshot: SessionSnapshot
+    ) -> None:
+        """The claim fenced the previous holder: what it did not record of the turns
+        running is this replica's to number, from the bus (session_replay.py), then the
+        turns it did not end in the ledger are answered from the archive."""
+        services = self._services
+        live.replay(
+            await replayed_events(
+                services.engine.recent_events,
+                live.id,
+                count=services.settings.resend_buffer_messages,
+                after=profile.events_after,
                 ended=snapshot.ended_turns,
-                runs_elsewhere=self._services.engine.runs_elsewhere,
+                last_step=snapshot.last_step,
             )
         )
-        return live
+        await catch_up(
+            live,
+            services.store,
+            since=profile.opened_at,
+            ended=snapshot.ended_turns,
+            runs_elsewhere=services.engine.runs_elsewhere,
+        )
 
     def _mine(self, owner: str, binding: str) -> bool:
         return owner == self._principal and binding == self._binding
@@ -665,10 +729,14 @@ class SessionSocket(ServerSocket):
             self._services.engine.detach(previous.id, previous.on_turn_event)
             if socket is not None:
                 socket.replaced()
-        # A holder on another replica is fenced by the new ledger's epoch.
-        return await self._create(hello, stored.id, stored.agent)
+        # A holder on another replica is fenced by the new ledger's epoch; the turn
+        # events relayed so far belong to the numbering it held.
+        after = await self._services.engine.session_position(stored.id)
+        return await self._create(hello, stored.id, stored.agent, events_after=after)
 
-    async def _create(self, hello: f.Hello, session_id: str, agent: str) -> LiveSession:
+    async def _create(
+        self, hello: f.Hello, session_id: str, agent: str, *, events_after: str = ""
+    ) -> LiveSession:
         capabilities = tuple(
             sorted((set(hello.capabilities) & SUPPORTED_CAPABILITIES) | {"resume"})
         )
@@ -685,6 +753,7 @@ class SessionSocket(ServerSocket):
             tools=hello.tools if "tools" in capabilities else (),
             context=dict(hello.context or {}) if "context" in capabilities else {},
             opened_at=time.time(),
+            events_after=events_after,
         )
         states = self._services.session_states
         epoch = await states.create(session_id, capabilities=profile.encode())

@@ -36,6 +36,9 @@ class SessionSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     # The latest turns whose terminal message is recorded (newest first, at most
     # ENDED_TURNS_KEPT): a replica taking the session over answers the others.
     ended_turns: tuple[str, ...] = ()
+    # The turn and step (core/events.py) of the latest turn event recorded: a replica
+    # taking the session over mid-turn replays that turn's events after it.
+    last_step: tuple[str, int] = ("", 0)
 
 
 class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,10 +80,18 @@ class SessionStates(Protocol):
         ...
 
     async def record_sent(
-        self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""
+        self,
+        session_id: str,
+        epoch: int,
+        seq: int,
+        data: bytes,
+        *,
+        ends_turn: str = "",
+        step: tuple[str, int] | None = None,
     ) -> None:
         """Keep `data` as server message `seq` (the next one) until it is acknowledged;
-        `ends_turn`: it is that turn's terminal message (`ended_turns`, same step)."""
+        `ends_turn`: it is that turn's terminal message (`ended_turns`, same step);
+        `step`: it is the last message of that turn's event (`last_step`, same step)."""
         ...
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None: ...

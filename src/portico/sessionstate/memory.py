@@ -26,6 +26,7 @@ class _Ledger:
     buffer_bytes: int = 0
     window_deadline: float | None = None
     ended_turns: deque[str] = field(default_factory=lambda: deque(maxlen=ENDED_TURNS_KEPT))
+    last_step: tuple[str, int] = ("", 0)
 
 
 class InProcessSessionStates:
@@ -65,6 +66,7 @@ class InProcessSessionStates:
             capabilities=ledger.capabilities,
             window_deadline=ledger.window_deadline,
             ended_turns=tuple(reversed(ledger.ended_turns)),
+            last_step=ledger.last_step,
         )
 
     async def header(self, session_id: str) -> SessionHeader | None:
@@ -78,12 +80,25 @@ class InProcessSessionStates:
         )
 
     async def record_sent(
-        self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""
+        self,
+        session_id: str,
+        epoch: int,
+        seq: int,
+        data: bytes,
+        *,
+        ends_turn: str = "",
+        step: tuple[str, int] | None = None,
     ) -> None:
-        self.record_sent_now(session_id, epoch, seq, data, ends_turn)
+        self.record_sent_now(session_id, epoch, seq, data, ends_turn, step)
 
     def record_sent_now(
-        self, session_id: str, epoch: int, seq: int, data: bytes, ends_turn: str = ""
+        self,
+        session_id: str,
+        epoch: int,
+        seq: int,
+        data: bytes,
+        ends_turn: str = "",
+        step: tuple[str, int] | None = None,
     ) -> None:
         """`record_sent` in the caller's step: one process needs no task per message.
         On every numbered message of every session: kept to the fewest lookups."""
@@ -103,6 +118,8 @@ class InProcessSessionStates:
         ledger.next_seq = seq + 1
         if ends_turn:
             ledger.ended_turns.append(ends_turn)
+        if step is not None:
+            ledger.last_step = step
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
         self.record_ack_now(session_id, epoch, seq)

@@ -88,7 +88,8 @@ return {redis.call('HGETALL', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1),
 )
 
 # ARGV: epoch, seq, data, max_messages, max_bytes, ended turn ('' for none), turns kept,
-# expiry grace (ms), held expiry (ms)
+# expiry grace (ms), held expiry (ms), and optionally the turn step the message ends
+# ("turn_id step")
 _SENT = (
     _FENCE
     + """
@@ -101,6 +102,7 @@ if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[4]) or held + size > tonumber(AR
 end
 redis.call('RPUSH', KEYS[2], ARGV[3])
 redis.call('HSET', KEYS[1], 'next_seq', nxt + 1, 'bytes', held + size)
+if ARGV[10] then redis.call('HSET', KEYS[1], 'last_step', ARGV[10]) end
 if ARGV[6] ~= '' then
   redis.call('LPUSH', KEYS[3], ARGV[6])
   redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[7]) - 1)
@@ -278,7 +280,14 @@ class RedisSessionStates:
         )
 
     async def record_sent(
-        self, session_id: str, epoch: int, seq: int, data: bytes, *, ends_turn: str = ""
+        self,
+        session_id: str,
+        epoch: int,
+        seq: int,
+        data: bytes,
+        *,
+        ends_turn: str = "",
+        step: tuple[str, int] | None = None,
     ) -> None:
         limits = self._limits
         args: list[bytes | int | str] = [
@@ -292,6 +301,8 @@ class RedisSessionStates:
             self._grace_ms,
             self._held_ttl_ms,
         ]
+        if step is not None:
+            args.append(f"{step[0]} {step[1]}")
         await self._held_write(session_id, epoch, self._sent, args)
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
@@ -400,7 +411,16 @@ def _snapshot(
         capabilities=fields[b"capabilities"],
         window_deadline=None if window is None else float(window),
         ended_turns=tuple(turn.decode() for turn in turns),
+        last_step=_step(fields.get(b"last_step")),
     )
+
+
+def _step(field: bytes | None) -> tuple[str, int]:
+    """`last_step` as `record_sent` wrote it ("turn_id step")."""
+    if not field:
+        return ("", 0)
+    turn_id, _, step = field.decode().rpartition(" ")
+    return (turn_id, int(step))
 
 
 def _checked(result: Any) -> int:
