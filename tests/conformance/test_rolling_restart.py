@@ -26,6 +26,7 @@ import pytest
 
 from portico.client import ReconnectPolicy, SessionClient
 from portico.domain.states import TurnState
+from portico.protocols.session import frames as f
 from portico.store.postgres import PostgresStore
 from support.omnia import OmniaClient
 from support.postgres import schema_url
@@ -203,6 +204,10 @@ async def session_chatter(url: str, stop: asyncio.Event, stats: Stats) -> None:
                 stats.shed += 1
                 continue
             assert reply.text == text, (text, reply.frames)
+            # Every chunk (the echo's words) once and in order, also for a turn whose
+            # session moved to another replica while it ran (the new holder replays it).
+            chunks = [frame.content.strip() for frame in reply.frames if isinstance(frame, f.Chunk)]
+            assert chunks == text.split(" "), (text, reply.frames)
             stats.session_id = client.session_id or ""
             stats.turns += 1
             await asyncio.sleep(PAUSE)
