@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -119,8 +119,11 @@ class SlowBus(InProcessBus):
     """A bus with a round trip per publish, as Redis has: a backlog can form."""
 
     async def publish(self, topic: str, payload: bytes) -> str:
-        await asyncio.sleep(0.01)
-        return await super().publish(topic, payload)
+        return (await self.publish_batch([(topic, payload)]))[0]
+
+    async def publish_batch(self, entries: Sequence[tuple[str, bytes]]) -> list[str]:
+        await asyncio.sleep(0.01)  # what the link uses: one round trip per batch
+        return await super().publish_batch(entries)
 
 
 async def make_replicas(
@@ -194,6 +197,39 @@ async def test_a_listener_on_one_replica_sees_a_turn_run_on_the_other_in_order_o
         await asyncio.sleep(0.1)
         assert len(runner_side.events) == gate.count + 1
     finally:
+        await stop_all([a, b])
+
+
+async def test_a_takeovers_read_of_the_topic_waits_for_what_was_queued_not_for_quiet(
+    redis: Any, gate: Gate
+) -> None:
+    """The replay of a session taken over mid-turn (server/session_replay.py) reads the
+    topic once what the replica queued before it asked is out: on a busy replica the
+    outbox is never empty, and a read waiting for that would time out every time."""
+    a, b = await make_replicas(redis, gate, SlowBus())
+    stop = asyncio.Event()
+
+    async def other_sessions() -> None:  # keep b's outbox from ever emptying
+        step = 0
+        while not stop.is_set():
+            step += 1
+            b.link.published("sess-other", "bob", TurnChunk("sess-other", "t-x", "x", step=step))
+            await asyncio.sleep(0.001)
+
+    busy = asyncio.create_task(other_sessions())
+    try:
+        await b.engine.submit(message("sess-r"), Recorder())
+        await asyncio.wait_for(gate.started.wait(), WAIT)
+        await asyncio.sleep(0.05)  # the runtime's chunks are emitted, queued behind others
+        async with asyncio.timeout(WAIT):
+            newest_first = await b.link.recent_session_events("sess-r", 100)
+        chunks = [e for e in reversed(newest_first) if isinstance(e, TurnChunk)]
+        assert [c.text for c in chunks] == [f"c{i} " for i in range(gate.count)]
+        assert [c.step for c in chunks] == list(range(1, gate.count + 1))
+    finally:
+        stop.set()
+        await busy
+        gate.release.set()
         await stop_all([a, b])
 
 

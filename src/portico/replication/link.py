@@ -110,6 +110,12 @@ class BusLink:
         self._queued = asyncio.Event()
         self._idle = asyncio.Event()  # set while nothing waits to be published
         self._idle.set()
+        # Entries ever queued, and ever taken from the outbox (published, failed or
+        # dropped): a reader of a topic waits for what was queued before it asked, not
+        # for an outbox that a busy replica may never empty (`_out_past`).
+        self._queued_total = 0
+        self._taken_total = 0
+        self._taken = asyncio.Event()
         self._asked: dict[str, asyncio.Future[Reply]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._started = False
@@ -177,7 +183,9 @@ class BusLink:
         if len(self._outbox) >= OUTBOX_LIMIT:
             # A bus too slow or away: the oldest go first, memory stays bounded.
             self._outbox.popleft()
+            self._taken_total += 1
         self._outbox.append((topic, payload))
+        self._queued_total += 1
         self._idle.clear()
         self._queued.set()
 
@@ -202,10 +210,19 @@ class BusLink:
                         log.warning("bus publish failed; not relayed until the bus is back")
                     failing += len(batch)
                     continue
+                finally:
+                    self._taken_total += count
+                    self._taken.set()
+                    self._taken = asyncio.Event()
                 if failing:
                     log.warning("bus publish back; %d entries were not relayed", failing)
                     failing = 0
             self._idle.set()
+
+    async def _out_past(self, mark: int) -> None:
+        """Until the first `mark` entries ever queued have left the outbox."""
+        while self._taken_total < mark:
+            await self._taken.wait()
 
     # -- input ----------------------------------------------------------------------------
 
@@ -355,7 +372,7 @@ class BusLink:
         reading = self._reading.get(topic)
         if reading is not None:
             await reading.wait()
-        await self._idle.wait()
+        await self._out_past(self._queued_total)
         floor = position_key(after) if after else None
         events: list[TurnEvent] = []
         for entry in await self._bus.recent(topic, count):
