@@ -20,9 +20,11 @@ import support.fuzzing  # noqa: F401  (Hypothesis settings, see the module)
 from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, SessionMoved
 from portico.sessionstate.base import (
     ENDED_TURNS_KEPT,
+    NO_MARK,
     BufferLimits,
     SessionHeader,
     SessionStates,
+    TurnMark,
 )
 from portico.sessionstate.memory import InProcessSessionStates
 from portico.sessionstate.redis import EXPIRY_GRACE_MS, RedisSessionStates
@@ -201,7 +203,7 @@ async def test_claim_and_load_is_a_claim_then_its_snapshot_in_one_step(
     fenced; the session's expiry is held again (Redis: its keys' TTLs)."""
     epoch = await states.create(SID, capabilities=b"caps")
     await states.record_sent(SID, epoch, 1, b"m1")
-    await states.record_sent(SID, epoch, 2, b"m2", ends_turn="turn_1")
+    await states.record_sent(SID, epoch, 2, b"m2", TurnMark("turn_1"))
     await states.record_ack(SID, epoch, 1)
     assert await states.record_handled(SID, epoch, 1)
     await states.set_window(SID, epoch, time.time() + 60)
@@ -230,7 +232,7 @@ async def test_claim_and_load_holds_the_session_again_in_redis() -> None:
         a = RedisSessionStates(a_client, LIMITS, prefix=prefix)
         b = RedisSessionStates(b_client, LIMITS, prefix=prefix)
         epoch = await a.create(SID, capabilities=b"")
-        await a.record_sent(SID, epoch, 1, b"m1", ends_turn="turn_1")
+        await a.record_sent(SID, epoch, 1, b"m1", TurnMark("turn_1"))
         await a.set_window(SID, epoch, time.time() + 1)  # keys expire in 1 + 60 s
         await b.claim_and_load(SID)  # held: 30 + 60 s
         ttls = [await a_client.pttl(key) for key in session_keys(prefix, SID)]
@@ -289,9 +291,9 @@ async def test_a_fenced_remove_spares_a_newer_holder(states: SessionStates) -> N
 
 async def test_the_latest_ended_turns_are_kept_newest_first(states: SessionStates) -> None:
     epoch = await states.create(SID, capabilities=b"")
-    await states.record_sent(SID, epoch, 1, b"c", ends_turn="")
-    await states.record_sent(SID, epoch, 2, b"d", ends_turn="t1")
-    await states.record_sent(SID, epoch, 3, b"d", ends_turn="t2")
+    await states.record_sent(SID, epoch, 1, b"c")
+    await states.record_sent(SID, epoch, 2, b"d", TurnMark("t1"))
+    await states.record_sent(SID, epoch, 3, b"d", TurnMark("t2"))
     snap = await states.load(SID)
     assert snap is not None
     assert snap.ended_turns == ("t2", "t1")
@@ -300,7 +302,7 @@ async def test_the_latest_ended_turns_are_kept_newest_first(states: SessionState
 async def test_only_the_latest_ended_turns_are_kept(states: SessionStates) -> None:
     epoch = await states.create(SID, capabilities=b"")
     for seq in range(1, ENDED_TURNS_KEPT + 3):
-        await states.record_sent(SID, epoch, seq, b"d", ends_turn=f"t{seq}")
+        await states.record_sent(SID, epoch, seq, b"d", TurnMark(f"t{seq}"))
         await states.record_ack(SID, epoch, seq)
     snap = await states.load(SID)
     assert snap is not None
@@ -313,11 +315,12 @@ async def test_the_latest_turn_step_is_kept_with_its_message(states: SessionStat
     snap = await states.load(SID)
     assert snap is not None
     assert snap.last_step == ("", 0)
-    await states.record_sent(SID, epoch, 1, b"c", step=("turn_a b", 3))  # ids may hold spaces
+    # Turn ids may hold spaces: the Redis port splits at the last one.
+    await states.record_sent(SID, epoch, 1, b"c", TurnMark(step=("turn_a b", 3)))
     await states.record_sent(SID, epoch, 2, b"x")  # no turn event: the step stays
     snap = await states.claim_and_load(SID)
     assert snap.last_step == ("turn_a b", 3)
-    await states.record_sent(SID, snap.epoch, 3, b"d", ends_turn="t1", step=("t1", 9))
+    await states.record_sent(SID, snap.epoch, 3, b"d", TurnMark("t1", ("t1", 9)))
     snap = await states.load(SID)
     assert snap is not None
     assert snap.last_step == ("t1", 9)
@@ -325,10 +328,10 @@ async def test_the_latest_turn_step_is_kept_with_its_message(states: SessionStat
 
 async def test_a_fenced_message_leaves_the_step_as_it_was(states: SessionStates) -> None:
     old = await states.create(SID, capabilities=b"")
-    await states.record_sent(SID, old, 1, b"c", step=("t1", 1))
+    await states.record_sent(SID, old, 1, b"c", TurnMark(step=("t1", 1)))
     await states.claim(SID)
     with pytest.raises(SessionMoved):
-        await states.record_sent(SID, old, 2, b"c", step=("t1", 2))
+        await states.record_sent(SID, old, 2, b"c", TurnMark(step=("t1", 2)))
     snap = await states.load(SID)
     assert snap is not None
     assert snap.last_step == ("t1", 1)
@@ -362,7 +365,7 @@ async def test_redis_forgets_a_session_whose_window_passed_long_ago() -> None:
         await states.record_sent(SID, epoch, 1, b"m1")
         await states.record_ack(SID, epoch, 1)  # the buffer is empty: no list key
         await states.set_window(SID, epoch, time.time() + 30)
-        await states.record_sent(SID, epoch, 2, b"m2", ends_turn="t2")
+        await states.record_sent(SID, epoch, 2, b"m2", TurnMark("t2"))
         assert len(await client.keys(prefix + "*")) == 3
         # Every key of the session expires with it, those written in the window too.
         for key in await client.keys(prefix + "*"):
@@ -396,7 +399,7 @@ async def test_a_held_session_lives_with_its_holder_and_leaves_after_a_dead_one(
             assert (await living.claim_and_load("ses_loaded")).unacknowledged == ((1, b"m1"),)
             for sid in ("ses_dead", "ses_moved"):
                 epoch = await dead.create(sid, capabilities=b"")
-                await dead.record_sent(sid, epoch, 1, b"m1", ends_turn="t1")
+                await dead.record_sent(sid, epoch, 1, b"m1", TurnMark("t1"))
             await dead.close()  # no window written, no renewal
             await living.claim("ses_moved")  # the client resumed on the living replica
             await until_gone(client, session_keys(prefix, "ses_dead"))
@@ -433,8 +436,8 @@ async def _replay(states: SessionStates, ops: list[Op]) -> list[object]:
         try:
             if name == "sent":  # the next seq, or a wrong one when value is 0
                 seq = next_seq if value else next_seq + 1
-                step = ("t", value) if value % 2 else None
-                await states.record_sent(SID, epoch, seq, b"p" * (value * 8), step=step)
+                mark = TurnMark(step=("t", value)) if value % 2 else NO_MARK
+                await states.record_sent(SID, epoch, seq, b"p" * (value * 8), mark)
                 next_seq += 1
                 outcomes.append(None)
             elif name == "ack":

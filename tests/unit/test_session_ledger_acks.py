@@ -9,28 +9,13 @@ import pytest
 
 from portico.core.events import TurnChunk
 from portico.errors import ProtocolViolation, SessionMoved
-from portico.protocols.session.channel import Channel
-from portico.server.session_ledger import SessionLedger
 from portico.server.session_ws import LiveSession
-from portico.sessionstate.base import BufferLimits
 from portico.sessionstate.memory import InProcessSessionStates
+from support.live_session import in_process_session
 
 
 async def open_session() -> tuple[InProcessSessionStates, LiveSession, int]:
-    states = InProcessSessionStates(BufferLimits(max_messages=100, max_bytes=100_000))
-    epoch = await states.create("s-1", capabilities=b"{}")
-    live = LiveSession(
-        session_id="s-1",
-        owner="u",
-        agent="a",
-        capabilities=(),
-        tools=(),
-        context={},
-        channel=Channel(max_messages=100, max_bytes=100_000),
-        ledger=SessionLedger(states, "s-1", epoch),
-        sessions={},
-    )
-    return states, live, epoch
+    return await in_process_session("s-1")
 
 
 def chunks(live: LiveSession, count: int) -> None:

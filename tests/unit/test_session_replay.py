@@ -15,13 +15,10 @@ from portico.core.events import (
     TurnMediaChunk,
     TurnToolCall,
 )
-from portico.protocols.session.channel import Channel
 from portico.runtime.base import MediaChunk, ToolCall
-from portico.server.session_ledger import SessionLedger
 from portico.server.session_replay import replayed_events, to_replay
 from portico.server.session_ws import LiveSession
-from portico.sessionstate.base import BufferLimits
-from portico.sessionstate.memory import InProcessSessionStates
+from support.live_session import in_process_session
 
 SID = "s-1"
 
@@ -83,22 +80,9 @@ async def test_a_bus_that_does_not_answer_replays_nothing_within_the_bound() -> 
 
 
 async def live_session(counts_steps: bool | None = True) -> LiveSession:
-    """A session on the in-process port; counting steps as on a port replicas share,
-    unless `counts_steps` is None (the in-process default)."""
-    states = InProcessSessionStates(BufferLimits(max_messages=100, max_bytes=100_000))
-    epoch = await states.create(SID, capabilities=b"{}")
-    return LiveSession(
-        session_id=SID,
-        owner="u",
-        agent="a",
-        capabilities=(),
-        tools=(),
-        context={},
-        channel=Channel(max_messages=100, max_bytes=100_000),
-        ledger=SessionLedger(states, SID, epoch),
-        sessions={},
-        counts_steps=counts_steps,
-    )
+    """Counting steps as on a port replicas share, unless `counts_steps` is None."""
+    _, live, _ = await in_process_session(SID, counts_steps=counts_steps)
+    return live
 
 
 def delivered(live: LiveSession) -> list[tuple[int, str]]:

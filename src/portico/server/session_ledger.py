@@ -26,7 +26,7 @@ import msgspec
 
 from portico.errors import BufferOverflow, SessionMoved
 from portico.protocols.session import frames as f
-from portico.sessionstate.base import SessionStates
+from portico.sessionstate.base import NO_MARK, SessionStates, TurnMark
 from portico.sessionstate.memory import InProcessSessionStates
 
 log = logging.getLogger("portico.session")
@@ -65,7 +65,7 @@ def decode_profile(data: bytes) -> SessionProfile | None:
 
 Recorded = Callable[[int, bytes], None]
 Notice = Callable[[], None]
-_Message = tuple[int, bytes, str, tuple[str, int] | None]  # what `send` was given
+_Message = tuple[int, bytes, TurnMark]  # what `send` was given
 
 
 class SessionLedger:
@@ -96,16 +96,13 @@ class SessionLedger:
 
     # -- outbound -------------------------------------------------------------------------
 
-    def send(
-        self, seq: int, data: bytes, ends_turn: str = "", step: tuple[str, int] | None = None
-    ) -> None:
+    def send(self, seq: int, data: bytes, mark: TurnMark = NO_MARK) -> None:
         """Record message `seq`, then hand it to `on_recorded` (which writes it).
-        `ends_turn`: the message is that turn's terminal one; `step`: it is the last
-        message of that turn's event (a takeover replays the events after it)."""
+        `mark`: the turn it ends, the turn event it ends (a takeover replays after it)."""
         now = self._now
         if now is not None and not self._pending and not self.stopped:
             try:
-                now.record_sent_now(self.session_id, self.epoch, seq, data, ends_turn, step)
+                now.record_sent_now(self.session_id, self.epoch, seq, data, mark)
             except Exception as exc:
                 self._failed(exc)
                 return
@@ -113,7 +110,7 @@ class SessionLedger:
             return
         if self.stopped:
             return
-        self._pending.append((seq, data, ends_turn, step))
+        self._pending.append((seq, data, mark))
         if self._flushing is None:
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
@@ -135,11 +132,9 @@ class SessionLedger:
                     self._pending.popleft()
                     entry()
                     continue
-                seq, data, ends_turn, step = entry
+                seq, data, mark = entry
                 async with self._lock:
-                    await self.states.record_sent(
-                        self.session_id, self.epoch, seq, data, ends_turn=ends_turn, step=step
-                    )
+                    await self.states.record_sent(self.session_id, self.epoch, seq, data, mark)
                 self._pending.popleft()
                 self.on_recorded(seq, data)
         except Exception as exc:

@@ -73,7 +73,7 @@ from portico.server.session_ledger import SessionLedger, SessionProfile, decode_
 from portico.server.session_replay import replayed_events
 from portico.server.session_voice import SessionCall
 from portico.server.sockets import ServerSocket, handler, upgraded
-from portico.sessionstate.base import ENDED_TURNS_KEPT, SessionSnapshot
+from portico.sessionstate.base import ENDED_TURNS_KEPT, NO_MARK, SessionSnapshot, TurnMark
 
 log = logging.getLogger("portico.session")
 PROTOCOL = "session"
@@ -286,35 +286,34 @@ class LiveSession:
         turn_id = event.turn_id
         if self.ended or turn_id in self._ended_turns:
             return
-        step: tuple[str, int] | None = None
+        mark = NO_MARK
         if self._counts_steps and event.step:
             if not self._first_time(event):
                 return
-            step = (turn_id, event.step)
+            mark = TurnMark(step=(turn_id, event.step))
         if type(event) is TurnChunk:  # most events by far: skip the checks and the match
             # `_number` and `Channel.number` inlined: the chunk is built with its seq.
             channel = self.channel
             seq = channel.next_seq
             channel.next_seq = seq + 1
             chunk = f.Chunk(seq=seq, turn_id=turn_id, content=event.text)
-            self.ledger.send(seq, f.encode(chunk), "", step)
+            self.ledger.send(seq, f.encode(chunk), mark)
             return
         if isinstance(event, TurnMediaChunk):
             if "audio" in self.capabilities:
                 self._media_chunk(event)
             return  # without `audio` the client gets no binary frames: media are dropped
-        ends_turn = ""
         if isinstance(event, TurnCompleted | TurnFailed):
             # Items the agent left open (a cancelled turn) end before the turn does.
             for end in self.media.end_all(event.turn_id):
                 self._number(end)
-            ends_turn = _archived_turn(event.turn_id)
+            mark = TurnMark(_archived_turn(event.turn_id), mark.step)
             self._turn_over(event.turn_id)
         frame = session_frame(event)
         if frame is not None:
             # The step goes with the event's last message: one recorded only in part
             # is replayed whole after a takeover.
-            self._number(frame, ends_turn, step)
+            self._number(frame, mark)
         if isinstance(event, TurnCompleted | TurnFailed) and self.socket is not None:
             self.socket.turn_ended()
 
@@ -366,20 +365,18 @@ class LiveSession:
         """
         self._number(frame)
 
-    def _number(
-        self, frame: Numbered, ends_turn: str = "", step: tuple[str, int] | None = None
-    ) -> None:
+    def _number(self, frame: Numbered, mark: TurnMark = NO_MARK) -> None:
         if self.ended:
             return
         seq, data = self.channel.number(frame)
-        self.ledger.send(seq, data, ends_turn, step)
+        self.ledger.send(seq, data, mark)
 
     def end_turn(self, frame: Numbered, turn_id: str) -> None:
         """A turn's terminal message from the archive (see session_catchup)."""
         if turn_id in self._ended_turns:
             return  # its relayed terminal event was numbered first
         self._turn_over(turn_id)
-        self._number(frame, turn_id)
+        self._number(frame, TurnMark(turn_id))
 
     def ended_before(self, turn_ids: tuple[str, ...]) -> None:
         """Turns whose terminal message the ledger held when this copy took the session

@@ -41,6 +41,16 @@ class SessionSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     last_step: tuple[str, int] = ("", 0)
 
 
+class TurnMark(msgspec.Struct, frozen=True):
+    """What a numbered message says about the turn it belongs to, for a takeover."""
+
+    ends: str = ""  # it is this turn's terminal message (`ended_turns`)
+    step: tuple[str, int] | None = None  # it is the last message of (turn, step)'s event
+
+
+NO_MARK = TurnMark()
+
+
 class SessionHeader(msgspec.Struct, frozen=True, kw_only=True):
     """A session's fields without its buffers: what deciding who may take it needs."""
 
@@ -80,18 +90,10 @@ class SessionStates(Protocol):
         ...
 
     async def record_sent(
-        self,
-        session_id: str,
-        epoch: int,
-        seq: int,
-        data: bytes,
-        *,
-        ends_turn: str = "",
-        step: tuple[str, int] | None = None,
+        self, session_id: str, epoch: int, seq: int, data: bytes, mark: TurnMark = NO_MARK
     ) -> None:
         """Keep `data` as server message `seq` (the next one) until it is acknowledged;
-        `ends_turn`: it is that turn's terminal message (`ended_turns`, same step);
-        `step`: it is the last message of that turn's event (`last_step`, same step)."""
+        `mark.ends`, `mark.step`: kept in `ended_turns` and `last_step`, same step."""
         ...
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None: ...

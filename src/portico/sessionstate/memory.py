@@ -9,9 +9,11 @@ from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, Sess
 from portico.health import IN_PROCESS, Health
 from portico.sessionstate.base import (
     ENDED_TURNS_KEPT,
+    NO_MARK,
     BufferLimits,
     SessionHeader,
     SessionSnapshot,
+    TurnMark,
 )
 
 
@@ -80,25 +82,12 @@ class InProcessSessionStates:
         )
 
     async def record_sent(
-        self,
-        session_id: str,
-        epoch: int,
-        seq: int,
-        data: bytes,
-        *,
-        ends_turn: str = "",
-        step: tuple[str, int] | None = None,
+        self, session_id: str, epoch: int, seq: int, data: bytes, mark: TurnMark = NO_MARK
     ) -> None:
-        self.record_sent_now(session_id, epoch, seq, data, ends_turn, step)
+        self.record_sent_now(session_id, epoch, seq, data, mark)
 
     def record_sent_now(
-        self,
-        session_id: str,
-        epoch: int,
-        seq: int,
-        data: bytes,
-        ends_turn: str = "",
-        step: tuple[str, int] | None = None,
+        self, session_id: str, epoch: int, seq: int, data: bytes, mark: TurnMark = NO_MARK
     ) -> None:
         """`record_sent` in the caller's step: one process needs no task per message.
         On every numbered message of every session: kept to the fewest lookups."""
@@ -116,10 +105,11 @@ class InProcessSessionStates:
         buffer.append((seq, data))
         ledger.buffer_bytes += size
         ledger.next_seq = seq + 1
-        if ends_turn:
-            ledger.ended_turns.append(ends_turn)
-        if step is not None:
-            ledger.last_step = step
+        if mark is not NO_MARK:
+            if mark.ends:
+                ledger.ended_turns.append(mark.ends)
+            if mark.step is not None:
+                ledger.last_step = mark.step
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
         self.record_ack_now(session_id, epoch, seq)

@@ -30,9 +30,11 @@ from portico.errors import BufferOverflow, ProtocolViolation, ResumeFailed, Sess
 from portico.health import Health, probe
 from portico.sessionstate.base import (
     ENDED_TURNS_KEPT,
+    NO_MARK,
     BufferLimits,
     SessionHeader,
     SessionSnapshot,
+    TurnMark,
 )
 
 _MISSING, _MOVED, _OVERFLOW, _OUT_OF_ORDER = -1, -2, -3, -4
@@ -280,14 +282,7 @@ class RedisSessionStates:
         )
 
     async def record_sent(
-        self,
-        session_id: str,
-        epoch: int,
-        seq: int,
-        data: bytes,
-        *,
-        ends_turn: str = "",
-        step: tuple[str, int] | None = None,
+        self, session_id: str, epoch: int, seq: int, data: bytes, mark: TurnMark = NO_MARK
     ) -> None:
         limits = self._limits
         args: list[bytes | int | str] = [
@@ -296,13 +291,13 @@ class RedisSessionStates:
             data,
             limits.max_messages,
             limits.max_bytes,
-            ends_turn,
+            mark.ends,
             ENDED_TURNS_KEPT,
             self._grace_ms,
             self._held_ttl_ms,
         ]
-        if step is not None:
-            args.append(f"{step[0]} {step[1]}")
+        if mark.step is not None:
+            args.append(f"{mark.step[0]} {mark.step[1]}")
         await self._held_write(session_id, epoch, self._sent, args)
 
     async def record_ack(self, session_id: str, epoch: int, seq: int) -> None:
