@@ -144,6 +144,37 @@ async def test_a_session_resumes_on_the_other_replica_with_nothing_lost_or_twice
         await on_b.ws.close()
 
 
+async def test_a_turn_streaming_while_its_session_moves_twice_reaches_the_client_whole(
+    http: aiohttp.ClientSession, tmp_path: Path, state_env: dict[str, str]
+) -> None:
+    """The turn streams on B (a chunk every 100 ms) while its session moves to A and back.
+    A reaches Redis slowly: its reader of the session topic starts 0.3 s after its claim,
+    and what B streams in between is neither in the ledger (the claim fenced B) nor read
+    live by A; A replays it from the bus. Back on B, which runs the turn, B's new copy of
+    the session replays B's own events from the bus the same way. Every chunk once, in
+    order, one `done`; seqs 1..n across the three connections."""
+    bus_env = {**state_env, "PORTICO_BUS": "redis"}  # turn events relayed between them
+    with SlowRelay(("127.0.0.1", 6379), delay=0.3) as relay:
+        a_env = {"PORTICO_REDIS_URL": f"redis://127.0.0.1:{relay.port}/0"}
+        async with replica_pair(tmp_path, bus_env, a_env) as pair, asyncio.timeout(4 * WITHIN):
+            on_b = await SessionProbe.connect(http, Pair.url(pair.b))
+            session_id = (await on_b.hello())["session_id"]
+            await on_b.message("go", metadata={"mock_scenario": "paced_long"})
+            assert (await on_b.recv_numbered())["content"] == "p0 "
+            await on_b.ws.close()
+            on_a, _ = await resume(http, Pair.url(pair.a), on_b, session_id)
+            for _ in range(3):
+                assert (await on_a.recv_numbered())["type"] == "chunk"
+            await on_a.ws.close()
+            back, _ = await resume(http, Pair.url(pair.b), on_a, session_id)
+            (*_, done) = await frames_until(back, 1)
+            chunks = [f["content"] for f in back.received if f["type"] == "chunk"]
+            assert chunks == [f"p{n} " for n in range(30)]
+            assert (done["type"], done["content"]) == ("done", "".join(chunks))
+            assert_seqs_once(back)
+            await back.ws.close()
+
+
 async def test_a_client_message_a_dropped_replica_never_handled_is_taken_once_on_the_other(
     http: aiohttp.ClientSession, pair: Pair
 ) -> None:
