@@ -132,6 +132,17 @@ def test_a_connection_change_ends_open_items_and_the_rest_starts_a_new_item() ->
     assert decode_frame(items.frame("t1", chunk(1))).sequence == 0  # a fresh item
 
 
+def test_a_copy_built_after_a_move_never_repeats_an_earlier_copys_item_id() -> None:
+    # The first copy numbers an audio_start (seq 1) and a chunk (seq 2) per item; the
+    # session then moves to another replica, whose copy starts at next_seq 5.
+    first = MediaItems("s-1")
+    earlier = [first.start("t1", chunk(0, media_id=f"a{n}"))[1] for n in range(2)]
+    moved = MediaItems("s-1", numbered=4)
+    later = [moved.start("t1", chunk(0, media_id=f"a{n}"))[1] for n in range(2)]
+    assert set(earlier).isdisjoint(later)
+    assert all(len(item_id.encode()) <= 12 for item_id in later)  # the OMNI MediaID
+
+
 def test_a_finished_turn_ends_only_its_own_items() -> None:
     items = MediaItems("s-1")
     _, a = items.start("t1", chunk(0))

@@ -175,7 +175,7 @@ class LiveSession:
         self.agent = agent
         self.capabilities = capabilities
         self.audio = audio  # `ready.audio`, fixed at open like the capabilities
-        self.media = MediaItems(session_id)
+        self.media = MediaItems(session_id, numbered=channel.next_seq - 1)
         self.tools = tools
         self.context = context
         self.profile = profile or SessionProfile(

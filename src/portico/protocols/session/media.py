@@ -94,9 +94,14 @@ class MediaItems:
     """One session's open media items (server role). Pure: the adapter numbers the
     frames it returns and writes the binary frames it asks for."""
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, session_id: str, *, numbered: int = 0) -> None:
+        """`numbered`: how many server messages the session numbered before this copy
+        of it (another replica's, or this one's before a takeover). Item ids count on
+        from there: each earlier item's `audio_start` took a seq, so no id repeats one
+        an earlier copy gave, and audio after a move starts a new item (spec §8)."""
         self._session_id = session_id
-        self._count = 0  # item ids are a session-wide counter: short (MediaID is 12 bytes)
+        # Item ids are a session-wide counter: short (MediaID is 12 bytes).
+        self._count = numbered
         self._open: dict[tuple[str, str], _Item] = {}  # (turn id, runtime media id) -> item
 
     def start(self, turn_id: str, chunk: MediaChunk) -> tuple[f.AudioStart | None, str]:
