@@ -14,17 +14,17 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
 
-from portico.client import ReconnectPolicy, SessionClient
+from portico.client import SessionClient
 from portico.domain.states import TurnState
 from portico.protocols.session import frames as f
 from support.faultproxy import FaultProxy
 from support.postgres import schema_url
 from support.replicas import Replicas, balanced_replicas
+from support.session_clients import session_clients
 from support.session_ledger import archived
 
 CLIENTS = 10
@@ -52,7 +52,7 @@ async def chat(
     while not stop.is_set() and count < MOST_MESSAGES:
         text = f"client-{index} message-{count} says hello"  # four distinct words
         reply = await client.ask(text, metadata={"mock_scenario": "echo"})
-        assert reply.text == text, (index, count, reply.text)  # the `done`: whole
+        assert reply.text == text, (index, count, reply.frames)  # the `done`: whole
         # The echo scenario's chunks are its words: every one, once and in order, also
         # when the session moved to another replica while the turn ran (the new holder
         # replays from the bus what the old one had not recorded).
@@ -83,14 +83,10 @@ async def test_two_hundred_random_drops_across_replicas_lose_nothing_and_repeat_
 ) -> None:
     group, schema = balanced
     rng = random.Random(SEED)
-    policy = ReconnectPolicy(initial=0.02, maximum=0.2, give_up_after=60.0)
-    async with FaultProxy(group.url) as proxy, AsyncExitStack() as stack:
-        clients = [
-            await stack.enter_async_context(
-                SessionClient(proxy.url("/v1/session"), reconnect=policy)
-            )
-            for _ in range(CLIENTS)
-        ]
+    async with (
+        FaultProxy(group.url) as proxy,
+        session_clients(proxy.url("/v1/session"), CLIENTS) as clients,
+    ):
         stop = asyncio.Event()
         async with asyncio.timeout(DEADLINE):
             chats = [asyncio.create_task(chat(c, i, stop)) for i, c in enumerate(clients)]

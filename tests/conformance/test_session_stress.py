@@ -9,17 +9,17 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
-from contextlib import AsyncExitStack
 
 import pytest
 
-from portico.client import ReconnectPolicy, SessionClient
+from portico.client import SessionClient
 from portico.domain.states import TurnState
 from portico.protocols.session import frames as f
 from support.archive import open_archive
 from support.faultproxy import FaultProxy
 from support.redis import SESSION_STATES, session_state
 from support.server import SCRIPT, ServerProcess
+from support.session_clients import session_clients
 
 CLIENTS = 50
 MESSAGES = 4  # per client
@@ -77,16 +77,10 @@ async def test_fifty_clients_with_random_drops_get_every_reply_exactly_once(
     stress_server: ServerProcess,
 ) -> None:
     rng = random.Random(SEED)
-    policy = ReconnectPolicy(initial=0.02, maximum=0.2, give_up_after=60.0)
-    async with FaultProxy(stress_server.http_url) as proxy, AsyncExitStack() as stack:
-        # Every session opens before the chaos starts: a first connect that fails is
-        # reported, not retried (there is no session to resume yet).
-        clients = [
-            await stack.enter_async_context(
-                SessionClient(proxy.url("/v1/session"), reconnect=policy)
-            )
-            for _ in range(CLIENTS)
-        ]
+    async with (
+        FaultProxy(stress_server.http_url) as proxy,
+        session_clients(proxy.url("/v1/session"), CLIENTS) as clients,
+    ):
         stop = asyncio.Event()
         cutter = asyncio.create_task(chaos(proxy, rng, stop))
         async with asyncio.timeout(DEADLINE):
